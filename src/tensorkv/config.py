@@ -1,0 +1,136 @@
+"""Settings: one home for defaults and the environment variables that override them.
+
+=====================================  ==========  =========================================
+Environment variable                   Default     Meaning
+=====================================  ==========  =========================================
+``TENSORKV_EVICTION_THREADS``          1           threads in the shared tier write-back pool
+``TENSORKV_SSDHASH_ASYNC_COMPACTION``  0           1: SSDHASH compacts on its own thread
+``TENSORKV_REDIS_CONFIG_PATH``         (unset)     JSON file with Redis connection options
+``TENSORKV_PROGRESS``                  auto        ``0`` disables progress bars everywhere
+=====================================  ==========  =========================================
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from tensorkv.errors import ConfigError
+
+# --- key-value stores ----------------------------------------------------------------------
+REDIS_KEYS_SENDING_SIZE = 1024  # keys per pipelined Redis round trip
+REDIS_MAX_VALUE_BYTES = 512 * 1024 * 1024  # Redis's hard limit on one string value (bytes)
+REDIS_CONNECT_TIMEOUT = 5.0  # seconds
+REDIS_SOCKET_TIMEOUT = 30.0  # seconds
+REDIS_RETRIES = 3  # attempts after the first on connection errors
+REDIS_RETRY_BACKOFF = 0.05  # seconds, doubled after each retry
+LMDB_INITIAL_MAP_SIZE = 64 * 1024 * 1024  # bytes; the map doubles when full
+LMDB_MAX_MAP_SIZE = 1 << 40  # bytes (1 TiB); growth stops here with StoreFullError
+DEFAULT_WRITE_CHUNK = 1024  # records per backend write call in bulk paths
+
+# --- embedding tables ----------------------------------------------------------------------
+TABLE_INITIAL_CAPACITY = 1024  # rows
+TABLE_MAX_LOAD_FACTOR = 0.5  # hash slots in use / slots before the index doubles
+
+# --- checkpoints ---------------------------------------------------------------------------
+CHECKPOINT_CHUNK_BYTES = 4 * 1024 * 1024  # bytes per dense tensor chunk
+PROGRESS_MIN_SECONDS = 2.0  # show a progress bar only for work longer than this
+
+ENV_EVICTION_THREADS = "TENSORKV_EVICTION_THREADS"
+ENV_SSDHASH_ASYNC_COMPACTION = "TENSORKV_SSDHASH_ASYNC_COMPACTION"
+ENV_REDIS_CONFIG_PATH = "TENSORKV_REDIS_CONFIG_PATH"
+ENV_PROGRESS = "TENSORKV_PROGRESS"
+
+
+def env_int(name: str, default: int, *, minimum: int | None = None) -> int:
+    """Read an integer environment variable, with a clear error for bad values."""
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not an integer; set it to e.g. {default}") from None
+    if minimum is not None and value < minimum:
+        raise ConfigError(f"{name}={value} is below the minimum {minimum}")
+    return value
+
+
+def env_bool(name: str, default: bool) -> bool:
+    """Read a boolean environment variable (1/0, true/false, yes/no, on/off)."""
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    low = raw.strip().lower()
+    if low in {"1", "true", "yes", "on"}:
+        return True
+    if low in {"0", "false", "no", "off"}:
+        return False
+    raise ConfigError(f"{name}={raw!r} is not a boolean; use 1 or 0")
+
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?i?b?)?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "kib": 1024, "ki": 1024,
+    "m": 1000**2, "mb": 1000**2, "mib": 1024**2, "mi": 1024**2,
+    "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "gi": 1024**3,
+    "t": 1000**4, "tb": 1000**4, "tib": 1024**4, "ti": 1024**4,
+    "p": 1000**5, "pb": 1000**5, "pib": 1024**5, "pi": 1024**5,
+}
+
+
+def parse_size(value: int | str, *, what: str = "size") -> int:
+    """Parse a byte size given as an int or a string such as ``"512MiB"`` or ``"4GB"``.
+
+    Parameters
+    ----------
+    value
+        Bytes as an integer, or a number followed by a unit (B, KB, KiB, MB, MiB, ...).
+    what
+        Name used in the error message.
+
+    Returns
+    -------
+    int
+        The size in bytes.
+    """
+    if isinstance(value, bool):
+        raise ConfigError(f"{what}={value!r} is not a size; give bytes or a string like '512MiB'")
+    if isinstance(value, int):
+        if value < 0:
+            raise ConfigError(f"{what}={value} is negative")
+        return value
+    if isinstance(value, str):
+        m = _SIZE_RE.match(value)
+        if m:
+            unit = (m.group(2) or "").lower()
+            if unit in _SIZE_UNITS:
+                return int(float(m.group(1)) * _SIZE_UNITS[unit])
+    raise ConfigError(
+        f"{what}={value!r} is not a size; give bytes or a string like '512MiB', '4GB', '1TiB'"
+    )
+
+
+def eviction_threads() -> int:
+    """Threads in the shared write-back pool (``TENSORKV_EVICTION_THREADS``, default 1)."""
+    return env_int(ENV_EVICTION_THREADS, 1, minimum=1)
+
+
+def ssdhash_async_compaction() -> bool:
+    """Whether SSDHASH compacts on its own thread (``TENSORKV_SSDHASH_ASYNC_COMPACTION``)."""
+    return env_bool(ENV_SSDHASH_ASYNC_COMPACTION, False)
+
+
+def progress_enabled(progress: bool | None) -> bool:
+    """Decide whether to draw progress bars: explicit argument, then env, then is-a-tty."""
+    import sys
+
+    if progress is not None:
+        return bool(progress)
+    raw = os.environ.get(ENV_PROGRESS, "auto").strip().lower()
+    if raw in {"0", "false", "no", "off"}:
+        return False
+    if raw in {"1", "true", "yes", "on"}:
+        return True
+    return sys.stderr.isatty()

@@ -1,0 +1,100 @@
+"""One exception hierarchy for tensorkv.
+
+Every error derives from :class:`TensorKVError` and, where a built-in exception fits,
+from that built-in too, so ``except KeyError`` or ``except ValueError`` keeps working.
+Messages say what was refused, why, and what to do instead.
+"""
+
+from __future__ import annotations
+
+
+class TensorKVError(Exception):
+    """Base class of every tensorkv error."""
+
+
+# --- configuration and addressing -------------------------------------------------------
+class InvalidURLError(TensorKVError, ValueError):
+    """A store URL could not be parsed or names an impossible location."""
+
+
+class UnknownSchemeError(InvalidURLError):
+    """A store URL uses a scheme no backend is registered for."""
+
+
+class MissingDependencyError(TensorKVError, ImportError):
+    """An optional dependency is not installed; the message names the extra to install."""
+
+
+class ConfigError(TensorKVError, ValueError):
+    """A setting or option has an invalid value."""
+
+
+# --- key-value stores --------------------------------------------------------------------
+class StoreError(TensorKVError):
+    """A key-value store refused or failed an operation."""
+
+
+class StoreClosedError(StoreError, ValueError):
+    """An operation was attempted on a store that has been closed."""
+
+
+class ReadOnlyError(StoreError, PermissionError):
+    """A write was attempted on a store opened read-only."""
+
+
+class StoreFullError(StoreError, OSError):
+    """The store (or the disk under it) has no room left for the write."""
+
+
+class StoreUnavailableError(StoreError, ConnectionError):
+    """The store's server could not be reached within its timeout."""
+
+
+class KeyTypeError(TensorKVError, TypeError):
+    """A key or value has the wrong type."""
+
+
+class EmptyKeyError(TensorKVError, ValueError):
+    """An empty key was given; every backend needs keys of at least one byte."""
+
+
+class ValueTooLargeError(StoreError, ValueError):
+    """A value exceeds the backend's size limit."""
+
+
+# --- tensor records ------------------------------------------------------------------------
+class CodecError(TensorKVError, ValueError):
+    """A tensor record could not be encoded or decoded."""
+
+
+class CorruptRecordError(CodecError):
+    """A record is truncated or fails its checksum."""
+
+
+# --- embedding tables ----------------------------------------------------------------------
+class TableError(TensorKVError):
+    """An embedding table refused an operation."""
+
+
+class ShapeError(TableError, ValueError):
+    """An array has the wrong shape or dtype for the operation."""
+
+
+class NonFiniteGradientError(TableError, FloatingPointError):
+    """A gradient holds NaN or Inf values and the table is set to raise."""
+
+
+class CapacityError(TableError, MemoryError):
+    """The table (or a tier) has no room for the rows and may not grow."""
+
+
+# --- checkpoints ---------------------------------------------------------------------------
+class CheckpointError(TensorKVError):
+    """A checkpoint could not be saved or loaded."""
+
+
+class TagNotFoundError(CheckpointError, KeyError):
+    """No checkpoint tag of that name exists in the store."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable.
+        return str(self.args[0]) if self.args else ""

@@ -1,0 +1,439 @@
+"""The KVStore abstract base class: one byte-level key-value API over every backend.
+
+A backend implements five primitives (``_get_many``, ``_write``, ``_scan``, ``_close`` and
+``_stats``) and declares its :class:`Capabilities`. Everything public here validates its
+arguments first, so a bad key never reaches a backend and a refused write changes nothing.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from typing import Any, ClassVar
+
+from tensorkv.errors import (
+    EmptyKeyError,
+    KeyTypeError,
+    ReadOnlyError,
+    StoreClosedError,
+    ValueTooLargeError,
+)
+
+Buffer = bytes | bytearray | memoryview
+WriteOp = tuple[bytes, "bytes | memoryview | None"]  # value None means delete
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend guarantees; the conformance tests check each claim.
+
+    Attributes
+    ----------
+    ordered_scans
+        ``scan`` yields keys in ascending byte order (otherwise in no promised order).
+    atomic_batches
+        A ``batch()`` is applied all or nothing, even if the process is killed mid-way.
+    durable_on_return
+        Data written is on stable storage (or replicated) when the write call returns.
+    multi_process
+        Several processes may open the same store at once and see each other's writes.
+    distributed
+        The store may span several machines.
+    """
+
+    ordered_scans: bool
+    atomic_batches: bool
+    durable_on_return: bool
+    multi_process: bool
+    distributed: bool = False
+
+    def as_dict(self) -> dict[str, bool]:
+        """Return the flags as a plain dict."""
+        return asdict(self)
+
+
+def check_key(key: object) -> bytes:
+    """Validate one key: non-empty bytes (bytearray/memoryview are converted)."""
+    if isinstance(key, bytes):
+        if not key:
+            raise EmptyKeyError("empty key b''; keys must be at least one byte long")
+        return key
+    if isinstance(key, (bytearray, memoryview)):
+        return check_key(bytes(key))
+    if isinstance(key, str):
+        raise KeyTypeError(
+            f"key {key!r} is a str; keys are bytes: pass {key.encode()!r} or key.encode()"
+        )
+    raise KeyTypeError(f"key {key!r} has type {type(key).__name__}; keys must be bytes")
+
+
+def check_value(key: bytes, value: object, max_size: int | None) -> bytes | memoryview:
+    """Validate one value: any contiguous bytes-like object within the backend's limit."""
+    if isinstance(value, bytes):
+        size = len(value)
+    elif isinstance(value, (bytearray, memoryview)):
+        value = memoryview(value)
+        if not value.contiguous:
+            raise KeyTypeError(f"value for key {key!r} is a non-contiguous buffer; copy it first")
+        value = value.cast("B") if value.format != "B" or value.ndim != 1 else value
+        size = value.nbytes
+    elif isinstance(value, str):
+        raise KeyTypeError(
+            f"value for key {key!r} is a str; values are bytes: encode it "
+            "(or store tensors with tensorkv.codec.encode)"
+        )
+    else:
+        # numpy arrays and other buffer exporters
+        try:
+            value = memoryview(value).cast("B")
+        except TypeError:
+            raise KeyTypeError(
+                f"value for key {key!r} has type {type(value).__name__}; values must be "
+                "bytes-like (bytes, bytearray, memoryview, or a contiguous numpy array)"
+            ) from None
+        size = value.nbytes
+    if max_size is not None and size > max_size:
+        raise ValueTooLargeError(
+            f"value for key {key!r} is {size} bytes; this backend stores at most {max_size} "
+            "bytes per value: split it (tensorkv.save chunks tensors for you)"
+        )
+    return value
+
+
+def _check_keys(keys: object) -> list[bytes]:
+    if isinstance(keys, (bytes, bytearray, str)):
+        raise KeyTypeError(
+            f"expected a sequence of keys, got a single {type(keys).__name__} {keys!r}; "
+            "wrap it in a list"
+        )
+    try:
+        return [check_key(k) for k in keys]  # type: ignore[union-attr]
+    except TypeError as exc:
+        if isinstance(exc, KeyTypeError):
+            raise
+        raise KeyTypeError(
+            f"expected a sequence of bytes keys, got {type(keys).__name__}"
+        ) from None
+
+
+def prefix_upper_bound(prefix: bytes) -> bytes | None:
+    """Smallest key greater than every key starting with ``prefix`` (None: no bound)."""
+    p = bytearray(prefix)
+    while p:
+        if p[-1] < 0xFF:
+            p[-1] += 1
+            return bytes(p)
+        p.pop()
+    return None
+
+
+class WriteBatch:
+    """Writes collected by :meth:`KVStore.batch` and applied when the block exits.
+
+    Later operations on the same key override earlier ones.
+    """
+
+    def __init__(self, store: KVStore) -> None:
+        self._store = store
+        self._ops: dict[bytes, bytes | memoryview | None] = {}
+
+    def put(self, key: bytes, value: Buffer) -> None:
+        """Queue a put."""
+        k = check_key(key)
+        self._ops[k] = check_value(k, value, self._store.max_value_size)
+
+    def put_many(self, items: Mapping[bytes, Buffer] | Iterable[tuple[bytes, Buffer]]) -> None:
+        """Queue several puts."""
+        pairs = items.items() if isinstance(items, Mapping) else items
+        for k, v in pairs:
+            self.put(k, v)
+
+    def delete(self, key: bytes) -> None:
+        """Queue a delete."""
+        self._ops[check_key(key)] = None
+
+    def delete_many(self, keys: Iterable[bytes]) -> None:
+        """Queue several deletes."""
+        for k in _check_keys(keys):
+            self._ops[k] = None
+
+    def __len__(self) -> int:
+        return len(self._ops)
+
+    def ops(self) -> list[WriteOp]:
+        """The queued operations in order."""
+        return list(self._ops.items())
+
+
+class KVStore(ABC):
+    """A byte-level key-value store.
+
+    Batch methods (:meth:`get_many`, :meth:`put_many`, :meth:`delete_many`) are the primary
+    API; single-key methods are conveniences over them. Open one with
+    :func:`tensorkv.open_store`.
+
+    Parameters
+    ----------
+    url
+        The URL the store was opened with (for messages and ``repr``).
+    readonly
+        Refuse every write with :class:`~tensorkv.errors.ReadOnlyError`.
+    """
+
+    #: URL scheme this backend serves.
+    scheme: ClassVar[str] = ""
+    #: What this backend guarantees.
+    capabilities: ClassVar[Capabilities]
+    #: Largest value in bytes the backend accepts (None: no limit beyond memory).
+    max_value_size: ClassVar[int | None] = None
+
+    def __init__(self, url: str = "", *, readonly: bool = False) -> None:
+        self.url = url
+        self.readonly = bool(readonly)
+        self._closed = False
+        self._close_lock = threading.Lock()
+
+    # ----------------------------------------------------------------- primitives
+    @abstractmethod
+    def _get_many(self, keys: list[bytes]) -> list[bytes | None]:
+        """Return the value of each key, or None where absent."""
+
+    @abstractmethod
+    def _write(self, ops: list[WriteOp], *, atomic: bool) -> None:
+        """Apply puts (value given) and deletes (value None), in order.
+
+        ``atomic`` asks for all-or-nothing; backends whose capabilities claim atomic batches
+        must honour it.
+        """
+
+    @abstractmethod
+    def _scan(
+        self,
+        start: bytes | None,
+        stop: bytes | None,
+        keys_only: bool,
+        limit: int | None,
+    ) -> Iterator[tuple[bytes, bytes | None]]:
+        """Yield (key, value) for start <= key < stop (value None when keys_only)."""
+
+    @abstractmethod
+    def _close(self) -> None:
+        """Release the backend's resources."""
+
+    def _flush(self) -> None:
+        """Push buffered writes to stable storage (default: nothing to do)."""
+        return None
+
+    def _stats(self) -> dict[str, Any]:
+        """Backend-specific statistics."""
+        return {}
+
+    # ----------------------------------------------------------------- state checks
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` has been called."""
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosedError(f"store {self.url!r} is closed; open it again with open_store")
+
+    def _check_writable(self) -> None:
+        self._check_open()
+        if self.readonly:
+            raise ReadOnlyError(
+                f"store {self.url!r} was opened read-only; open it with readonly=False to write"
+            )
+
+    # ----------------------------------------------------------------- batch API
+    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        """Return the value of each key (None where absent), in the order given."""
+        self._check_open()
+        ks = _check_keys(keys)
+        if not ks:
+            return []
+        return self._get_many(ks)
+
+    def put_many(self, items: Mapping[bytes, Buffer] | Iterable[tuple[bytes, Buffer]]) -> None:
+        """Store several key-value pairs. Values may be any contiguous bytes-like object."""
+        self._check_writable()
+        pairs = items.items() if isinstance(items, Mapping) else items
+        ops: list[WriteOp] = []
+        limit = self.max_value_size
+        try:
+            for k, v in pairs:
+                ck = check_key(k)
+                ops.append((ck, check_value(ck, v, limit)))
+        except (TypeError, ValueError) as exc:
+            if isinstance(exc, (KeyTypeError, EmptyKeyError, ValueTooLargeError)):
+                raise
+            raise KeyTypeError(
+                "put_many takes a mapping or an iterable of (key, value) pairs of bytes"
+            ) from exc
+        if ops:
+            self._write(ops, atomic=False)
+
+    def delete_many(self, keys: Sequence[bytes]) -> None:
+        """Delete several keys; absent keys are ignored."""
+        self._check_writable()
+        ks = _check_keys(keys)
+        if ks:
+            self._write([(k, None) for k in ks], atomic=False)
+
+    # ----------------------------------------------------------------- conveniences
+    def get(self, key: bytes, default: bytes | None = None) -> bytes | None:
+        """Return the value of ``key``, or ``default`` when absent."""
+        v = self.get_many([key])[0]
+        return default if v is None else v
+
+    def put(self, key: bytes, value: Buffer) -> None:
+        """Store one key-value pair."""
+        self.put_many([(key, value)])
+
+    def delete(self, key: bytes) -> None:
+        """Delete one key (no error when absent)."""
+        self.delete_many([key])
+
+    def __contains__(self, key: object) -> bool:
+        return self.get_many([key])[0] is not None  # type: ignore[list-item]
+
+    def __getitem__(self, key: bytes) -> bytes:
+        v = self.get_many([key])[0]
+        if v is None:
+            raise KeyError(key)
+        return v
+
+    def __setitem__(self, key: bytes, value: Buffer) -> None:
+        self.put(key, value)
+
+    def __delitem__(self, key: bytes) -> None:
+        self.delete(key)
+
+    # ----------------------------------------------------------------- scans
+    def scan(
+        self,
+        prefix: bytes = b"",
+        *,
+        start: bytes | None = None,
+        stop: bytes | None = None,
+        keys_only: bool = False,
+        limit: int | None = None,
+    ) -> Iterator[tuple[bytes, bytes]] | Iterator[bytes]:
+        """Iterate over keys in a range, with their values unless ``keys_only``.
+
+        Parameters
+        ----------
+        prefix
+            Only keys starting with this prefix.
+        start, stop
+            Only keys with ``start <= key < stop`` (combined with ``prefix``).
+        keys_only
+            Yield keys alone, without reading values.
+        limit
+            Stop after this many items.
+
+        Notes
+        -----
+        Keys come in ascending byte order where ``capabilities.ordered_scans`` is true.
+        """
+        self._check_open()
+        if not isinstance(prefix, (bytes, bytearray)):
+            raise KeyTypeError(f"prefix {prefix!r} must be bytes")
+        if limit is not None and (not isinstance(limit, int) or limit < 0):
+            raise ValueError(f"limit={limit!r} must be a non-negative integer or None")
+        lo: bytes | None = bytes(prefix) or None
+        hi = prefix_upper_bound(bytes(prefix)) if prefix else None
+        if start is not None:
+            start = bytes(start)
+            lo = start if lo is None or start > lo else lo
+        if stop is not None:
+            stop = bytes(stop)
+            hi = stop if hi is None or stop < hi else hi
+        if limit == 0 or (lo is not None and hi is not None and lo >= hi):
+            return iter(())
+        it = self._scan(lo, hi, keys_only, limit)
+        if keys_only:
+            return (k for k, _ in it)
+        return it  # type: ignore[return-value]
+
+    def keys(self, prefix: bytes = b"") -> Iterator[bytes]:
+        """Iterate over the keys starting with ``prefix``."""
+        return self.scan(prefix, keys_only=True)  # type: ignore[return-value]
+
+    def count(self, prefix: bytes = b"") -> int:
+        """Number of keys starting with ``prefix``."""
+        return sum(1 for _ in self.scan(prefix, keys_only=True))
+
+    def delete_prefix(self, prefix: bytes, *, chunk: int = 4096) -> int:
+        """Delete every key starting with ``prefix``; return how many were deleted."""
+        self._check_writable()
+        if not isinstance(prefix, (bytes, bytearray)):
+            raise KeyTypeError(f"prefix {prefix!r} must be bytes")
+        total = 0
+        while True:
+            ks = list(self.scan(bytes(prefix), keys_only=True, limit=chunk))
+            if not ks:
+                return total
+            self._write([(k, None) for k in ks], atomic=False)
+            total += len(ks)
+
+    # ----------------------------------------------------------------- batches
+    @contextmanager
+    def batch(self) -> Iterator[WriteBatch]:
+        """Collect writes and apply them when the block exits without an exception.
+
+        The batch is atomic (all or nothing, even on a crash) where
+        ``capabilities.atomic_batches`` is true. An exception inside the block discards it.
+        """
+        self._check_writable()
+        wb = WriteBatch(self)
+        yield wb
+        ops = wb.ops()
+        if ops:
+            self._check_writable()
+            self._write(ops, atomic=True)
+
+    # ----------------------------------------------------------------- lifecycle
+    def flush(self) -> None:
+        """Push buffered writes to stable storage."""
+        self._check_open()
+        if not self.readonly:
+            self._flush()
+
+    def close(self) -> None:
+        """Close the store; later calls raise StoreClosedError. Closing twice is harmless."""
+        with self._close_lock:
+            if self._closed:
+                return
+            try:
+                if not self.readonly:
+                    self._flush()
+            finally:
+                self._closed = True
+                self._close()
+
+    def __enter__(self) -> KVStore:
+        self._check_open()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def stats(self) -> dict[str, Any]:
+        """Statistics: backend name, capabilities, and backend-specific counters."""
+        self._check_open()
+        out: dict[str, Any] = {
+            "backend": self.scheme,
+            "url": self.url,
+            "readonly": self.readonly,
+            "capabilities": self.capabilities.as_dict(),
+        }
+        out.update(self._stats())
+        return out
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("read-only" if self.readonly else "open")
+        return f"<{type(self).__name__} {self.url!r} {state}>"

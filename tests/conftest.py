@@ -1,0 +1,3 @@
+import os
+
+os.environ.setdefault("TENSORKV_PROGRESS", "0")
