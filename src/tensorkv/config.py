@@ -134,3 +134,27 @@ def progress_enabled(progress: bool | None) -> bool:
     if raw in {"1", "true", "yes", "on"}:
         return True
     return sys.stderr.isatty()
+
+
+# --- embedded stores (appended) --------------------------------------------------------------
+STORE_SCAN_CHUNK = 1024  # records read per step of a scan; no snapshot is held between steps
+LMDB_MAX_READERS = 1024  # concurrent read transactions across all processes sharing an env
+ROCKSDB_WRITE_BUFFER_SIZE = 64 * 1024 * 1024  # bytes per memtable before it is flushed
+ROCKSDB_MAX_WRITE_BUFFERS = 4  # memtables kept in memory while older ones flush
+ROCKSDB_BLOCK_CACHE_SIZE = 128 * 1024 * 1024  # bytes of uncompressed blocks cached for reads
+LEVELDB_WRITE_BUFFER_SIZE = 32 * 1024 * 1024  # bytes per memtable before it is flushed
+LEVELDB_BLOCK_CACHE_SIZE = 64 * 1024 * 1024  # bytes of uncompressed blocks cached for reads
+
+# --- Redis (appended) ----------------------------------------------------------------------
+REDIS_MAX_COMMAND_BYTES = 64 * 1024 * 1024  # bytes of values per MSET before it is split
+REDIS_STATS_COUNT_LIMIT = 1_000_000  # stats() counts namespace keys only below this db size
+
+# --- optimizer kernels (appended) ----------------------------------------------------------
+OPTIMIZER_PARALLEL_MIN_ELEMENTS = 1 << 16  # rows*dim of one update before rows run on threads
+ENV_PARALLEL_KERNELS = "TENSORKV_PARALLEL_KERNELS"  # 0: optimizer kernels always run serially
+
+# --- checkpoints (appended) -------------------------------------------------------------------
+CHECKPOINT_GC_GRACE_SECONDS = 3600.0  # gc leaves data of saves started less than this ago
+
+# --- command line (appended) ----------------------------------------------------------------
+DEFAULT_EMBEDDED_SCHEME = "lmdb"  # embedded backend used where none is named (docs/backends.md)

@@ -98,3 +98,29 @@ class TagNotFoundError(CheckpointError, KeyError):
 
     def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable.
         return str(self.args[0]) if self.args else ""
+
+
+# --- store locations (embedded backends) --------------------------------------------------
+class StorePathError(StoreError, OSError):
+    """A store's path cannot be used (a parent is a file, it is not a directory, ...)."""
+
+
+class StorePermissionError(StorePathError, PermissionError):
+    """A store's directory cannot be created or written by this process."""
+
+
+class StoreNotFoundError(StorePathError, FileNotFoundError):
+    """No store exists at the path and the store may not create one (e.g. read-only)."""
+
+
+class StoreLockedError(StoreError, OSError):
+    """Another process (or another open in this process) holds the store's lock."""
+
+
+class KeyTooLargeError(StoreError, ValueError):
+    """A key exceeds the backend's key size limit."""
+
+
+# --- network stores ------------------------------------------------------------------------
+class StoreAuthError(StoreError, PermissionError):
+    """A server refused the credentials (wrong user or password, or missing ACL rights)."""

@@ -38,7 +38,9 @@ _REGISTRY: dict[str, Backend] = {
 }
 
 
-def register_backend(scheme: str, target: str, extra: str | None = None) -> None:
+def register_backend(
+    scheme: str, target: str, extra: str | None = None, requires: tuple[str, ...] = ()
+) -> None:
     """Register (or replace) the backend serving ``scheme``.
 
     Parameters
@@ -50,8 +52,11 @@ def register_backend(scheme: str, target: str, extra: str | None = None) -> None
         classmethod.
     extra
         The pip extra that installs its dependency, named in the ImportError when missing.
+    requires
+        Top-level modules the backend imports; an ImportError for one of them becomes a
+        :class:`~tensorkv.errors.MissingDependencyError` naming ``extra``.
     """
-    _REGISTRY[scheme.lower()] = Backend(target, extra)
+    _REGISTRY[scheme.lower()] = Backend(target, extra, tuple(requires))
 
 
 def schemes() -> list[str]:

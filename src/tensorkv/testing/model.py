@@ -63,6 +63,21 @@ def make_dict_machine(store: KVStore) -> type[RuleBasedStateMachine]:
             got = {k: bytes(v) for k, v in store.scan(prefix)}
             assert got == {k: v for k, v in self.model.items() if k.startswith(prefix)}
 
+        @rule(start=st.none() | _keys, stop=st.none() | _keys, limit=st.none() | st.integers(0, 5))
+        def scan_range(self, start: bytes | None, stop: bytes | None, limit: int | None) -> None:
+            got = [(k, bytes(v)) for k, v in store.scan(start=start, stop=stop, limit=limit)]
+            expect = sorted(
+                (k, v)
+                for k, v in self.model.items()
+                if (start is None or k >= start) and (stop is None or k < stop)
+            )
+            if store.capabilities.ordered_scans:
+                assert got == expect[:limit]
+            elif limit is None:
+                assert sorted(got) == expect
+            else:
+                assert len(got) == min(limit, len(expect)) and set(got) <= set(expect)
+
         @invariant()
         def count(self) -> None:
             assert store.count() == len(self.model)

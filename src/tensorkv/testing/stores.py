@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tensorkv.config import STORE_SCAN_CHUNK
 from tensorkv.errors import (
     EmptyKeyError,
     KeyTypeError,
@@ -37,6 +38,29 @@ from tensorkv.errors import (
     ValueTooLargeError,
 )
 from tensorkv.stores import KVStore, open_store
+
+
+def unwritable_directory(tmp_path: Any) -> str:
+    """Return a directory this process cannot create entries in (for permission tests).
+
+    As a regular user that is a ``chmod 0o500`` directory under ``tmp_path``. Root ignores
+    permission bits, so there the read-only ``/sys`` is used when the kernel refuses a
+    directory in it; otherwise the calling test is skipped with the reason.
+    """
+    if os.geteuid() != 0:
+        path = os.path.join(str(tmp_path), "read-only-dir")
+        os.makedirs(path, exist_ok=True)
+        os.chmod(path, 0o500)
+        return path
+    probe = "/sys/tensorkv-permission-probe"
+    try:
+        os.mkdir(probe)
+    except PermissionError:
+        return "/sys"
+    except OSError as exc:
+        pytest.skip(f"running as root (chmod does not stop root) and /sys is unusable: {exc}")
+    os.rmdir(probe)
+    pytest.skip("running as root: chmod does not stop root and /sys accepts new directories")
 
 
 class StoreTests:
@@ -161,6 +185,44 @@ class StoreTests:
         assert list(store.scan(b"c/", limit=0)) == []
         with pytest.raises(ValueError):
             list(store.scan(limit=-1))
+
+    def test_scan_across_chunks(self, store: KVStore) -> None:
+        """Scans longer than a backend's read step resume exactly after the last key."""
+        n = 2 * STORE_SCAN_CHUNK + 37
+        keys = [b"s/%06d" % i for i in range(n)]
+        store.put_many({k: k[2:] for k in keys})
+        store.put_many({b"r": b"before", b"t": b"after"})
+        got = list(store.scan(b"s/"))
+        assert sorted(k for k, _ in got) == keys
+        assert len(got) == n
+        assert all(bytes(v) == k[2:] for k, v in got)
+        limit = STORE_SCAN_CHUNK + 5
+        part = self._check_order(store, list(store.scan(b"s/", keys_only=True, limit=limit)))
+        assert len(part) == limit and len(set(part)) == limit
+        if store.capabilities.ordered_scans:
+            assert part == keys[:limit]
+        lo, hi = keys[STORE_SCAN_CHUNK - 3], keys[2 * STORE_SCAN_CHUNK + 1]
+        ranged = self._check_order(store, list(store.scan(start=lo, stop=hi, keys_only=True)))
+        assert ranged == [k for k in keys if lo <= k < hi]
+
+    def test_paused_scan_lets_writes_through(self, store: KVStore) -> None:
+        """An iterator left half-read must not block writers, and keeps working after them."""
+        n = STORE_SCAN_CHUNK + 100
+        keys = [b"p/%06d" % i for i in range(n)]
+        store.put_many({k: b"x" for k in keys})
+        it = store.scan(b"p/", keys_only=True)
+        first = [next(it) for _ in range(10)]
+        store.put_many({b"q/%04d" % i: os.urandom(64) for i in range(500)})
+        doomed = set(keys[-50:])
+        store.delete_many(sorted(doomed))
+        store.delete_prefix(b"q/")
+        rest = list(it)
+        seen = first + rest
+        if store.capabilities.ordered_scans:
+            assert seen == sorted(seen)
+            assert len(seen) == len(set(seen))
+        # keys present for the whole scan come back; deleted ones may or may not
+        assert set(keys) - doomed <= set(seen) <= set(keys)
 
     def test_count_and_delete_prefix(self, store: KVStore) -> None:
         items = self._fill(store)
@@ -291,6 +353,11 @@ class StoreTests:
         finally:
             again.close()
 
+    def test_capabilities_reported(self, store: KVStore) -> None:
+        caps = store.capabilities
+        assert store.stats()["capabilities"] == caps.as_dict()
+        assert all(isinstance(v, bool) for v in caps.as_dict().values())
+
     def test_threads(self, store: KVStore) -> None:
         errors: list[BaseException] = []
 
@@ -387,6 +454,45 @@ class StoreTests:
                     check.flush()
             finally:
                 check.close()
+
+    def test_write_survives_sigkill(self, store: KVStore, store_url: str) -> None:
+        """A write call that returned survives the writer being killed (process crash)."""
+        if not (self.persistent and self.supports_subprocess):
+            pytest.skip("store does not survive its process or cannot be opened by another")
+        if not store.capabilities.multi_process:
+            store.close()
+        code = f"""
+            import os, time
+            import tensorkv
+            s = tensorkv.open_store({store_url!r}, **{self.open_options!r})
+            s.put_many({{b"kill/%03d" % i: b"v%d" % i for i in range(100)}})
+            with s.batch() as b:
+                b.put(b"kill/batch", b"done")
+            print("written", flush=True)
+            time.sleep(60)
+        """
+        proc = subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(code)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        try:
+            assert proc.stdout is not None
+            line = proc.stdout.readline()
+            assert line == b"written\n", proc.stderr.read() if proc.stderr else line
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        check = open_store(store_url, **self.open_options)
+        try:
+            assert check.count(b"kill/") == 101
+            assert check.get(b"kill/042") == b"v42"
+            assert check.get(b"kill/batch") == b"done"
+        finally:
+            check.close()
 
     # ----------------------------------------------------------------- model check
     def test_matches_dict_model(self, store: KVStore) -> None:

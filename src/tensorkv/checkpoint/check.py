@@ -1,0 +1,198 @@
+"""``tensorkv check`` and ``tensorkv gc``: find and remove data no manifest references."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from tensorkv import config
+from tensorkv.checkpoint import layout
+from tensorkv.checkpoint import manifest as _manifest
+from tensorkv.checkpoint.access import using_store
+from tensorkv.errors import CheckpointError, CorruptRecordError
+from tensorkv.stores.base import KVStore
+
+
+@dataclass
+class CheckReport:
+    """What :func:`check` found (and, for :func:`gc`, what was removed)."""
+
+    tags: list[str] = field(default_factory=list)
+    expired: list[str] = field(default_factory=list)
+    incomplete: list[str] = field(default_factory=list)  # sharded saves without a manifest
+    pending: list[dict[str, Any]] = field(default_factory=list)  # saves in progress or dead
+    orphan_keys: list[bytes] = field(default_factory=list)
+    orphan_bytes: int = 0
+    corrupt: list[str] = field(default_factory=list)
+    removed_keys: int = 0
+    removed_tags: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """No corruption and no orphaned data."""
+        return not self.corrupt and not self.orphan_keys
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-friendly form."""
+        return {
+            "ok": self.ok,
+            "tags": self.tags,
+            "expired": self.expired,
+            "incomplete": self.incomplete,
+            "pending": self.pending,
+            "orphan_keys": len(self.orphan_keys),
+            "orphan_bytes": self.orphan_bytes,
+            "corrupt": self.corrupt,
+            "removed_keys": self.removed_keys,
+            "removed_tags": self.removed_tags,
+        }
+
+
+def pending_markers(store: KVStore) -> list[dict[str, Any]]:
+    """Pending-save markers: tag, shard, start time, age in seconds."""
+    out = []
+    now = time.time()
+    for k, v in store.scan(layout.PENDING):
+        rest = bytes(k[len(layout.PENDING) :]).decode()
+        tag, _, shard = rest.rpartition("/")
+        try:
+            started = float(json.loads(bytes(v)).get("started", 0.0))
+        except (ValueError, AttributeError):
+            started = 0.0
+        out.append({"tag": tag, "shard": int(shard), "started": started, "age": now - started,
+                    "key": bytes(k)})
+    return out
+
+
+def live_pending(store: KVStore, grace: float | None = None) -> list[dict[str, Any]]:
+    """Markers of saves started less than ``grace`` seconds ago (presumed still running)."""
+    g = config.CHECKPOINT_GC_GRACE_SECONDS if grace is None else grace
+    return [p for p in pending_markers(store) if p["age"] < g]
+
+
+def _all_docs(store: KVStore) -> list[dict[str, Any]]:
+    docs = list(_manifest.read_all(store, include_expired=True).values())
+    for k, v in store.scan(layout.SHARD_MANIFEST):
+        docs.append(_manifest.decode_manifest(v, bytes(k).decode()))
+    return docs
+
+
+def referenced_chunks_all(store: KVStore) -> set[str]:
+    """Digests referenced by any manifest, complete, expired or per shard."""
+    return {d for doc in _all_docs(store) for e in doc["dense"].values() for d in e["chunks"]}
+
+
+def key_tag(key: bytes) -> str:
+    """The (data) tag a table record key belongs to."""
+    rest = key[len(layout.TABLE) :]
+    if rest.startswith(b"{"):
+        inner, _, after = rest[1:].partition(b"}")
+        if b"/" in inner:
+            return inner.split(b"/", 1)[0].decode()
+        return after.lstrip(b"/").split(b"/", 1)[0].decode()
+    return rest.split(b"/", 1)[0].decode()
+
+
+def _scan_orphans(store: KVStore, grace: float | None) -> tuple[CheckReport, list[bytes]]:
+    from tensorkv.checkpoint.tags import table_data_keys
+
+    rep = CheckReport()
+    docs = _manifest.read_all(store, include_expired=True)
+    now = time.time()
+    rep.tags = _manifest.sorted_tags({t: d for t, d in docs.items()
+                                      if not _manifest.is_expired(d, now)})
+    rep.expired = sorted(t for t, d in docs.items() if _manifest.is_expired(d, now))
+    all_docs = _all_docs(store)
+    shard_tags = {
+        bytes(k[len(layout.SHARD_MANIFEST) :]).rpartition(b"/")[0].decode()
+        for k in store.scan(layout.SHARD_MANIFEST, keys_only=True)
+    }
+    rep.incomplete = sorted(shard_tags - set(docs))
+    marks = pending_markers(store)
+    g = config.CHECKPOINT_GC_GRACE_SECONDS if grace is None else grace
+    rep.pending = [{k: v for k, v in m.items() if k != "key"} for m in marks]
+    live_tags = {m["tag"] for m in marks if m["age"] < g}
+    owned = {k for d in all_docs for k in table_data_keys(d)}
+    chunks = {d for doc in all_docs for e in doc["dense"].values() for d in e["chunks"]}
+    protected: list[bytes] = []
+    for k in store.scan(layout.TABLE, keys_only=True):
+        k = bytes(k)
+        if k in owned:
+            continue
+        if key_tag(k) in live_tags:
+            protected.append(k)
+        else:
+            rep.orphan_keys.append(k)
+    for k in store.scan(layout.CHUNK, keys_only=True):
+        k = bytes(k)
+        if k[len(layout.CHUNK) :].decode() not in chunks:
+            if live_tags:
+                protected.append(k)
+            else:
+                rep.orphan_keys.append(k)
+    return rep, protected
+
+
+def check(url: str | KVStore, *, verify: bool = False, grace: float | None = None) -> CheckReport:
+    """Find orphaned data (records no manifest references), expired and incomplete tags.
+
+    Parameters
+    ----------
+    verify
+        Also read every visible tag in full and verify all checksums.
+    grace
+        Seconds a pending save is presumed alive (default ``config.CHECKPOINT_GC_GRACE_SECONDS``);
+        data of live saves is not reported as orphaned.
+    """
+    with using_store(url) as store:
+        rep, _ = _scan_orphans(store, grace)
+        sizes = store.get_many(rep.orphan_keys[:10000]) if rep.orphan_keys else []
+        rep.orphan_bytes = sum(len(v) for v in sizes if v is not None)
+        if verify:
+            from tensorkv.checkpoint.dense import read_full
+            from tensorkv.checkpoint.load import _stage_table
+
+            for t in rep.tags:
+                doc = _manifest.read(store, t)
+                try:
+                    for n, e in doc["dense"].items():
+                        read_full(store, n, e)
+                    for n in doc["tables"]:
+                        _stage_table(store, doc, n, None, None, None)
+                except (CorruptRecordError, CheckpointError) as exc:
+                    rep.corrupt.append(f"{t}: {exc}")
+        return rep
+
+
+def gc(url: str | KVStore, *, grace: float | None = None, dry_run: bool = False) -> CheckReport:
+    """Remove expired tags, orphaned data and stale pending markers.
+
+    Data of a save that started less than ``grace`` seconds ago (its pending marker says
+    when) is left alone, so gc is safe to run while other processes save.
+    """
+    from tensorkv.checkpoint.tags import _delete_doc, compact
+
+    with using_store(url) as store:
+        rep, _ = _scan_orphans(store, grace)
+        if dry_run:
+            return rep
+        docs = _manifest.read_all(store, include_expired=True)
+        for t in rep.expired:
+            for child, d in docs.items():  # keep live children loadable
+                if d.get("parent") == t and d.get("incremental") and child not in rep.expired:
+                    compact(store, child)
+            _delete_doc(store, docs[t])
+            rep.removed_tags.append(t)
+        rep2, _ = _scan_orphans(store, grace)
+        keys = rep2.orphan_keys
+        for i in range(0, len(keys), 4096):
+            store.delete_many(keys[i : i + 4096])
+        rep.removed_keys = len(keys)
+        g = config.CHECKPOINT_GC_GRACE_SECONDS if grace is None else grace
+        stale = [m["key"] for m in pending_markers(store) if m["age"] >= g]
+        if stale:
+            store.delete_many(stale)
+        rep.orphan_keys = keys
+        return rep

@@ -1,0 +1,264 @@
+"""Dense tensors: conversion from numpy/torch, fixed-size content-addressed chunks, reads.
+
+A tensor's C-order bytes are cut into pieces of ``chunk_bytes`` (the last may be shorter).
+Each piece is stored raw under ``ckpt/c/<xxh3-128 hex of the piece>``; the manifest lists the
+digests in order. Identical pieces (in any tensor of any tag) are stored once, so a tag that
+repeats its parent's tensors writes nothing new for them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from tensorkv.checkpoint import layout
+from tensorkv.codec import BFLOAT16, dtype_code
+from tensorkv.errors import CheckpointError, CodecError, CorruptRecordError, ShapeError
+from tensorkv.stores.base import KVStore
+
+WRITE_BATCH_BYTES = 64 * 1024 * 1024  # bytes of values per store write call
+
+
+def is_torch_tensor(x: Any) -> bool:
+    """Whether ``x`` is a torch.Tensor (without importing torch)."""
+    t = type(x)
+    return t.__module__.startswith("torch") and hasattr(x, "detach") and hasattr(x, "dtype")
+
+
+def _c_order(arr: np.ndarray) -> np.ndarray:
+    # np.ascontiguousarray would turn 0-d arrays into 1-d ones
+    return arr if arr.flags.c_contiguous else arr.copy(order="C")
+
+
+def to_numpy(name: str, x: Any) -> tuple[np.ndarray, str | None]:
+    """Convert a numpy array or torch tensor to a C-contiguous numpy array.
+
+    Returns
+    -------
+    (array, torch_dtype)
+        ``torch_dtype`` is the torch dtype name (e.g. ``"bfloat16"``) for torch input, else None.
+        torch bfloat16 becomes a numpy ``ml_dtypes.bfloat16`` array with the same bits.
+    """
+    if is_torch_tensor(x):
+        import torch
+
+        t = x.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        if t.is_sparse or getattr(t, "is_quantized", False):
+            raise CheckpointError(f"tensor {name!r} is sparse or quantized; save t.to_dense()")
+        tname = str(t.dtype).replace("torch.", "")
+        t = t.contiguous()
+        if t.dtype == torch.bfloat16:
+            arr = t.view(torch.int16).numpy().view(BFLOAT16)
+        else:
+            try:
+                arr = t.numpy()
+            except TypeError as exc:
+                raise CheckpointError(
+                    f"tensor {name!r} has torch dtype {tname}, which cannot be stored: {exc}"
+                ) from None
+        return _c_order(arr), tname
+    if isinstance(x, np.ndarray) or np.isscalar(x):
+        arr = _c_order(np.asarray(x))
+        if arr.dtype.byteorder == ">":
+            arr = arr.astype(arr.dtype.newbyteorder("<"))
+        try:
+            dtype_code(arr.dtype)
+        except CodecError as exc:
+            raise CheckpointError(f"variable {name!r}: {exc}") from None
+        return arr, None
+    raise CheckpointError(
+        f"variable {name!r} has type {type(x).__name__}; values must be numpy arrays, torch "
+        "tensors or EmbeddingTables"
+    )
+
+
+def to_torch(arr: np.ndarray, torch_dtype: str | None) -> Any:
+    """Convert a loaded numpy array back to a torch tensor of ``torch_dtype``."""
+    import torch
+
+    if arr.dtype == BFLOAT16:
+        return torch.from_numpy(np.array(arr.view(np.int16))).view(torch.bfloat16)
+    t = torch.from_numpy(np.array(arr))
+    if torch_dtype and str(t.dtype).replace("torch.", "") != torch_dtype:
+        t = t.to(getattr(torch, torch_dtype))
+    return t
+
+
+def digest(piece: memoryview | np.ndarray) -> str:
+    """Content digest of a chunk: xxh3-128 as 32 hex digits."""
+    return xxhash.xxh3_128_hexdigest(piece)
+
+
+def iter_pieces(arr: np.ndarray, chunk_bytes: int) -> Iterator[memoryview]:
+    """The tensor's bytes cut into pieces of ``chunk_bytes``."""
+    flat = memoryview(arr.reshape(-1).view(np.uint8)) if arr.size else memoryview(b"")
+    for off in range(0, flat.nbytes, chunk_bytes):
+        yield flat[off : off + chunk_bytes]
+
+
+def describe(arr: np.ndarray, torch_dtype: str | None, chunk_bytes: int) -> dict[str, Any]:
+    """Manifest entry of one tensor, with the digests of its chunks (computes no I/O)."""
+    chunks = [digest(p) for p in iter_pieces(arr, chunk_bytes)]
+    return {
+        "dtype": str(arr.dtype) if arr.dtype != BFLOAT16 else "bfloat16",
+        "torch_dtype": torch_dtype,
+        "shape": list(arr.shape),
+        "nbytes": int(arr.nbytes),
+        "chunk_bytes": int(chunk_bytes),
+        "chunks": chunks,
+    }
+
+
+def write_tensors(
+    store: KVStore,
+    arrays: dict[str, np.ndarray],
+    entries: dict[str, dict[str, Any]],
+    known: set[str],
+    on_bytes: Any = None,
+) -> int:
+    """Write the chunks of each tensor whose digest is not in ``known``; return bytes written.
+
+    ``known`` is updated with the digests written.
+    """
+    written = 0
+    batch: list[tuple[bytes, memoryview]] = []
+    batch_bytes = 0
+    for name, arr in arrays.items():
+        ent = entries[name]
+        for d, piece in zip(ent["chunks"], iter_pieces(arr, ent["chunk_bytes"]), strict=True):
+            if d in known:
+                if on_bytes:
+                    on_bytes(piece.nbytes)
+                continue
+            known.add(d)
+            batch.append((layout.chunk_key(d), piece))
+            batch_bytes += piece.nbytes
+            if batch_bytes >= WRITE_BATCH_BYTES:
+                store.put_many(batch)
+                written += batch_bytes
+                if on_bytes:
+                    on_bytes(batch_bytes)
+                batch, batch_bytes = [], 0
+    if batch:
+        store.put_many(batch)
+        written += batch_bytes
+        if on_bytes:
+            on_bytes(batch_bytes)
+    return written
+
+
+def entry_dtype(entry: dict[str, Any]) -> np.dtype:
+    """Numpy dtype of a manifest tensor entry."""
+    return BFLOAT16 if entry["dtype"] == "bfloat16" else np.dtype(entry["dtype"])
+
+
+def _fetch(
+    store: KVStore, name: str, entry: dict[str, Any], idx: list[int]
+) -> list[memoryview]:
+    keys = [layout.chunk_key(entry["chunks"][i]) for i in idx]
+    out: list[memoryview] = []
+    for i, key, val in zip(idx, keys, store.get_many(keys), strict=True):
+        d = entry["chunks"][i]
+        if val is None:
+            raise CorruptRecordError(
+                f"variable {name!r}: chunk {i} ({key.decode()}) is missing from the store; "
+                "the tag is damaged (was the data garbage-collected?)"
+            )
+        if digest(val) != d:
+            raise CorruptRecordError(
+                f"variable {name!r}: chunk {i} ({key.decode()}) fails its checksum; "
+                "the stored data is corrupted"
+            )
+        out.append(memoryview(val))
+    return out
+
+
+def read_full(store: KVStore, name: str, entry: dict[str, Any], on_bytes: Any = None) -> np.ndarray:
+    """Read and verify a whole tensor into a new writable array."""
+    dt = entry_dtype(entry)
+    out = np.empty(tuple(entry["shape"]), dtype=dt)
+    flat = out.reshape(-1).view(np.uint8)
+    n = len(entry["chunks"])
+    cb = entry["chunk_bytes"]
+    step = max(1, (64 * 1024 * 1024) // max(cb, 1))
+    for lo in range(0, n, step):
+        idx = list(range(lo, min(n, lo + step)))
+        for i, piece in zip(idx, _fetch(store, name, entry, idx), strict=True):
+            off = i * cb
+            if piece.nbytes != min(cb, entry["nbytes"] - off):
+                raise CorruptRecordError(
+                    f"variable {name!r}: chunk {i} has {piece.nbytes} bytes, expected "
+                    f"{min(cb, entry['nbytes'] - off)}"
+                )
+            flat[off : off + piece.nbytes] = np.frombuffer(piece, dtype=np.uint8)
+            if on_bytes:
+                on_bytes(piece.nbytes)
+    return out
+
+
+def _axis0_range(index: Any, n0: int) -> tuple[int, int, Any]:
+    """Rows [lo, hi) of axis 0 an index touches, and the index relative to those rows."""
+    if not isinstance(index, tuple):
+        index = (index,)
+    if any(i is Ellipsis for i in index[:1]) or not index:
+        return 0, n0, index
+    first, rest = index[0], index[1:]
+    if first is None:
+        return 0, n0, index
+    if isinstance(first, (int, np.integer)) and not isinstance(first, bool):
+        i = int(first)
+        if not -n0 <= i < n0:
+            raise IndexError(f"index {i} is out of bounds for axis 0 with size {n0}")
+        i %= n0
+        return i, i + 1, (0, *rest)
+    if isinstance(first, slice):
+        start, stop, step = first.indices(n0)
+        rng = range(start, stop, step)
+        if len(rng) == 0:
+            return 0, 0, (slice(0, 0), *rest)
+        lo, hi = min(rng[0], rng[-1]), max(rng[0], rng[-1]) + 1
+        rel: Any = slice(0, hi - lo) if step == 1 else np.asarray(rng, dtype=np.int64) - lo
+        return lo, hi, (rel, *rest)
+    raise IndexError(
+        f"index {index!r} is not a basic index; read_tensor takes ints, slices, None and ..."
+    )
+
+
+def read_slice(store: KVStore, name: str, entry: dict[str, Any], index: Any) -> np.ndarray:
+    """Read ``tensor[index]`` fetching only the chunks that hold the rows of axis 0 it needs."""
+    shape = tuple(entry["shape"])
+    dt = entry_dtype(entry)
+    if not shape:
+        return read_full(store, name, entry)[index]
+    lo, hi, rel = _axis0_range(index, shape[0])
+    row_bytes = dt.itemsize * int(np.prod(shape[1:], dtype=np.int64))
+    sub = np.empty((hi - lo, *shape[1:]), dtype=dt)
+    b0, b1 = lo * row_bytes, hi * row_bytes
+    if b1 > b0:
+        cb = entry["chunk_bytes"]
+        idx = list(range(b0 // cb, (b1 - 1) // cb + 1))
+        flat = sub.reshape(-1).view(np.uint8)
+        for i, piece in zip(idx, _fetch(store, name, entry, idx), strict=True):
+            c0 = i * cb
+            s0, s1 = max(b0, c0), min(b1, c0 + piece.nbytes)
+            flat[s0 - b0 : s1 - b0] = np.frombuffer(piece, dtype=np.uint8)[s0 - c0 : s1 - c0]
+    try:
+        return sub[rel]
+    except IndexError as exc:
+        raise IndexError(f"read_tensor({name!r}, {index!r}): {exc}") from None
+
+
+def check_against(name: str, entry: dict[str, Any], target: np.ndarray) -> None:
+    """Raise ShapeError unless ``target`` has the stored shape and dtype."""
+    dt = entry_dtype(entry)
+    if tuple(target.shape) != tuple(entry["shape"]) or target.dtype != dt:
+        raise ShapeError(
+            f"variable {name!r}: the checkpoint holds {entry['dtype']}{tuple(entry['shape'])} but "
+            f"the target has {target.dtype}{tuple(target.shape)}; load it with load(None, ...) "
+            "or give a target of the stored shape and dtype"
+        )

@@ -1,0 +1,370 @@
+"""``tensorkv.load`` and ``tensorkv.read_tensor``: verify everything, then assign."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from tensorkv.checkpoint import dense as _dense
+from tensorkv.checkpoint import layout
+from tensorkv.checkpoint import manifest as _manifest
+from tensorkv.checkpoint import tables as _tables
+from tensorkv.checkpoint.access import using_store
+from tensorkv.checkpoint.objects import SINGLE_TABLE_NAME, collect
+from tensorkv.checkpoint.progress import bar
+from tensorkv.errors import CheckpointError, ShapeError
+from tensorkv.stores.base import KVStore
+
+
+def _parent_doc(store: KVStore, doc: dict[str, Any], name: str) -> dict[str, Any]:
+    parent = doc.get("parent")
+    raw = None if parent is None else store.get(layout.manifest_key(parent))
+    if raw is None:
+        raise CheckpointError(
+            f"table {name!r} of tag {doc['tag']!r} is incremental on tag {parent!r}, which is "
+            "missing: the chain is broken"
+        )
+    return _manifest.decode_manifest(raw, f"tag {parent!r}")
+
+
+def table_links(
+    store: KVStore, doc: dict[str, Any], name: str
+) -> dict[str, list[tuple[str, dict[str, Any], dict[str, Any]]]]:
+    """Chain of each saved shard of a table.
+
+    Returns, per saved shard, the links (tag, table entry, shard info), oldest first, from
+    the last full save up to ``doc``.
+    """
+    ent = doc["tables"][name]
+    out = {}
+    for s in ent["shards"]:
+        links = []
+        d, e = doc, ent
+        seen = set()
+        while True:
+            info = e["shards"].get(s)
+            if info is None:
+                raise CheckpointError(
+                    f"table {name!r}: tag {d['tag']!r} in its chain lacks shard {s}"
+                )
+            links.append((d["tag"], e, info))
+            if info.get("full", e.get("full", True)):
+                break
+            if d["tag"] in seen:
+                raise CheckpointError(
+                    f"table {name!r}: cycle in the parent chain of {doc['tag']!r}"
+                )
+            seen.add(d["tag"])
+            d = _parent_doc(store, d, name)
+            e = d["tables"].get(name)
+            if e is None:
+                raise CheckpointError(
+                    f"table {name!r} of tag {doc['tag']!r} is incremental on {d['tag']!r}, "
+                    "which has no such table"
+                )
+        out[s] = links[::-1]
+    return out
+
+
+def _stage_table(
+    store: KVStore,
+    doc: dict[str, Any],
+    name: str,
+    shard: int | None,
+    num_shards: int | None,
+    on_bytes: Any,
+) -> tuple[list[_tables.Rows], list[np.ndarray], bool]:
+    """Read and verify a table's rows. Returns (rows, removed-key arrays, is_chain)."""
+    rows: list[_tables.Rows] = []
+    removed: list[np.ndarray] = []
+    links = table_links(store, doc, name)
+    is_chain = any(len(v) > 1 for v in links.values())
+    for s, chain in links.items():
+        for tag, ent, info in chain:
+            prefix = layout.table_prefix(
+                ent.get("data_tag", tag), name, int(s), ent.get("hash_tag")
+            )
+            what = f"table {name!r} (tag {tag!r}, shard {s})"
+            sel = _tables.blocks_for_shard(info["blocks"], shard, num_shards)
+            rows.extend(
+                _tables.read_blocks(
+                    store, prefix, sel, what, shard, num_shards, ent.get("hash_tag"), on_bytes
+                )
+            )
+            if info.get("removed_pieces"):
+                rk = _tables.read_key_list(store, prefix, info["removed_pieces"], what, b"r")
+                rows.append(_tables.Rows(*([None] * 5)))  # marker: apply removals here
+                removed.append(_tables.filter_keys(rk, shard, num_shards))
+    return rows, removed, is_chain
+
+
+def _apply_rows(table: Any, rows: list[_tables.Rows], removed: list[np.ndarray]) -> None:
+    """Import staged rows into ``table`` in order, applying removals at their markers."""
+    pending: list[_tables.Rows] = []
+    it = iter(removed)
+    for r in rows:
+        if r.keys is None:
+            if pending:
+                table.import_(pending)
+                pending = []
+            rk = next(it)
+            if len(rk):
+                table.remove(rk)
+        else:
+            pending.append(r)
+    if pending:
+        table.import_(pending)
+
+
+def _table_class() -> Any:
+    try:
+        from tensorkv.embedding import EmbeddingTable
+    except ImportError:
+        from tensorkv.embedding.table import EmbeddingTable
+    return EmbeddingTable
+
+
+def _build_table(meta: dict[str, Any], rows: list[_tables.Rows], removed: list[np.ndarray]) -> Any:
+    EmbeddingTable = _table_class()  # noqa: N806
+    t = EmbeddingTable.from_meta(meta)
+    _apply_rows(t, rows, removed)
+    return t
+
+
+def _table_dim(table: Any) -> int:
+    dim = getattr(table, "dim", None)
+    if dim is None:
+        dim = table.state_dict_meta()["dim"]
+    return int(dim)
+
+
+def _check_slots(name: str, table: Any, rows: list[_tables.Rows]) -> None:
+    nslots = getattr(table, "num_slots", None)
+    if nslots is None:
+        return
+    want = int(nslots) * _table_dim(table)
+    for r in rows:
+        if r.slots is not None and r.slots.shape[1] != want:
+            opt = getattr(getattr(table, "optimizer", None), "name", "?")
+            raise ShapeError(
+                f"table {name!r}: the checkpoint stores {r.slots.shape[1]} optimizer slot "
+                f"columns per row but the target's optimizer {opt!r} uses {want}; build the "
+                "target with the optimizer it was saved with"
+            )
+
+
+def _restore_meta(table: Any, meta: dict[str, Any]) -> None:
+    """Restore the table-global state (optimizer state such as Adam's step, the table step)."""
+    fn = getattr(table, "load_state_meta", None)
+    if fn is not None:
+        fn(meta)
+        return
+    opt_state = (meta.get("optimizer") or {}).get("state")
+    opt = getattr(table, "optimizer", None)
+    if opt_state is not None and opt is not None and hasattr(opt, "load_state"):
+        opt.load_state(opt_state)
+    if "step" in meta and hasattr(table, "_step"):
+        table._step = int(meta["step"])
+
+
+def _select(
+    doc: dict[str, Any], kind: str | None, dense_t: dict[str, Any], tables_t: dict[str, Any],
+    variables: list[str] | None,
+) -> tuple[list[str], list[str]]:
+    stored_dense, stored_tables = set(doc["dense"]), set(doc["tables"])
+    avail = sorted(stored_dense | stored_tables)
+    if variables is not None:
+        if isinstance(variables, str):
+            variables = [variables]
+        names = list(variables)
+    elif kind in (None, "dict"):
+        names = avail
+    else:
+        names = list(dense_t) + list(tables_t)
+    missing = [n for n in names if n not in stored_dense and n not in stored_tables]
+    if missing:
+        raise CheckpointError(
+            f"tag {doc['tag']!r} does not hold {missing}; it holds {avail} "
+            "(restore a subset with variables=[...])"
+        )
+    return [n for n in names if n in stored_dense], [n for n in names if n in stored_tables]
+
+
+def load(
+    obj: Any,
+    url: str | KVStore,
+    tag: str = "latest",
+    *,
+    variables: list[str] | None = None,
+    shard: int | None = None,
+    num_shards: int | None = None,
+    progress: bool | None = None,
+) -> Any:
+    """Load a tag into ``obj`` (or return the stored objects when ``obj`` is None).
+
+    Everything is read and verified (checksums, shapes, dtypes, table dims) before the
+    target is touched, so a failed load leaves ``obj`` unchanged.
+
+    Parameters
+    ----------
+    obj
+        None, a dict of numpy arrays / torch tensors / EmbeddingTables, an EmbeddingTable, or
+        a torch ``nn.Module`` (the same shapes of object :func:`tensorkv.save` takes).
+    url
+        Store URL or open KVStore.
+    tag
+        Tag name, or ``"latest"`` (the newest visible tag).
+    variables
+        Restore only these names (tensor or table names as saved).
+    shard, num_shards
+        Restore only the table rows that belong to shard ``shard`` of ``num_shards`` under the
+        stable hash (``splitmix64``, see docs/format.md), whatever number of shards saved them.
+        Dense tensors are restored whole.
+    progress
+        Progress bar: None (auto), True or False.
+
+    Returns
+    -------
+    object
+        ``obj`` itself, or (when ``obj`` is None) a dict name -> numpy array / EmbeddingTable.
+    """
+    if (shard is None) != (num_shards is None):
+        raise CheckpointError(f"shard={shard!r}, num_shards={num_shards!r}: give both or neither")
+    if num_shards is not None and (
+        not isinstance(num_shards, int)
+        or num_shards < 1
+        or not (isinstance(shard, int) and 0 <= shard < num_shards)
+    ):
+        raise CheckpointError(
+            f"shard={shard!r} must be an int in [0, num_shards={num_shards!r})"
+        )
+    kind, dense_t, tables_t = (None, {}, {}) if obj is None else collect(obj)
+    with using_store(url) as store:
+        doc = _manifest.read(store, tag)
+        if kind == "table" and SINGLE_TABLE_NAME not in doc["tables"] and len(doc["tables"]) == 1:
+            tables_t = {next(iter(doc["tables"])): tables_t[SINGLE_TABLE_NAME]}
+        dnames, tnames = _select(doc, kind, dense_t, tables_t, variables)
+        # --- checks that need no data
+        for n in dnames:
+            if n in tables_t:
+                raise CheckpointError(
+                    f"{n!r} is a dense tensor in the checkpoint but a table in the target"
+                )
+            if n in dense_t:
+                tgt = dense_t[n]
+                arr_like = _dense.to_numpy(n, tgt)[0]
+                _dense.check_against(n, doc["dense"][n], arr_like)
+        for n in tnames:
+            if n in dense_t:
+                raise CheckpointError(
+                    f"{n!r} is a table in the checkpoint but a tensor in the target"
+                )
+            if kind is not None and kind != "dict" and n not in tables_t:
+                raise CheckpointError(f"table {n!r} has no counterpart in the target object")
+            if n in tables_t:
+                sd, td = doc["tables"][n]["dim"], _table_dim(tables_t[n])
+                if sd != td:
+                    raise ShapeError(
+                        f"table {n!r}: the checkpoint has dim {sd} but the target table has dim "
+                        f"{td}; build the table with dim={sd} or load with load(None, ...)"
+                    )
+        total = sum(doc["dense"][n]["nbytes"] for n in dnames)
+        total += sum(
+            sum(b[2] for info in doc["tables"][n]["shards"].values() for b in info["blocks"])
+            * (8 + 4 * doc["tables"][n]["dim"] * 3 + 16)
+            for n in tnames
+        )
+        pbar = bar(total, f"load {doc['tag']}", progress)
+        try:
+            staged_dense = {
+                n: _dense.read_full(store, n, doc["dense"][n], pbar.update) for n in dnames
+            }
+            staged_tables = {
+                n: _stage_table(store, doc, n, shard, num_shards, pbar.update) for n in tnames
+            }
+        finally:
+            pbar.close()
+        for n, (rows, _, _) in staged_tables.items():
+            if n in tables_t:
+                _check_slots(n, tables_t[n], rows)
+        # --- everything is verified: build or assign
+        if obj is None:
+            out: dict[str, Any] = dict(staged_dense)
+            for n, (rows, removed, _) in staged_tables.items():
+                out[n] = _build_table(doc["tables"][n]["meta"], rows, removed)
+            return out
+        built = {}
+        for n, (rows, removed, is_chain) in staged_tables.items():
+            if n not in tables_t or is_chain:
+                built[n] = _build_table(doc["tables"][n]["meta"], rows, removed)
+        for n, arr in staged_dense.items():
+            _assign_dense(obj, kind, dense_t, n, arr, doc["dense"][n].get("torch_dtype"))
+        for n, (rows, removed, _is_chain) in staged_tables.items():
+            if n not in tables_t:
+                obj[n] = built[n]
+                continue
+            target = tables_t[n]
+            old = np.asarray(target.keys())
+            if len(old):
+                target.remove(old)
+            if n in built:
+                target.import_(built[n].export())
+            else:
+                _apply_rows(target, rows, removed)
+            _restore_meta(target, doc["tables"][n]["meta"])
+            info = doc["tables"][n]["shards"]
+            if shard is None and len(info) == 1:
+                only = next(iter(info.values()))
+                sid = only.get("state")
+                if sid:
+                    _tables.known_states(target)[sid] = _tables.table_seq(target)
+        return obj
+
+
+def _assign_dense(obj: Any, kind: str | None, dense_t: dict[str, Any], name: str,
+                  arr: np.ndarray, torch_dtype: str | None) -> None:
+    tgt = dense_t.get(name)
+    if tgt is None:
+        obj[name] = arr
+        return
+    if _dense.is_torch_tensor(tgt):
+        import torch
+
+        with torch.no_grad():
+            tgt.copy_(_dense.to_torch(arr, torch_dtype))
+        return
+    if isinstance(tgt, np.ndarray) and tgt.flags.writeable:
+        np.copyto(tgt, arr)
+    else:
+        obj[name] = arr
+
+
+def read_tensor(url: str | KVStore, tag: str, name: str, index: Any = None) -> np.ndarray:
+    """Read one dense tensor, or ``tensor[index]``, fetching only the chunks it needs.
+
+    Parameters
+    ----------
+    url
+        Store URL or open KVStore.
+    tag
+        Tag name or ``"latest"``.
+    name
+        Tensor name as saved.
+    index
+        None (the whole tensor) or a basic index: ints, slices, ``None`` and ``...``; only
+        the chunks holding the rows of axis 0 it selects are read.
+    """
+    with using_store(url) as store:
+        doc = _manifest.read(store, tag)
+        ent = doc["dense"].get(name)
+        if ent is None:
+            where = " (it is an embedding table: use load(None, url, tag, variables=[...]))" if (
+                name in doc["tables"]) else ""
+            raise CheckpointError(
+                f"tag {doc['tag']!r} has no dense tensor {name!r}{where}; it has "
+                f"{sorted(doc['dense'])}"
+            )
+        if index is None:
+            return _dense.read_full(store, name, ent)
+        return _dense.read_slice(store, name, ent, index)

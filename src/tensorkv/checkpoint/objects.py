@@ -1,0 +1,72 @@
+"""What can be saved: dicts of arrays/tensors, EmbeddingTables, nn.Modules, and mixes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tensorkv.checkpoint import layout
+from tensorkv.checkpoint.dense import is_torch_tensor
+from tensorkv.errors import CheckpointError
+
+SINGLE_TABLE_NAME = "table"
+
+
+def is_table(x: Any) -> bool:
+    """Whether ``x`` behaves as an EmbeddingTable (export/import_/state_dict_meta)."""
+    return (
+        not isinstance(x, type)
+        and hasattr(x, "export")
+        and hasattr(x, "import_")
+        and hasattr(x, "state_dict_meta")
+    )
+
+
+def is_module(x: Any) -> bool:
+    """Whether ``x`` is a torch nn.Module (without importing torch)."""
+    return any(
+        c.__module__.startswith("torch.nn") and c.__name__ == "Module" for c in type(x).__mro__
+    )
+
+
+def module_tables(module: Any) -> dict[str, Any]:
+    """EmbeddingTables held as attributes anywhere in a module tree, by dotted name."""
+    out: dict[str, Any] = {}
+    seen: set[int] = set()
+    for mod_name, mod in module.named_modules():
+        for attr, val in vars(mod).items():
+            if attr.startswith("__") or not is_table(val) or id(val) in seen:
+                continue
+            seen.add(id(val))
+            out[f"{mod_name}.{attr}" if mod_name else attr] = val
+    return out
+
+
+def collect(obj: Any) -> tuple[str, dict[str, Any], dict[str, Any]]:
+    """Split ``obj`` into (kind, dense tensors by name, tables by name)."""
+    if is_table(obj):
+        return "table", {}, {SINGLE_TABLE_NAME: obj}
+    if is_module(obj):
+        dense = dict(obj.state_dict())
+        tables = module_tables(obj)
+        clash = sorted(set(dense) & set(tables))
+        if clash:
+            raise CheckpointError(f"names {clash} are both module state and embedding tables")
+        return "module", dense, tables
+    if isinstance(obj, dict):
+        dense, tables = {}, {}
+        for name, val in obj.items():
+            layout.check_var_name(name)
+            if is_table(val):
+                tables[name] = val
+            elif is_torch_tensor(val) or hasattr(val, "__array__") or hasattr(val, "dtype"):
+                dense[name] = val
+            else:
+                raise CheckpointError(
+                    f"variable {name!r} has type {type(val).__name__}; dict values must be numpy "
+                    "arrays, torch tensors or EmbeddingTables"
+                )
+        return "dict", dense, tables
+    raise CheckpointError(
+        f"cannot save a {type(obj).__name__}; pass a dict of numpy arrays / torch tensors / "
+        "EmbeddingTables, an EmbeddingTable, or a torch nn.Module"
+    )

@@ -1,0 +1,322 @@
+"""``tensorkv.save``: write a model into a KVStore as a tag (data first, manifest last)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import time
+import warnings
+from typing import Any
+
+import numpy as np
+
+from tensorkv import config
+from tensorkv.checkpoint import dense as _dense
+from tensorkv.checkpoint import layout
+from tensorkv.checkpoint import manifest as _manifest
+from tensorkv.checkpoint import tables as _tables
+from tensorkv.checkpoint.access import using_store
+from tensorkv.checkpoint.objects import collect
+from tensorkv.checkpoint.progress import bar
+from tensorkv.errors import CheckpointError
+from tensorkv.stores.base import KVStore
+
+
+def _check_shards(shard: int | None, num_shards: int | None) -> tuple[int, int]:
+    if shard is None and num_shards is None:
+        return 0, 1
+    if shard is None or num_shards is None:
+        raise CheckpointError(
+            f"shard={shard!r} and num_shards={num_shards!r}: give both (shard i of N) or neither"
+        )
+    if not isinstance(num_shards, int) or num_shards < 1:
+        raise CheckpointError(f"num_shards={num_shards!r} must be a positive int")
+    if not isinstance(shard, int) or not 0 <= shard < num_shards:
+        raise CheckpointError(f"shard={shard!r} must be an int in [0, {num_shards})")
+    return shard, num_shards
+
+
+def _default_tag(step: int | None) -> str:
+    if step is not None:
+        return f"step-{step}"
+    t = time.time()
+    return time.strftime("ckpt-%Y%m%d-%H%M%S", time.gmtime(t)) + f"-{int(t * 1e6) % 1000000:06d}"
+
+
+def referenced_chunks(store: KVStore) -> set[str]:
+    """Digests of the dense chunks referenced by every manifest (complete or per shard)."""
+    out: set[str] = set()
+    for prefix in (layout.MANIFEST, layout.SHARD_MANIFEST):
+        for k, v in store.scan(prefix):
+            doc = _manifest.decode_manifest(v, bytes(k).decode())
+            for ent in doc.get("dense", {}).values():
+                out.update(ent["chunks"])
+    return out
+
+
+def _row_bytes(table: Any) -> int:
+    meta_dim = int(getattr(table, "dim", 0) or 0)
+    nslots = 0
+    opt = getattr(table, "optimizer", None)
+    if opt is not None and hasattr(opt, "slot_names"):
+        nslots = len(opt.slot_names())
+    return 8 + 4 * meta_dim * (1 + nslots) + 16
+
+
+def _save_table(
+    store: KVStore,
+    tag: str,
+    name: str,
+    table: Any,
+    shard: int,
+    num_shards: int,
+    parent_doc: dict[str, Any] | None,
+    opts: dict[str, Any],
+    on_bytes: Any,
+) -> dict[str, Any]:
+    """Write one table's shard; return its manifest entry."""
+    hash_tag = opts["hash_tag"]
+    bucket_bits = opts["bucket_bits"]
+    chunk_rows = opts["block_rows"] << bucket_bits
+    prefix = layout.table_prefix(tag, name, shard, hash_tag)
+    w = _tables.BlockWriter(store, prefix, hash_tag, on_bytes)
+    seq = _tables.table_seq(table)
+    meta = table.state_dict_meta()
+    entry: dict[str, Any] = {
+        "meta": meta,
+        "dim": int(meta.get("dim", getattr(table, "dim", 0))),
+        "bucket_bits": bucket_bits,
+        "hash_tag": hash_tag,
+        "full": True,
+        "shards": {},
+    }
+    info: dict[str, Any] = {}
+    since = None
+    parent_info = None
+    if parent_doc is not None:
+        pent = parent_doc["tables"].get(name)
+        pinfo = None if pent is None else pent["shards"].get(str(shard))
+        known = _tables.known_states(table)
+        if pinfo is not None and pinfo.get("state") in known and pent.get("hash_tag") == hash_tag:
+            since = known[pinfo["state"]]
+            parent_info = pinfo
+        else:
+            why = (
+                "the parent tag has no such table shard"
+                if pinfo is None
+                else "this table object did not write or load the parent tag"
+            )
+            warnings.warn(
+                f"incremental save of table {name!r} to tag {tag!r}: {why} "
+                f"({parent_doc['tag']!r}); saving it in full",
+                stacklevel=4,
+            )
+            info["note"] = f"full save: {why}"
+    if since is None:
+        blocks, key_parts = _tables.write_blocks(
+            w, table.export(chunk_rows=chunk_rows), bucket_bits
+        )
+        keys = np.sort(np.concatenate(key_parts)) if key_parts else np.empty(0, np.int64)
+        removed = np.empty(0, np.int64)
+    else:
+        assert parent_doc is not None and parent_info is not None
+        entry["full"] = False
+        blocks, key_parts = _tables.write_blocks(
+            w, table.export(chunk_rows=chunk_rows, since=since), bucket_bits
+        )
+        pdata = parent_doc["tables"][name].get("data_tag", parent_doc["tag"])
+        ppref = layout.table_prefix(pdata, name, shard, hash_tag)
+        pkeys = _tables.read_key_list(
+            store, ppref, parent_info["key_pieces"], f"table {name!r} of {parent_doc['tag']!r}"
+        )
+        changed = np.concatenate(key_parts) if key_parts else np.empty(0, np.int64)
+        new = changed[~_tables.sorted_member(pkeys, changed)]
+        if len(table) == len(pkeys) + len(new):
+            removed = np.empty(0, np.int64)
+            keys = pkeys
+            if len(new):
+                new = np.sort(new)
+                keys = np.insert(pkeys, np.searchsorted(pkeys, new), new)
+        else:  # some keys were removed since the parent: diff the key sets
+            keys = np.sort(np.asarray(table.keys(), dtype=np.int64))
+            removed = pkeys[~_tables.sorted_member(keys, pkeys)]
+    info.update(
+        {
+            "blocks": blocks,
+            "rows": int(sum(b[2] for b in blocks)),
+            "num_keys": int(len(keys)),
+            "key_pieces": _tables.write_key_list(w, keys, b"k"),
+            "removed": int(len(removed)),
+            "removed_pieces": _tables.write_key_list(w, removed, b"r") if len(removed) else 0,
+            "seq": seq,
+        }
+    )
+    w.flush()
+    info["full"] = since is None
+    info["state"] = _tables.remember_state(table, seq)
+    entry["shards"][str(shard)] = info
+    return entry
+
+
+def save(
+    obj: Any,
+    url: str | KVStore,
+    tag: str | None = None,
+    *,
+    step: int | None = None,
+    incremental: bool = False,
+    shard: int | None = None,
+    num_shards: int | None = None,
+    metadata: dict[str, Any] | None = None,
+    progress: bool | None = None,
+    ttl: float | None = None,
+    parent: str | None = None,
+    hash_tag: str | None = None,
+    block_rows: int = _tables.DEFAULT_BLOCK_ROWS,
+    bucket_bits: int = _tables.DEFAULT_BUCKET_BITS,
+    chunk_bytes: int = config.CHECKPOINT_CHUNK_BYTES,
+) -> str:
+    """Save a model into a key-value store as a new tag.
+
+    Data is written first and the manifest last, so a save that dies midway leaves no
+    visible tag and every earlier tag loadable.
+
+    Parameters
+    ----------
+    obj
+        A dict of numpy arrays / torch tensors / EmbeddingTables, an EmbeddingTable, or a
+        torch ``nn.Module`` (its ``state_dict()`` plus the EmbeddingTables held as attributes
+        anywhere in its module tree).
+    url
+        Store URL (``lmdb:///path``, ``redis://host:6379/0``, ...) or an open KVStore.
+    tag
+        Tag name (default ``step-<step>`` or a timestamp). Must not exist yet.
+    step
+        Training step, recorded in the manifest.
+    incremental
+        Store only the table rows changed (and keys removed) since the parent tag (default: the
+        latest tag). A table that did not write or load the parent is saved in full, with a
+        warning. Dense chunks identical to stored ones are never written twice either way.
+    shard, num_shards
+        Save shard ``shard`` of ``num_shards``; the tag becomes visible when the last shard
+        finishes (or on :func:`tensorkv.checkpoint.merge`).
+    metadata
+        JSON-serialisable user data kept in the manifest.
+    progress
+        Progress bar: None (auto: on a terminal, after ``config.PROGRESS_MIN_SECONDS``),
+        True or False.
+    ttl
+        Seconds after which the tag expires (invisible to loads, removed by gc).
+    parent
+        Parent tag of an incremental save (default: the latest tag).
+    hash_tag
+        Redis Cluster hash tags in table keys: None, ``"table"``, ``"bucket"`` or a literal.
+    block_rows, bucket_bits, chunk_bytes
+        Layout tuning: rows per table block, hash buckets per export chunk (2**bits), dense
+        chunk size in bytes.
+
+    Returns
+    -------
+    str
+        The tag name.
+    """
+    shard_i, nshards = _check_shards(shard, num_shards)
+    tag = layout.check_tag(_default_tag(step) if tag is None else tag)
+    if ttl is not None and (not isinstance(ttl, (int, float)) or ttl <= 0):
+        raise CheckpointError(f"ttl={ttl!r} must be a positive number of seconds")
+    if not isinstance(chunk_bytes, int) or chunk_bytes < 1024:
+        raise CheckpointError(f"chunk_bytes={chunk_bytes!r} must be an int >= 1024")
+    if not isinstance(block_rows, int) or block_rows < 1:
+        raise CheckpointError(f"block_rows={block_rows!r} must be a positive int")
+    if not isinstance(bucket_bits, int) or not 0 <= bucket_bits <= 8:
+        raise CheckpointError(f"bucket_bits={bucket_bits!r} must be an int in [0, 8]")
+    if metadata is not None:
+        try:
+            json.dumps(metadata)
+        except TypeError as exc:
+            raise CheckpointError(f"metadata is not JSON-serialisable: {exc}") from None
+    kind, dense_in, tables_in = collect(obj)
+    arrays: dict[str, np.ndarray] = {}
+    torch_dtypes: dict[str, str | None] = {}
+    for name, val in dense_in.items():
+        layout.check_var_name(name)
+        arrays[name], torch_dtypes[name] = _dense.to_numpy(name, val)
+    opts = {"hash_tag": hash_tag, "bucket_bits": bucket_bits, "block_rows": block_rows}
+
+    with using_store(url) as store:
+        if store.get(layout.manifest_key(tag)) is not None:
+            raise CheckpointError(
+                f"tag {tag!r} already exists in {store.url!r}; choose another tag or delete it "
+                "first with tensorkv.delete_tag"
+            )
+        if nshards > 1 and store.get(layout.shard_manifest_key(tag, shard_i)) is not None:
+            raise CheckpointError(f"shard {shard_i} of tag {tag!r} is already saved")
+        parent_doc = None
+        if incremental:
+            docs = _manifest.read_all(store)
+            if parent is not None:
+                parent_doc = _manifest.read(store, parent)
+            elif docs:
+                parent_doc = docs[_manifest.sorted_tags(docs)[-1]]
+        doc = _manifest.new_manifest(
+            tag,
+            step=step,
+            parent=None if parent_doc is None else parent_doc["tag"],
+            metadata=metadata,
+            num_shards=nshards,
+            ttl=ttl,
+        )
+        doc["kind"] = kind
+        doc["incremental"] = False
+        doc["shards"] = [shard_i]
+        pkey = layout.pending_key(tag, shard_i)
+        store.put(pkey, json.dumps(
+            {"started": time.time(), "pid": os.getpid(), "host": socket.gethostname()}
+        ).encode())
+        total = sum(a.nbytes for a in arrays.values()) + sum(
+            len(t) * _row_bytes(t) for t in tables_in.values()
+        )
+        pbar = bar(total, f"save {tag}", progress)
+        try:
+            for name, arr in arrays.items():
+                ent = _dense.describe(arr, torch_dtypes[name], chunk_bytes)
+                doc["dense"][name] = ent
+            known = referenced_chunks(store)
+            _dense.write_tensors(store, arrays, doc["dense"], known, pbar.update)
+            for name, table in tables_in.items():
+                ent = _save_table(
+                    store, tag, name, table, shard_i, nshards, parent_doc, opts, pbar.update
+                )
+                doc["tables"][name] = ent
+                if not ent["full"]:
+                    doc["incremental"] = True
+            store.flush()
+            if nshards == 1:
+                store.put(layout.manifest_key(tag), _manifest.encode_manifest(doc))
+            else:
+                store.put(layout.shard_manifest_key(tag, shard_i), _manifest.encode_manifest(doc))
+            store.flush()
+        except BaseException:
+            _cleanup_failed(store, tag, shard_i, list(tables_in), hash_tag)
+            raise
+        finally:
+            pbar.close()
+        with contextlib.suppress(Exception):
+            store.delete(pkey)
+        if nshards > 1:
+            from tensorkv.checkpoint.shards import merge_if_complete
+
+            merge_if_complete(store, tag, nshards)
+    return tag
+
+
+def _cleanup_failed(
+    store: KVStore, tag: str, shard: int, names: list[str], hash_tag: str | None
+) -> None:
+    """Best effort: remove the table data of a failed save (shared chunks are left to gc)."""
+    with contextlib.suppress(Exception):
+        for name in names:
+            store.delete_prefix(layout.table_prefix(tag, name, shard, hash_tag))
+        store.delete(layout.pending_key(tag, shard))

@@ -1,0 +1,294 @@
+"""Embedding-table rows in checkpoints: hash-bucketed blocks, key lists, removed keys.
+
+Rows come from ``table.export(chunk_rows)``. Each exported chunk is split by hash bucket (the
+top ``bucket_bits`` bits of ``splitmix64(key)``); the rows of one bucket of one chunk form a
+*block*: one record holding keys, values, slots, freq and version (see ``docs/format.md``).
+The manifest lists each block with its row count and the smallest and largest key hash in it,
+so a restore onto shard ``j`` of ``M`` reads only the blocks whose hash range overlaps the
+shard's range and never scans the store.
+"""
+
+from __future__ import annotations
+
+import struct
+import uuid
+import weakref
+from collections.abc import Iterable, Iterator
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from tensorkv.checkpoint import layout
+from tensorkv.codec import decode, encode_parts
+from tensorkv.errors import CheckpointError, CorruptRecordError
+from tensorkv.stores.base import KVStore
+
+BLOCK_MAGIC = b"TKVB"
+BLOCK_VERSION = 1
+FIELDS = ("keys", "values", "slots", "freq", "version")
+_BHEAD = struct.Struct("<4sBBHI")  # magic, version, n arrays, reserved, reserved
+DEFAULT_BLOCK_ROWS = 16384  # rows per block (see the block-size measurements in format.md)
+DEFAULT_BUCKET_BITS = 4  # 16 hash buckets per exported chunk
+KEYS_PER_PIECE = 512 * 1024  # int64 keys per key-list record (4 MiB)
+WRITE_BATCH_BYTES = 64 * 1024 * 1024
+
+
+class Rows(NamedTuple):
+    """Rows of a table as arrays (the fields of an export chunk)."""
+
+    keys: np.ndarray
+    values: np.ndarray
+    slots: np.ndarray
+    freq: np.ndarray
+    version: np.ndarray
+
+
+def as_rows(chunk: Any) -> Rows:
+    """Normalise an export chunk (NamedTuple, dataclass or tuple) to :class:`Rows`."""
+    if isinstance(chunk, tuple) and not hasattr(chunk, "keys"):
+        return Rows(*chunk[:5])
+    return Rows(*(getattr(chunk, f) for f in FIELDS))
+
+
+def take(rows: Rows, sel: Any) -> Rows:
+    """Rows selected by a boolean mask, slice or index array."""
+    return Rows(*(a[sel] for a in rows))
+
+
+# ----------------------------------------------------------------------------- records
+def encode_block(rows: Rows) -> bytes:
+    """One block record: a small header, then one tensor record per field."""
+    parts: list[Any] = []
+    lengths = []
+    for arr in rows:
+        head, payload = encode_parts(np.ascontiguousarray(arr))
+        parts += [head, payload]
+        lengths.append(len(head) + payload.nbytes)
+    head = _BHEAD.pack(BLOCK_MAGIC, BLOCK_VERSION, len(lengths), 0, 0)
+    head += struct.pack(f"<{len(lengths)}Q", *lengths)
+    return b"".join([head, *parts])
+
+
+def decode_block(buf: bytes | memoryview, what: str) -> Rows:
+    """Parse and verify a block record (zero-copy views into ``buf``)."""
+    mv = memoryview(buf)
+    if mv.nbytes < _BHEAD.size:
+        raise CorruptRecordError(f"{what} is truncated ({mv.nbytes} bytes)")
+    magic, version, n, _, _ = _BHEAD.unpack_from(mv, 0)
+    if magic != BLOCK_MAGIC or n != len(FIELDS):
+        raise CorruptRecordError(f"{what} is not a table block record (or is corrupted)")
+    if version != BLOCK_VERSION:
+        raise CheckpointError(f"{what} has block version {version}; upgrade tensorkv")
+    off = _BHEAD.size + 8 * n
+    lengths = struct.unpack_from(f"<{n}Q", mv, _BHEAD.size)
+    arrays = []
+    for field, ln in zip(FIELDS, lengths, strict=True):
+        try:
+            arrays.append(decode(mv[off : off + ln], key=f"{what} field {field}"))
+        except CorruptRecordError as exc:
+            raise CorruptRecordError(f"{what}: field {field!r} is corrupted ({exc})") from None
+        off += ln
+    if off != mv.nbytes:
+        raise CorruptRecordError(f"{what} has {mv.nbytes - off} trailing bytes")
+    rows = Rows(*arrays)
+    m = rows.keys.shape[0]
+    if any(a.shape[0] != m for a in rows):
+        raise CorruptRecordError(f"{what}: its fields have different row counts")
+    return rows
+
+
+# ----------------------------------------------------------------------------- identity
+_TOKENS: weakref.WeakKeyDictionary[Any, dict[str, int]] = weakref.WeakKeyDictionary()
+_TOKENS_BY_ID: dict[int, dict[str, int]] = {}
+
+
+def known_states(table: Any) -> dict[str, int]:
+    """The checkpoint states (state id -> mutation_seq) this table object wrote or loaded."""
+    try:
+        return _TOKENS.setdefault(table, {})
+    except TypeError:  # not weak-referenceable
+        return _TOKENS_BY_ID.setdefault(id(table), {})
+
+
+def remember_state(table: Any, seq: int) -> str:
+    """Record that ``table`` at ``seq`` equals a new checkpoint state; return its id."""
+    sid = uuid.uuid4().hex
+    known_states(table)[sid] = int(seq)
+    return sid
+
+
+def table_seq(table: Any) -> int:
+    """The table's mutation counter."""
+    return int(table.mutation_seq)
+
+
+# ----------------------------------------------------------------------------- writing
+class BlockWriter:
+    """Buffers block and key-list records and writes them in large batches."""
+
+    def __init__(self, store: KVStore, prefix: bytes, hash_tag: str | None, on_bytes: Any):
+        self.store = store
+        self.prefix = prefix
+        self.hash_tag = hash_tag
+        self.on_bytes = on_bytes
+        self._batch: list[tuple[bytes, bytes]] = []
+        self._bytes = 0
+        self.written = 0
+
+    def put(self, key: bytes, value: bytes) -> None:
+        """Queue one record."""
+        self._batch.append((key, value))
+        self._bytes += len(value)
+        if self._bytes >= WRITE_BATCH_BYTES:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write what is queued."""
+        if self._batch:
+            self.store.put_many(self._batch)
+            self.written += self._bytes
+            if self.on_bytes:
+                self.on_bytes(self._bytes)
+            self._batch, self._bytes = [], 0
+
+
+def write_blocks(
+    w: BlockWriter, chunks: Iterable[Any], bucket_bits: int, start: int = 0
+) -> tuple[list[list[int]], list[np.ndarray]]:
+    """Write rows as hash-bucketed blocks.
+
+    Returns
+    -------
+    (blocks, keys)
+        ``blocks``: manifest entries ``[bucket, n, rows, hash_min, hash_max]``;
+        ``keys``: the key arrays of the chunks, in order.
+    """
+    blocks: list[list[int]] = []
+    all_keys: list[np.ndarray] = []
+    n = start
+    nb = 1 << bucket_bits
+    for chunk in chunks:
+        rows = as_rows(chunk)
+        m = rows.keys.shape[0]
+        if m == 0:
+            continue
+        all_keys.append(np.asarray(rows.keys, dtype=np.int64))
+        h = layout.splitmix64(rows.keys)
+        if bucket_bits:
+            b = layout.bucket_of_hash(h, bucket_bits)
+            order = np.argsort(b, kind="stable")
+            rows = take(rows, order)
+            h = h[order]
+            bounds = np.searchsorted(b[order], np.arange(nb + 1))
+        else:
+            bounds = np.array([0, m])
+        for bucket in range(len(bounds) - 1):
+            lo, hi = int(bounds[bucket]), int(bounds[bucket + 1])
+            if hi == lo:
+                continue
+            part = take(rows, slice(lo, hi))
+            hs = h[lo:hi]
+            w.put(layout.block_key(w.prefix, n, bucket, w.hash_tag), encode_block(part))
+            blocks.append([bucket, n, hi - lo, int(hs.min()), int(hs.max())])
+            n += 1
+    return blocks, all_keys
+
+
+def write_key_list(w: BlockWriter, keys: np.ndarray, kind: bytes = b"k") -> int:
+    """Write a sorted int64 key array as pieces; return the number of pieces."""
+    from tensorkv.codec import encode
+
+    pieces = 0
+    for off in range(0, max(len(keys), 1), KEYS_PER_PIECE):
+        part = np.ascontiguousarray(keys[off : off + KEYS_PER_PIECE], dtype=np.int64)
+        w.put(w.prefix + kind + b"/%08d" % pieces, encode(part))
+        pieces += 1
+    return pieces
+
+
+def read_key_list(
+    store: KVStore, prefix: bytes, pieces: int, what: str, kind: bytes = b"k"
+) -> np.ndarray:
+    """Read a key list written by :func:`write_key_list`."""
+    keys = [prefix + kind + b"/%08d" % i for i in range(pieces)]
+    out = []
+    for k, v in zip(keys, store.get_many(keys) if keys else [], strict=True):
+        if v is None:
+            raise CorruptRecordError(f"{what}: key-list record {k.decode()} is missing")
+        out.append(decode(v, key=k.decode()))
+    return np.concatenate(out) if out else np.empty(0, dtype=np.int64)
+
+
+def blocks_for_shard(
+    blocks: list[list[int]], shard: int | None, num_shards: int | None
+) -> list[tuple[list[int], bool]]:
+    """The blocks a restore onto ``shard`` of ``num_shards`` needs.
+
+    Each comes with a flag saying whether it must be filtered row by row (its hash range
+    straddles a shard boundary).
+    """
+    if shard is None:
+        return [(b, False) for b in blocks]
+    assert num_shards is not None
+    out = []
+    for b in blocks:
+        lo, hi = layout.shard_of_hash(np.array([b[3], b[4]], dtype=np.uint64), num_shards)
+        if lo <= shard <= hi:
+            out.append((b, not (lo == hi == shard)))
+    return out
+
+
+def read_blocks(
+    store: KVStore,
+    prefix: bytes,
+    selected: list[tuple[list[int], bool]],
+    what: str,
+    shard: int | None,
+    num_shards: int | None,
+    hash_tag: str | None,
+    on_bytes: Any = None,
+) -> Iterator[Rows]:
+    """Read, verify and (at shard boundaries) filter the selected blocks."""
+    step = 64
+    for lo in range(0, len(selected), step):
+        group = selected[lo : lo + step]
+        keys = [layout.block_key(prefix, b[1], b[0], hash_tag) for b, _ in group]
+        for (b, filt), key, val in zip(group, keys, store.get_many(keys), strict=True):
+            name = f"{what} block {b[1]} ({key.decode()})"
+            if val is None:
+                raise CorruptRecordError(f"{name} is missing from the store; the tag is damaged")
+            rows = decode_block(val, name)
+            if rows.keys.shape[0] != b[2]:
+                raise CorruptRecordError(f"{name} holds {rows.keys.shape[0]} rows, expected {b[2]}")
+            if on_bytes:
+                on_bytes(len(val))
+            if filt:
+                assert num_shards is not None
+                mask = layout.shard_of_keys(rows.keys, num_shards) == shard
+                rows = take(rows, mask)
+            yield rows
+
+
+def record_keys(prefix: bytes, info: dict[str, Any], hash_tag: str | None) -> list[bytes]:
+    """Every record key of one table shard (blocks, key list, removed keys), in order."""
+    out = [layout.block_key(prefix, b[1], b[0], hash_tag) for b in info["blocks"]]
+    out += [prefix + b"k/%08d" % i for i in range(info.get("key_pieces", 0))]
+    out += [prefix + b"r/%08d" % i for i in range(info.get("removed_pieces", 0))]
+    return out
+
+
+def filter_keys(keys: np.ndarray, shard: int | None, num_shards: int | None) -> np.ndarray:
+    """Keys that belong to ``shard`` of ``num_shards`` (all when shard is None)."""
+    if shard is None:
+        return keys
+    assert num_shards is not None
+    return keys[layout.shard_of_keys(keys, num_shards) == shard]
+
+
+def sorted_member(sorted_hay: np.ndarray, needles: np.ndarray) -> np.ndarray:
+    """Boolean mask: which needles occur in the sorted array ``sorted_hay``."""
+    if len(sorted_hay) == 0:
+        return np.zeros(len(needles), dtype=bool)
+    pos = np.searchsorted(sorted_hay, needles)
+    pos[pos == len(sorted_hay)] = 0
+    return sorted_hay[pos] == needles

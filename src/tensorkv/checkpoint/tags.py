@@ -1,0 +1,376 @@
+"""Tags: list, latest, delete, expiry, copy (within or across stores), compact, dump/restore."""
+
+from __future__ import annotations
+
+import json
+import struct
+import time
+import uuid
+from typing import Any
+
+from tensorkv.checkpoint import layout
+from tensorkv.checkpoint import manifest as _manifest
+from tensorkv.checkpoint import tables as _tables
+from tensorkv.checkpoint.access import using_store
+from tensorkv.codec import checksum
+from tensorkv.errors import CheckpointError, CorruptRecordError
+from tensorkv.stores.base import KVStore
+
+COPY_BATCH_BYTES = 64 * 1024 * 1024
+
+
+def list_tags(url: str | KVStore, *, details: bool = False, include_expired: bool = False) -> Any:
+    """Visible tags, oldest first.
+
+    Parameters
+    ----------
+    details
+        Return dicts (tag, step, created, expires, parent, incremental, num_shards, variables,
+        tables, dense_bytes, table_rows) instead of names.
+    include_expired
+        Also list expired tags (not yet removed by gc).
+    """
+    with using_store(url) as store:
+        docs = _manifest.read_all(store, include_expired=include_expired)
+    names = _manifest.sorted_tags(docs)
+    if not details:
+        return names
+    return [summary(docs[t]) for t in names]
+
+
+def summary(doc: dict[str, Any]) -> dict[str, Any]:
+    """A short description of a manifest."""
+    return {
+        "tag": doc["tag"],
+        "step": doc.get("step"),
+        "created": doc.get("created"),
+        "expires": doc.get("expires"),
+        "parent": doc.get("parent"),
+        "incremental": bool(doc.get("incremental")),
+        "num_shards": doc.get("num_shards", 1),
+        "dense": len(doc["dense"]),
+        "tables": len(doc["tables"]),
+        "dense_bytes": sum(e["nbytes"] for e in doc["dense"].values()),
+        "table_rows": sum(
+            i["rows"] for e in doc["tables"].values() for i in e["shards"].values()
+        ),
+        "metadata": doc.get("metadata", {}),
+    }
+
+
+def latest_tag(url: str | KVStore) -> str | None:
+    """The newest visible tag, or None when there is none."""
+    names = list_tags(url)
+    return names[-1] if names else None
+
+
+def tag_info(url: str | KVStore, tag: str = "latest") -> dict[str, Any]:
+    """The manifest of a tag (a dict; see docs/format.md)."""
+    with using_store(url) as store:
+        return _manifest.read(store, tag)
+
+
+def _children(docs: dict[str, dict[str, Any]], tag: str) -> list[str]:
+    return sorted(
+        t for t, d in docs.items()
+        if d.get("parent") == tag and d.get("incremental") and t != tag
+    )
+
+
+def table_data_keys(doc: dict[str, Any]) -> list[bytes]:
+    """Every table record key a manifest owns."""
+    out: list[bytes] = []
+    for name, ent in doc["tables"].items():
+        for s, info in ent["shards"].items():
+            prefix = layout.table_prefix(
+                ent.get("data_tag", doc["tag"]), name, int(s), ent.get("hash_tag")
+            )
+            out += _tables.record_keys(prefix, info, ent.get("hash_tag"))
+    return out
+
+
+def _delete_doc(store: KVStore, doc: dict[str, Any]) -> None:
+    """Delete a tag: manifest first (invisible at once), then its data."""
+    from tensorkv.checkpoint.check import live_pending, referenced_chunks_all
+
+    tag = doc["tag"]
+    store.delete(layout.manifest_key(tag))
+    store.delete_prefix(layout.SHARD_MANIFEST + tag.encode() + b"/")
+    keys = table_data_keys(doc)
+    for i in range(0, len(keys), 4096):
+        store.delete_many(keys[i : i + 4096])
+    if not live_pending(store):
+        referenced = referenced_chunks_all(store)
+        mine = {d for e in doc["dense"].values() for d in e["chunks"]}
+        doomed = [layout.chunk_key(d) for d in sorted(mine - referenced)]
+        for i in range(0, len(doomed), 4096):
+            store.delete_many(doomed[i : i + 4096])
+
+
+def delete_tag(url: str | KVStore, tag: str, *, force: bool = False) -> None:
+    """Delete a tag and the data no other tag uses.
+
+    A tag that incremental tags build on is refused unless ``force=True`` (which compacts
+    those children first, so they stay loadable).
+    """
+    layout.check_tag(tag)
+    with using_store(url) as store:
+        raw = store.get(layout.manifest_key(tag))
+        if raw is None:
+            _manifest.read(store, tag)  # raises TagNotFoundError listing the tags
+        doc = _manifest.decode_manifest(raw, f"tag {tag!r}")
+        docs = _manifest.read_all(store, include_expired=True)
+        kids = _children(docs, tag)
+        if kids and not force:
+            raise CheckpointError(
+                f"tag {tag!r} is the parent of incremental tags {kids}; compact them first "
+                f"(tensorkv compact URL TAG) or pass force=True to compact them and delete {tag!r}"
+            )
+        for k in kids:
+            compact(store, k)
+        _delete_doc(store, doc)
+
+
+def expire_tag(url: str | KVStore, tag: str, ttl: float | None) -> None:
+    """Set (seconds from now) or clear (None) the expiry of a tag."""
+    with using_store(url) as store:
+        doc = _manifest.read(store, tag)
+        doc["expires"] = None if ttl is None else time.time() + float(ttl)
+        store.put(layout.manifest_key(doc["tag"]), _manifest.encode_manifest(doc))
+
+
+def _copy_records(src: KVStore, dst: KVStore, pairs: list[tuple[bytes, bytes]], what: str) -> None:
+    batch: list[tuple[bytes, bytes]] = []
+    size = 0
+    for lo in range(0, len(pairs), 256):
+        group = pairs[lo : lo + 256]
+        for (sk, dk), v in zip(group, src.get_many([p[0] for p in group]), strict=True):
+            if v is None:
+                raise CorruptRecordError(f"{what}: record {sk!r} is missing from the source store")
+            batch.append((dk, v))
+            size += len(v)
+            if size >= COPY_BATCH_BYTES:
+                dst.put_many(batch)
+                batch, size = [], 0
+    if batch:
+        dst.put_many(batch)
+
+
+def _materialize_table(src: KVStore, doc: dict[str, Any], name: str) -> Any:
+    from tensorkv.checkpoint.load import _build_table, _stage_table
+
+    rows, removed, _ = _stage_table(src, doc, name, None, None, None)
+    return _build_table(doc["tables"][name]["meta"], rows, removed)
+
+
+def write_copy(
+    src: KVStore, doc: dict[str, Any], dst: KVStore, dst_tag: str, *, data_tag: str | None = None
+) -> dict[str, Any]:
+    """Copy a tag's data into ``dst`` as a full tag and return the new manifest (not written).
+
+    Full tables are copied record by record; incremental chains are folded first.
+    """
+    from tensorkv.checkpoint.save import _save_table
+
+    data_tag = data_tag or dst_tag
+    new = dict(doc)
+    new.update(tag=dst_tag, parent=None, incremental=False, tables={}, created=time.time())
+    # dense chunks: content-addressed, copy only what dst lacks
+    digests = sorted({d for e in doc["dense"].values() for d in e["chunks"]})
+    if src is not dst:
+        have = dst.get_many([layout.chunk_key(d) for d in digests]) if digests else []
+        need = [layout.chunk_key(d) for d, h in zip(digests, have, strict=True) if h is None]
+        _copy_records(src, dst, [(k, k) for k in need], f"tag {doc['tag']!r}")
+    for name, ent in doc["tables"].items():
+        full = all(i.get("full", True) for i in ent["shards"].values())
+        hash_tag = ent.get("hash_tag")
+        if full:
+            pairs = []
+            for s, info in ent["shards"].items():
+                sp = layout.table_prefix(ent.get("data_tag", doc["tag"]), name, int(s), hash_tag)
+                dp = layout.table_prefix(data_tag, name, int(s), hash_tag)
+                pairs += list(zip(
+                    _tables.record_keys(sp, info, hash_tag),
+                    _tables.record_keys(dp, info, hash_tag), strict=True,
+                ))
+            _copy_records(src, dst, pairs, f"table {name!r} of tag {doc['tag']!r}")
+            new["tables"][name] = {**ent, "data_tag": data_tag}
+        else:
+            table = _materialize_table(src, doc, name)
+            opts = {"hash_tag": hash_tag, "bucket_bits": ent.get("bucket_bits", 4),
+                    "block_rows": _tables.DEFAULT_BLOCK_ROWS}
+            nent = _save_table(dst, data_tag, name, table, 0, 1, None, opts, None)
+            nent["meta"] = ent["meta"]
+            nent["data_tag"] = data_tag
+            new["tables"][name] = nent
+    return new
+
+
+def copy_tag(
+    url: str | KVStore, src_tag: str, dst_tag: str | None = None, *,
+    dst_url: str | KVStore | None = None,
+) -> str:
+    """Copy a tag to a new tag in the same store or into another store.
+
+    Parameters
+    ----------
+    url
+        Source store.
+    src_tag
+        Tag to copy (``"latest"`` works).
+    dst_tag
+        New tag name (default: the source tag's name; required when copying within a store).
+    dst_url
+        Destination store (default: the source store).
+
+    Returns
+    -------
+    str
+        The new tag. Incremental tags are folded into a full tag on the way.
+    """
+    with using_store(url) as src:
+        doc = _manifest.read(src, src_tag)
+        dst_tag = layout.check_tag(dst_tag or doc["tag"])
+        if dst_url is None:
+            if dst_tag == doc["tag"]:
+                raise CheckpointError(f"copying tag {dst_tag!r} onto itself; give dst_tag=")
+            _copy_into(src, doc, src, dst_tag)
+        else:
+            with using_store(dst_url) as dst:
+                _copy_into(src, doc, dst, dst_tag)
+    return dst_tag
+
+
+def _copy_into(src: KVStore, doc: dict[str, Any], dst: KVStore, dst_tag: str) -> None:
+    if dst.get(layout.manifest_key(dst_tag)) is not None:
+        raise CheckpointError(f"tag {dst_tag!r} already exists in {dst.url!r}; delete it first")
+    new = write_copy(src, doc, dst, dst_tag)
+    dst.flush()
+    dst.put(layout.manifest_key(dst_tag), _manifest.encode_manifest(new))
+    dst.flush()
+
+
+def compact(url: str | KVStore, tag: str) -> dict[str, Any]:
+    """Fold an incremental chain into a full tag (same name); the parents stay untouched.
+
+    Returns the new manifest. A full tag is left as it is.
+    """
+    with using_store(url) as store:
+        doc = _manifest.read(store, tag)
+        if not doc.get("incremental"):
+            return doc
+        data_tag = f"{doc['tag']}~{uuid.uuid4().hex[:8]}"
+        pkey = layout.pending_key(data_tag, 0)
+        store.put(pkey, json.dumps({"started": time.time(), "compact": doc["tag"]}).encode())
+        new = write_copy(store, doc, store, doc["tag"], data_tag=data_tag)
+        new["compacted_from"] = doc.get("parent")
+        new["created"] = doc["created"]  # keep its place in the tag order
+        store.flush()
+        store.put(layout.manifest_key(doc["tag"]), _manifest.encode_manifest(new))
+        store.flush()
+        store.delete(pkey)
+        keys = table_data_keys(doc)
+        for i in range(0, len(keys), 4096):
+            store.delete_many(keys[i : i + 4096])
+        return new
+
+
+# ----------------------------------------------------------------------------- dump files
+DUMP_MAGIC = b"TKVDUMP\x00"
+DUMP_VERSION = 1
+_REC = struct.Struct("<IQQ")  # key length, value length, xxh3-64 of the value
+
+
+def dump_tag(url: str | KVStore, tag: str, path: str) -> int:
+    r"""Write one tag (folded into a full tag) to a single file; return bytes written.
+
+    The file is ``b"TKVDUMP\\0"``, a uint32 version, then records ``(uint32 key length,
+    uint64 value length, uint64 xxh3-64 of the value, key, value)``; the last record is the
+    manifest, followed by a record with key length 0 (end marker). Works for every backend.
+    """
+    from tensorkv.stores.memory import MemoryStore
+
+    with using_store(url) as store:
+        doc = _manifest.read(store, tag)
+        tmp = MemoryStore()
+        if doc.get("incremental"):
+            new = write_copy(store, doc, tmp, doc["tag"])
+            src: KVStore = tmp
+        else:
+            new, src = doc, store
+        written = 0
+        with open(path, "wb") as f:
+            f.write(DUMP_MAGIC + struct.pack("<I", DUMP_VERSION))
+            keys = [layout.chunk_key(d) for d in
+                    sorted({d for e in new["dense"].values() for d in e["chunks"]})]
+            keys += table_data_keys(new)
+            for lo in range(0, len(keys), 64):
+                group = keys[lo : lo + 64]
+                for k, v in zip(group, src.get_many(group), strict=True):
+                    if v is None:
+                        raise CorruptRecordError(f"tag {tag!r}: record {k!r} is missing")
+                    f.write(_REC.pack(len(k), len(v), checksum(v)))
+                    f.write(k)
+                    f.write(v)
+                    written += len(v)
+            m = _manifest.encode_manifest(new)
+            mk = layout.manifest_key(new["tag"])
+            f.write(_REC.pack(len(mk), len(m), checksum(m)) + mk + m)
+            f.write(_REC.pack(0, 0, 0))
+            f.flush()
+        tmp.close()
+    return written
+
+
+def restore_tag(path: str, url: str | KVStore, tag: str | None = None) -> str:
+    """Restore a tag written by :func:`dump_tag` into a store (optionally under a new name).
+
+    The whole file is verified (checksums, end marker) before the manifest is written.
+    """
+    with open(path, "rb") as f:
+        head = f.read(len(DUMP_MAGIC) + 4)
+        if head[: len(DUMP_MAGIC)] != DUMP_MAGIC:
+            raise CorruptRecordError(f"{path!r} is not a tensorkv tag dump")
+        (version,) = struct.unpack("<I", head[len(DUMP_MAGIC):])
+        if version != DUMP_VERSION:
+            raise CheckpointError(f"{path!r} has dump version {version}; upgrade tensorkv")
+        records: list[tuple[bytes, bytes]] = []
+        while True:
+            rh = f.read(_REC.size)
+            if len(rh) < _REC.size:
+                raise CorruptRecordError(f"{path!r} is truncated (no end marker)")
+            kl, vl, digest = _REC.unpack(rh)
+            if kl == 0:
+                break
+            k = f.read(kl)
+            v = f.read(vl)
+            if len(k) != kl or len(v) != vl:
+                raise CorruptRecordError(f"{path!r} is truncated inside record {k!r}")
+            if checksum(v) != digest:
+                raise CorruptRecordError(f"{path!r}: record {k!r} fails its checksum")
+            records.append((k, v))
+    if not records or not records[-1][0].startswith(layout.MANIFEST):
+        raise CorruptRecordError(f"{path!r} does not end with a manifest")
+    doc = _manifest.decode_manifest(records[-1][1], f"the dump {path!r}")
+    new_tag = layout.check_tag(tag or doc["tag"])
+    data = dict(records[:-1])
+    with using_store(url) as store:
+        if store.get(layout.manifest_key(new_tag)) is not None:
+            raise CheckpointError(f"tag {new_tag!r} already exists in {store.url!r}")
+        mem_src = _DictSource(data)
+        new = write_copy(mem_src, doc, store, new_tag)  # type: ignore[arg-type]
+        new["restored_from"] = path
+        store.flush()
+        store.put(layout.manifest_key(new_tag), _manifest.encode_manifest(new))
+        store.flush()
+    return new_tag
+
+
+class _DictSource:
+    """A read-only view of dump records with the get_many of a KVStore."""
+
+    def __init__(self, data: dict[bytes, bytes]) -> None:
+        self.data = data
+
+    def get_many(self, keys: list[bytes]) -> list[bytes | None]:
+        return [self.data.get(k) for k in keys]

@@ -1,0 +1,1 @@
+"""The ``tensorkv`` command line: ``demo``, ``bench``, ``stores`` and the checkpoint tools."""

@@ -1,0 +1,121 @@
+"""Checkpoint commands of the ``tensorkv`` CLI: tags, check, gc, compact."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import click
+
+from tensorkv.errors import TensorKVError
+
+
+def _fail(exc: Exception) -> None:
+    raise click.ClickException(str(exc)) from exc
+
+
+def _when(t: float | None) -> str:
+    return "-" if t is None else time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(t))
+
+
+@click.command("tags")
+@click.argument("url")
+@click.option("--all", "include_expired", is_flag=True, help="Also list expired tags.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def tags_cmd(url: str, include_expired: bool, as_json: bool) -> None:
+    """List the checkpoint tags in the store at URL, oldest first."""
+    from tensorkv.checkpoint import list_tags
+
+    try:
+        rows = list_tags(url, details=True, include_expired=include_expired)
+    except TensorKVError as exc:
+        _fail(exc)
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    if not rows:
+        click.echo("no tags")
+        return
+    click.echo(f"{'tag':24} {'step':>8} {'created (UTC)':19} {'parent':16} {'MB dense':>9} "
+               f"{'rows':>10} expires")
+    for r in rows:
+        kind = f"{r['parent']}+" if r["incremental"] else "-"
+        click.echo(
+            f"{r['tag']:24} {str(r['step'] if r['step'] is not None else '-'):>8} "
+            f"{_when(r['created']):19} {kind:16} {r['dense_bytes'] / 1e6:9.1f} "
+            f"{r['table_rows']:10d} {_when(r['expires'])}"
+        )
+
+
+def _print_report(rep: dict, removed: bool) -> None:
+    click.echo(f"tags: {len(rep['tags'])}  expired: {len(rep['expired'])}  "
+               f"incomplete sharded saves: {len(rep['incomplete'])}")
+    for p in rep["pending"]:
+        click.echo(f"pending save: tag {p['tag']!r} shard {p['shard']} started "
+                   f"{p['age']:.0f} s ago")
+    click.echo(f"orphaned records: {rep['orphan_keys']} ({rep['orphan_bytes'] / 1e6:.1f} MB)")
+    for c in rep["corrupt"]:
+        click.echo(f"CORRUPT: {c}")
+    if removed:
+        click.echo(f"removed: {rep['removed_keys']} records, tags {rep['removed_tags']}")
+
+
+@click.command("check")
+@click.argument("url")
+@click.option("--verify", is_flag=True, help="Read every tag and verify every checksum.")
+@click.option("--grace", type=float, default=None,
+              help="Seconds a pending save is presumed alive (default 3600).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def check_cmd(url: str, verify: bool, grace: float | None, as_json: bool) -> None:
+    """Check the checkpoints at URL: orphaned data, expired tags, corruption (--verify).
+
+    Exits with status 1 when orphaned or corrupted data is found.
+    """
+    from tensorkv.checkpoint import check
+
+    try:
+        rep = check(url, verify=verify, grace=grace)
+    except TensorKVError as exc:
+        _fail(exc)
+    d = rep.as_dict()
+    if as_json:
+        click.echo(json.dumps(d, indent=2))
+    else:
+        _print_report(d, removed=False)
+        if d["orphan_keys"]:
+            click.echo(f"run `tensorkv gc {url}` to remove the orphaned records")
+    if not rep.ok:
+        raise SystemExit(1)
+
+
+@click.command("gc")
+@click.argument("url")
+@click.option("--grace", type=float, default=None,
+              help="Leave data of saves started less than this many seconds ago (default 3600).")
+@click.option("--dry-run", is_flag=True, help="Report what would be removed; remove nothing.")
+def gc_cmd(url: str, grace: float | None, dry_run: bool) -> None:
+    """Remove expired tags and data no tag references from the store at URL."""
+    from tensorkv.checkpoint import gc
+
+    try:
+        rep = gc(url, grace=grace, dry_run=dry_run)
+    except TensorKVError as exc:
+        _fail(exc)
+    _print_report(rep.as_dict(), removed=not dry_run)
+
+
+@click.command("compact")
+@click.argument("url")
+@click.argument("tag")
+def compact_cmd(url: str, tag: str) -> None:
+    """Fold the incremental chain of TAG into a full tag (its parents are kept)."""
+    from tensorkv.checkpoint import compact
+
+    try:
+        doc = compact(url, tag)
+    except TensorKVError as exc:
+        _fail(exc)
+    click.echo(f"tag {doc['tag']!r} is a full tag")
+
+
+COMMANDS = [tags_cmd, check_cmd, gc_cmd, compact_cmd]

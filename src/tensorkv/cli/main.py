@@ -1,0 +1,120 @@
+"""Entry point of the ``tensorkv`` command (``tensorkv --help`` lists the subcommands)."""
+
+from __future__ import annotations
+
+import importlib
+import re
+import sys
+
+import click
+
+from tensorkv import __version__
+from tensorkv.cli.bench_cmd import bench
+from tensorkv.cli.demo import demo
+from tensorkv.errors import MissingDependencyError
+from tensorkv.stores import Capabilities, schemes
+from tensorkv.stores.registry import backend_class
+
+_FLAGS = (
+    ("ordered_scans", "ordered"),
+    ("atomic_batches", "atomic"),
+    ("durable_on_return", "durable"),
+    ("multi_process", "shared"),
+    ("distributed", "distributed"),
+)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, "-V", "--version", prog_name="tensorkv")
+def main() -> None:
+    """tensorkv: deep-learning parameters in key-value storage.
+
+    Dynamic embedding tables and checkpoints in LMDB, RocksDB, LevelDB or Redis.
+    Start with `tensorkv demo`.
+    """
+
+
+def scheme_capabilities(scheme: str) -> Capabilities:
+    """The capability flags of the backend serving ``scheme`` (imports the backend).
+
+    A backend whose guarantees depend on the scheme (Redis Cluster is distributed and
+    without cross-slot transactions) may expose ``capabilities_for(scheme)``.
+    """
+    cls = backend_class(scheme)
+    per_scheme = getattr(cls, "capabilities_for", None)
+    if per_scheme is not None:
+        return per_scheme(scheme)
+    if "+cluster" in scheme:  # RedisStore sets cluster flags per instance
+        module = sys.modules[cls.__module__]
+        caps = getattr(module, "CLUSTER_CAPABILITIES", None) or getattr(
+            module, "_CLUSTER_CAPS", None
+        )
+        if caps is not None:
+            return caps
+    return cls.capabilities
+
+
+def backend_rows() -> list[dict[str, object]]:
+    """One row per registered URL scheme: class, dependency status and capability flags."""
+    rows: list[dict[str, object]] = []
+    for scheme in schemes():
+        row: dict[str, object] = {"scheme": scheme, "backend": "", "status": "ok"}
+        try:
+            cls = backend_class(scheme)
+        except MissingDependencyError as exc:
+            m = re.search(r"tensorkv\[[\w,]+\]", str(exc))
+            row["status"] = f'missing: pip install "{m.group(0)}"' if m else f"missing: {exc}"
+        except ImportError as exc:
+            row["status"] = f"unavailable: {exc}"
+        else:
+            row["backend"] = cls.__name__
+            row.update(scheme_capabilities(scheme).as_dict())
+        rows.append(row)
+    return rows
+
+
+@click.command()
+def stores() -> None:
+    """List the store URL schemes, whether each backend can load, and what it guarantees.
+
+    Columns: ordered = scans in key order, atomic = batches all-or-nothing, durable = on disk
+    when a write returns, shared = several processes at once, distributed = spans machines.
+    """
+    rows = backend_rows()
+    head = ["scheme", "backend", *[short for _, short in _FLAGS], "dependency"]
+    table = []
+    for r in rows:
+        flags = [
+            ("-" if f not in r else ("yes" if r[f] else "no")) for f, _ in _FLAGS
+        ]
+        table.append([f"{r['scheme']}://", str(r["backend"]) or "-", *flags, str(r["status"])])
+    widths = [max(len(head[i]), *(len(t[i]) for t in table)) for i in range(len(head))]
+    click.secho("  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)), bold=True)
+    for t in table:
+        cells = []
+        for i, (c, w) in enumerate(zip(t, widths, strict=True)):
+            text = c.ljust(w)
+            if i == len(t) - 1:
+                text = click.style(c, fg="green" if c == "ok" else "yellow")
+            elif c == "yes":
+                text = click.style(text, fg="green")
+            cells.append(text)
+        click.echo("  ".join(cells).rstrip())
+
+
+main.add_command(demo)
+main.add_command(bench)
+main.add_command(stores)
+
+try:  # checkpoint tools live in their own module, added when it exists
+    checkpoint_cmds = importlib.import_module("tensorkv.cli.checkpoint_cmds")
+except ImportError as exc:  # tolerate only the module's absence, not a broken import
+    if exc.name != "tensorkv.cli.checkpoint_cmds":
+        raise
+else:
+    for _cmd in checkpoint_cmds.COMMANDS:
+        main.add_command(_cmd)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

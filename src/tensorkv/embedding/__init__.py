@@ -1,0 +1,52 @@
+"""Dynamic embedding tables.
+
+:class:`EmbeddingTable` is the public object; :class:`RowArena` is its row storage (tier 0);
+initializers, sparse optimizers, admission filters and eviction policies plug into it.
+"""
+
+from tensorkv.embedding.arena import RowArena
+from tensorkv.embedding.filters import BloomFilter, CounterFilter, Eviction
+from tensorkv.embedding.initializers import (
+    Constant,
+    Initializer,
+    Normal,
+    TruncatedNormal,
+    Uniform,
+    Zeros,
+    get_initializer,
+)
+from tensorkv.embedding.optimizers import (
+    FTRL,
+    SGD,
+    Adagrad,
+    Adam,
+    AdamW,
+    Optimizer,
+    RMSProp,
+    get_optimizer,
+)
+from tensorkv.embedding.table import EmbeddingTable, ExportChunk
+
+__all__ = [
+    "FTRL",
+    "SGD",
+    "Adagrad",
+    "Adam",
+    "AdamW",
+    "BloomFilter",
+    "Constant",
+    "CounterFilter",
+    "EmbeddingTable",
+    "Eviction",
+    "ExportChunk",
+    "Initializer",
+    "Normal",
+    "Optimizer",
+    "RMSProp",
+    "RowArena",
+    "TruncatedNormal",
+    "Uniform",
+    "Zeros",
+    "get_initializer",
+    "get_optimizer",
+]

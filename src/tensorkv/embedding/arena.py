@@ -1,0 +1,269 @@
+"""Row storage: a hash index plus a row arena as one object (tier 0 of a table).
+
+:class:`RowArena` maps int64 keys to rows of contiguous arrays -- the value (``dim`` columns),
+the optimizer slots (``slot_width`` columns), and per-row metadata (frequency, last-update
+step ``version``, change sequence ``seq``, the row's key, a live flag). It knows nothing of
+optimizers, admission or eviction: :class:`~tensorkv.embedding.table.EmbeddingTable` holds that
+logic and uses this class's vectorised API (find / insert / remove / gather / scatter / iterate).
+The caller serialises mutations; reads of present keys may run concurrently with each other.
+
+Growth
+------
+The index doubles (full rehash, amortised O(1) per insert) when its load factor would pass
+``max_load``. Row arrays grow by ``ROW_GROWTH`` (1.25x) in place with ``ndarray.resize`` --
+``realloc``, which for large blocks remaps pages instead of copying -- so allocated but unused
+rows stay under 25 % while growth stays cheap. Removed rows are reused through a free list.
+
+Memory per key beyond value + slot bytes: 33 bytes of row metadata (freq 8, version 8, seq 8,
+key 8, live 1) plus 16 bytes per index slot times ``slots / keys`` (2 to 4 at
+``max_load = 0.5``), plus the unused share of the row capacity.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+
+from tensorkv import config
+from tensorkv.errors import CapacityError
+from tensorkv.kernels import arena as ak
+from tensorkv.kernels import hashindex as hk
+
+ROW_GROWTH = 1.25  # row capacity multiplier on growth
+
+
+def _pow2_at_least(n: int) -> int:
+    p = 16
+    while p < n:
+        p *= 2
+    return p
+
+
+class RowArena:
+    """Hash index + row arena with per-row metadata.
+
+    Parameters
+    ----------
+    dim
+        Columns of a value row.
+    slot_width
+        Columns of the slot row (``num_slots * dim``; 0 for SGD).
+    capacity
+        Initial row capacity; with ``growth=False`` the most rows ever held.
+    growth
+        Whether the arena may grow past ``capacity``.
+    max_load
+        Index load factor (keys / slots) that triggers doubling.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        slot_width: int = 0,
+        *,
+        capacity: int | None = None,
+        growth: bool = True,
+        max_load: float = config.TABLE_MAX_LOAD_FACTOR,
+    ) -> None:
+        self.dim = int(dim)
+        self.slot_width = int(slot_width)
+        self.growth = bool(growth)
+        self.max_load = float(max_load)
+        self.max_rows = int(capacity) if capacity is not None else None
+        self._initial = int(capacity) if capacity is not None else config.TABLE_INITIAL_CAPACITY
+        self._alloc(self._initial)
+
+    # --- allocation ---------------------------------------------------------------------------
+    def _alloc(self, cap: int) -> None:
+        cap = max(int(cap), 1)
+        self.values = np.zeros((cap, self.dim), np.float32)
+        self.slots = np.zeros((cap, self.slot_width), np.float32)
+        self.freq = np.zeros(cap, np.int64)
+        self.version = np.zeros(cap, np.int64)
+        self.seq = np.zeros(cap, np.int64)
+        self.row_key = np.zeros(cap, np.int64)
+        self.live = np.zeros(cap, np.uint8)
+        n_slots = _pow2_at_least(int(cap / self.max_load) + 1)
+        self.slot_keys, self.slot_rows = hk.new_index(n_slots)
+        self.state = np.array([0, 0, -1, 0], np.int64)
+
+    @property
+    def capacity(self) -> int:
+        """Rows allocated."""
+        return int(self.values.shape[0])
+
+    @property
+    def n_slots(self) -> int:
+        """Hash index slots."""
+        return int(self.slot_keys.shape[0])
+
+    @property
+    def high_water(self) -> int:
+        """One past the highest row ever used (rows below it are live or on the free list)."""
+        return int(self.state[hk.NEXT_ROW])
+
+    def __len__(self) -> int:
+        return int(self.state[hk.SIZE])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by every array of the arena and index."""
+        arrays = (self.values, self.slots, self.freq, self.version, self.seq, self.row_key,
+                  self.live, self.slot_keys, self.slot_rows, self.state)
+        return int(sum(a.nbytes for a in arrays))
+
+    def _grow_rows(self, need: int) -> None:
+        cap = self.capacity
+        new = max(need, int(cap * ROW_GROWTH) + 1)
+        if self.max_rows is not None and not self.growth:
+            new = min(new, self.max_rows)
+        for name in ("values", "slots"):
+            arr = getattr(self, name)
+            arr.resize((new, arr.shape[1]), refcheck=False)
+        for name in ("freq", "version", "seq", "row_key", "live"):
+            getattr(self, name).resize(new, refcheck=False)
+
+    def _grow_index(self, need_keys: int) -> None:
+        n_slots = self.n_slots
+        while need_keys > int(n_slots * self.max_load):
+            n_slots *= 2
+        if n_slots == self.n_slots:
+            return
+        new_keys, new_rows = hk.new_index(n_slots)
+        hk.index_rehash(self.slot_keys, self.slot_rows, new_keys, new_rows)
+        self.slot_keys, self.slot_rows = new_keys, new_rows
+
+    def reserve(self, n_keys: int) -> None:
+        """Make room for ``n_keys`` keys in total without further growth."""
+        if n_keys > self.capacity:
+            self._grow_rows(n_keys)
+        self._grow_index(n_keys)
+
+    def check_room(self, n_new: int) -> None:
+        """Raise :class:`CapacityError` when ``n_new`` more keys do not fit and growth is off."""
+        if self.growth or self.max_rows is None:
+            return
+        if len(self) + n_new > self.max_rows:
+            raise CapacityError(
+                f"the table holds {len(self)} rows and may hold at most capacity="
+                f"{self.max_rows}; inserting {n_new} new keys would need {len(self) + n_new} "
+                "rows. Create it with a larger capacity or growth=True, or evict rows first"
+            )
+
+    # --- vectorised API -----------------------------------------------------------------------
+    def find(self, keys: np.ndarray) -> np.ndarray:
+        """Row of each key, ``-1`` where absent."""
+        rows = np.empty(keys.shape[0], np.int64)
+        hk.index_find(self.slot_keys, self.slot_rows, keys, rows)
+        return rows
+
+    def find_gather(self, keys: np.ndarray, out: np.ndarray) -> tuple[np.ndarray, int]:
+        """Rows of ``keys`` and their values copied into ``out``; returns (rows, misses)."""
+        rows = np.empty(keys.shape[0], np.int64)
+        misses = ak.find_gather(self.slot_keys, self.slot_rows, keys, self.values, out, rows)
+        return rows, int(misses)
+
+    def insert(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Find-or-insert ``keys``; returns ``(rows, is_new)``.
+
+        New rows have undefined values/slots and zero metadata: the caller initialises them.
+        Call :meth:`check_room` first when growth is off.
+        """
+        n = keys.shape[0]
+        rows = np.empty(n, np.int64)
+        is_new = np.zeros(n, np.bool_)
+        pos = 0
+        while True:
+            max_size = int(self.n_slots * self.max_load)
+            pos = hk.index_insert(
+                self.slot_keys, self.slot_rows, keys, pos, rows, is_new, self.state,
+                self.row_key, self.live, max_size, self.capacity,
+            )
+            if pos >= n:
+                break
+            if len(self) >= max_size:
+                self._grow_index(max_size + 1)  # doubles
+            else:
+                if not self.growth and self.max_rows is not None and \
+                        self.capacity >= self.max_rows:
+                    raise CapacityError(
+                        f"capacity={self.max_rows} rows reached with growth=False"
+                    )
+                # room for the rest of the batch at once (an upper bound: some may exist)
+                need = self.high_water + (n - pos) - int(self.state[hk.N_FREE])
+                if self.max_rows is not None and not self.growth:
+                    need = min(need, self.max_rows)
+                self._grow_rows(max(need, self.capacity + 1))
+        new_rows = rows[is_new]
+        self.freq[new_rows] = 0
+        return rows, is_new
+
+    def remove(self, keys: np.ndarray) -> np.ndarray:
+        """Remove keys; returns the freed row of each key (``-1`` where it was absent)."""
+        rows = np.empty(keys.shape[0], np.int64)
+        hk.index_remove(self.slot_keys, self.slot_rows, keys, rows, self.state, self.row_key,
+                        self.live)
+        return rows
+
+    def gather(self, rows: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """Copy of the value rows (``-1`` rows left as in ``out`` / zero)."""
+        if out is None:
+            out = np.zeros((rows.shape[0], self.dim), np.float32)
+        ak.gather_rows(self.values, rows, out)
+        return out
+
+    def gather_slots(self, rows: np.ndarray) -> np.ndarray:
+        """Copy of the slot rows."""
+        out = np.zeros((rows.shape[0], self.slot_width), np.float32)
+        if self.slot_width:
+            ak.gather_rows(self.slots, rows, out)
+        return out
+
+    def scatter(self, rows: np.ndarray, values: np.ndarray) -> None:
+        """Write value rows (in order; a later duplicate wins)."""
+        ak.scatter_rows(self.values, rows, values)
+
+    def scatter_slots(self, rows: np.ndarray, slots: np.ndarray) -> None:
+        """Write slot rows."""
+        if self.slot_width:
+            ak.scatter_rows(self.slots, rows, slots)
+
+    def keys(self) -> np.ndarray:
+        """All stored keys, in row order."""
+        hw = self.high_water
+        return self.row_key[:hw][self.live[:hw].view(np.bool_)].copy()
+
+    def iterate(self, chunk_rows: int = 65536, since: int = -1) -> Iterator[np.ndarray]:
+        """Yield arrays of live rows (row order) whose change sequence is ``> since``.
+
+        Every yielded array is non-empty and has at most ``chunk_rows`` rows.
+        """
+        start = 0
+        hw = self.high_water
+        pending: list[np.ndarray] = []
+        n_pending = 0
+        while start < hw:
+            stop = min(hw, start + chunk_rows)
+            rows = ak.live_rows(self.live, self.seq, start, stop, since)
+            start = stop
+            if rows.size:
+                pending.append(rows)
+                n_pending += rows.size
+            while n_pending >= chunk_rows:
+                cat = np.concatenate(pending)
+                yield cat[:chunk_rows]
+                rest = cat[chunk_rows:]
+                pending = [rest] if rest.size else []
+                n_pending = rest.size
+        if n_pending:
+            yield np.concatenate(pending)
+
+    def clear(self) -> None:
+        """Drop every key and shrink back to the initial capacity."""
+        self._alloc(self._initial)
+
+    def probe_stats(self) -> tuple[float, int]:
+        """(mean, max) probe length of stored keys."""
+        mean, worst = hk.index_probe_stats(self.slot_keys, self.slot_rows)
+        return float(mean), int(worst)

@@ -1,0 +1,712 @@
+"""EmbeddingTable: a single-process dynamic embedding table.
+
+No fixed vocabulary: a row appears the first time its key is looked up (subject to an admission
+filter), trains with a sparse optimizer, and may be evicted. Row storage is a
+:class:`~tensorkv.embedding.arena.RowArena` (hash index + contiguous rows); this module adds the
+table logic on top: key normalisation, initialisation, optimizer calls, admission, eviction,
+statistics, export/import and locking.
+
+Concurrency
+-----------
+A readers-writer lock guards the arena. Lookups of keys that are all present run under the
+shared lock, so several threads gather in parallel (the numba kernels release the GIL);
+inserts, gradient updates, removals, imports and evictions take the exclusive lock. Frequency
+counters and hit/miss statistics bumped by concurrent lookups are serialised by a small
+separate mutex, so they stay exact.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from tensorkv.embedding.arena import RowArena
+from tensorkv.embedding.filters import AdmissionFilter, Eviction, admission_from_config
+from tensorkv.embedding.initializers import Initializer, get_initializer
+from tensorkv.embedding.optimizers import get_optimizer
+from tensorkv.errors import ConfigError, NonFiniteGradientError, ShapeError
+from tensorkv.kernels import arena as ak
+from tensorkv.kernels.hashing import hash_keys
+
+META_FORMAT = 1
+
+
+class ExportChunk(NamedTuple):
+    """Rows exported from a table (see :meth:`EmbeddingTable.export`)."""
+
+    keys: np.ndarray  #: int64 [m]
+    values: np.ndarray  #: float32 [m, dim]
+    slots: np.ndarray  #: float32 [m, num_slots * dim]
+    freq: np.ndarray  #: int64 [m]
+    version: np.ndarray  #: int64 [m], last-update step
+    seq: np.ndarray  #: int64 [m], mutation sequence of the row's last change
+
+
+class RWLock:
+    """A writer-preferring readers-writer lock."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._readers = 0
+        self._writer = False
+        self._waiting_writers = 0
+
+    @contextmanager
+    def read(self) -> Iterator[None]:
+        """Shared section."""
+        with self._cond:
+            while self._writer or self._waiting_writers:
+                self._cond.wait()
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._readers -= 1
+                if self._readers == 0:
+                    self._cond.notify_all()
+
+    @contextmanager
+    def write(self) -> Iterator[None]:
+        """Exclusive section."""
+        with self._cond:
+            self._waiting_writers += 1
+            while self._writer or self._readers:
+                self._cond.wait()
+            self._waiting_writers -= 1
+            self._writer = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._writer = False
+                self._cond.notify_all()
+
+
+_STAT_NAMES = ("hits", "misses", "inserts", "collisions", "evictions", "admissions_rejected",
+               "gradients_dropped", "nonfinite_skipped", "removed")
+
+
+class EmbeddingTable:
+    """A dynamic embedding table: int64 (or hashed str/bytes) keys -> float32 rows of ``dim``.
+
+    Parameters
+    ----------
+    dim
+        Row width (> 0).
+    dtype
+        Storage dtype; ``"float32"``.
+    initializer
+        Initial value of a new key: an :class:`Initializer`, a name (``"normal"``...) or a
+        config dict; default ``TruncatedNormal(std=0.05)``. A pure function of
+        (``seed``, key, column).
+    optimizer
+        A sparse optimizer from :mod:`tensorkv.embedding.optimizers`, a name or a config;
+        default SGD(lr=0.01).
+    admission
+        ``None`` (every key admitted), :class:`CounterFilter` or :class:`BloomFilter`.
+    eviction
+        ``None`` or an :class:`Eviction` policy.
+    capacity
+        Initial row capacity; with ``growth=False`` the most rows the table may hold.
+    seed
+        Seed of the initializer.
+    default_value
+        Value returned for keys without a row (``lookup(insert=False)`` of unseen keys,
+        keys not yet admitted): ``None`` -> the key's initial value, a float, or a ``[dim]``
+        vector.
+    nan_policy
+        ``"raise"``: gradients with NaN/Inf raise :class:`NonFiniteGradientError` and change
+        nothing; ``"skip"``: the keys with non-finite gradients are left unchanged and counted.
+    growth
+        Whether the table may grow past ``capacity``.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        *,
+        dtype: str = "float32",
+        initializer: Initializer | str | dict | None = None,
+        optimizer: Any = None,
+        admission: AdmissionFilter | dict | None = None,
+        eviction: Eviction | dict | None = None,
+        capacity: int | None = None,
+        seed: int = 0,
+        default_value: float | Sequence[float] | np.ndarray | None = None,
+        nan_policy: str = "raise",
+        growth: bool = True,
+    ) -> None:
+        if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)) or dim <= 0:
+            raise ShapeError(f"dim={dim!r} must be a positive integer, e.g. dim=64")
+        self.dim = int(dim)
+        if dtype not in ("float32", np.float32) and str(dtype) != "float32":
+            raise ConfigError(f"dtype={dtype!r} is not supported; use dtype='float32'")
+        self.dtype = "float32"
+        if nan_policy not in ("raise", "skip"):
+            raise ConfigError(f"nan_policy={nan_policy!r} must be 'raise' or 'skip'")
+        self.nan_policy = nan_policy
+        if capacity is not None and (isinstance(capacity, bool) or
+                                     not isinstance(capacity, (int, np.integer)) or capacity < 1):
+            raise ConfigError(f"capacity={capacity!r} must be a positive integer or None")
+        if not growth and capacity is None:
+            raise ConfigError("growth=False needs capacity=N, the most rows the table may hold")
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+            raise ConfigError(f"seed={seed!r} must be an integer")
+        self.seed = int(seed)
+        self.initializer = get_initializer(initializer)
+        self.optimizer = get_optimizer(optimizer)
+        self.admission = admission_from_config(admission)
+        self.eviction = Eviction.from_config(eviction)
+        self.capacity_limit = None if capacity is None else int(capacity)
+        self.growth = bool(growth)
+        self._default = self._check_default(default_value)
+        self._slot_init = np.asarray(self.optimizer.slot_initial_values(), np.float32)
+        self.num_slots = len(self.optimizer.slot_names())
+        self._arena = RowArena(self.dim, self.num_slots * self.dim, capacity=capacity,
+                               growth=growth)
+        self._lock = RWLock()
+        self._meta_lock = threading.Lock()
+        self._step = 0
+        self._mseq = 0
+        self._stats = dict.fromkeys(_STAT_NAMES, 0)
+
+    # --- input normalisation ------------------------------------------------------------------
+    def _check_default(self, default):
+        if default is None:
+            return None
+        arr = np.asarray(default, dtype=np.float32)
+        if arr.ndim == 0:
+            arr = np.full(self.dim, float(arr), np.float32)
+        if arr.shape != (self.dim,):
+            raise ShapeError(
+                f"default_value has shape {arr.shape}; give a float or a vector of dim={self.dim}"
+            )
+        return arr
+
+    def _as_keys(self, keys: Any) -> np.ndarray:
+        """Normalise keys to a 1-D C-contiguous int64 array (hashing str/bytes keys)."""
+        if isinstance(keys, (str, bytes, int, np.integer)):
+            raise ShapeError(
+                f"keys={keys!r} is a single key; pass a 1-D array or list of keys, e.g. [{keys!r}]"
+            )
+        if not isinstance(keys, np.ndarray):
+            if isinstance(keys, (list, tuple)) and keys and isinstance(keys[0], (str, bytes)):
+                return self._hash_strings(keys)
+            try:
+                keys = np.asarray(keys)
+            except (ValueError, OverflowError) as e:
+                raise ShapeError(f"keys could not be read as an array ({e}); pass a 1-D int64 "
+                                 "array or a list of str/bytes") from None
+            if keys.size == 0:
+                keys = keys.astype(np.int64)
+        if keys.ndim != 1:
+            raise ShapeError(
+                f"keys have shape {keys.shape}; pass a 1-D array of keys (use keys.ravel() and "
+                "reshape the result)"
+            )
+        kind = keys.dtype.kind
+        if kind == "i":
+            return np.ascontiguousarray(keys, dtype=np.int64)
+        if kind == "u":
+            if keys.dtype.itemsize == 8:
+                return np.ascontiguousarray(keys).view(np.int64)
+            return keys.astype(np.int64)
+        if kind in "US":
+            return self._hash_strings(keys.tolist())
+        if kind == "O":
+            items = keys.tolist()
+            if all(isinstance(k, (str, bytes)) for k in items):
+                return self._hash_strings(items)
+            if all(isinstance(k, (int, np.integer)) and not isinstance(k, bool) for k in items):
+                try:
+                    return np.asarray(items, dtype=np.int64)
+                except OverflowError:
+                    raise ShapeError("an integer key does not fit in int64") from None
+            types = sorted({type(k).__name__ for k in items})
+            raise ShapeError(
+                f"keys are an object array mixing types {types}; give all keys as int64 or "
+                "all as str/bytes"
+            )
+        raise ShapeError(
+            f"keys have dtype {keys.dtype}; keys must be integers (int64) or str/bytes. Cast "
+            "whole-number float ids with keys.astype(np.int64)"
+        )
+
+    def _hash_strings(self, items: Sequence) -> np.ndarray:
+        try:
+            hashed = hash_keys(items)
+        except TypeError as e:
+            raise ShapeError(f"{e}") from None
+        n_hash = np.unique(hashed).size
+        if n_hash < len(items):
+            distinct = len({k.encode("utf-8") if isinstance(k, str) else bytes(k) for k in items})
+            if distinct > n_hash:
+                with self._meta_lock:
+                    self._stats["collisions"] += distinct - n_hash
+        return hashed
+
+    def _as_grads(self, grads: Any, n: int) -> np.ndarray:
+        g = np.asarray(grads)
+        if g.dtype.kind != "f":
+            raise ShapeError(
+                f"gradients have dtype {g.dtype}; pass a float array of shape ({n}, {self.dim})"
+            )
+        if g.shape != (n, self.dim):
+            raise ShapeError(
+                f"gradients have shape {g.shape} but {n} keys of dim={self.dim} need shape "
+                f"({n}, {self.dim})"
+            )
+        return np.ascontiguousarray(g, dtype=np.float32)
+
+    def _initial(self, keys: np.ndarray) -> np.ndarray:
+        if self._default is not None:
+            return np.broadcast_to(self._default, (keys.shape[0], self.dim))
+        return self.initializer.values(keys, self.dim, self.seed)
+
+    def _init_rows(self, rows: np.ndarray, keys: np.ndarray) -> None:
+        a = self._arena
+        self.initializer.fill(a.values, rows, keys, self.seed)
+        if self.num_slots:
+            ak.fill_slots(a.slots, rows, self._slot_init, self.dim)
+        a.freq[rows] = 0
+
+    def _check_room(self, keys: np.ndarray) -> None:
+        if not self.growth:
+            a = self._arena
+            missing = keys[a.find(keys) < 0]
+            n_new = np.unique(missing).size if missing.size else 0
+            a.check_room(n_new)
+
+    # --- lookups -------------------------------------------------------------------------------
+    def lookup(self, keys: Any, insert: bool = True) -> np.ndarray:
+        """Rows of ``keys`` as a new float32 ``[n, dim]`` array.
+
+        Parameters
+        ----------
+        keys
+            1-D int64 array (any int dtype) or a sequence of str/bytes.
+        insert
+            Insert unseen keys (subject to admission) with their initial value and count a
+            sighting of every key. ``False``: unseen keys read as their initial value (or
+            ``default_value``); nothing is inserted or counted.
+        """
+        k = self._as_keys(keys)
+        n = k.shape[0]
+        out = np.empty((n, self.dim), np.float32)
+        a = self._arena
+        with self._lock.read():
+            rows, misses = a.find_gather(k, out)
+            if misses == 0 and insert:
+                with self._meta_lock:
+                    ak.bump_freq(a.freq, rows)
+                    self._stats["hits"] += n
+                return out
+        if not insert:
+            with self._meta_lock:
+                self._stats["hits"] += n - misses
+                self._stats["misses"] += misses
+            if misses:
+                pos = np.flatnonzero(rows < 0)
+                out[pos] = self._initial(k[pos])
+            return out
+        with self._lock.write():
+            self._insert_missing(k, out)
+        return out
+
+    def _insert_missing(self, k: np.ndarray, out: np.ndarray) -> None:
+        """Write-locked slow path of :meth:`lookup`: insert/admit the missing keys."""
+        a = self._arena
+        rows = a.find(k)
+        miss = np.flatnonzero(rows < 0)
+        self._stats["hits"] += k.shape[0] - miss.size
+        self._stats["misses"] += miss.size
+        mk = k[miss]
+        prior = None
+        if self.admission is not None:
+            prior = self.admission.peek(mk)
+            admitted, _ = self.admission.observe(mk)
+            rejected = miss[~admitted]
+            self._stats["admissions_rejected"] += rejected.size
+            miss, mk, prior = miss[admitted], mk[admitted], prior[admitted]
+        else:
+            rejected = miss[:0]
+        if mk.size:
+            if not self.growth:
+                a.check_room(np.unique(mk).size)
+            new_rows, is_new = a.insert(mk)
+            fresh = new_rows[is_new]
+            self._init_rows(fresh, mk[is_new])
+            self._mseq += 1
+            ak.set_meta(a.version, a.seq, fresh, self._step, self._mseq)
+            self._stats["inserts"] += fresh.size
+            rows[miss] = new_rows
+            out[miss] = a.gather(new_rows)
+            if prior is not None:
+                uk, first = np.unique(mk, return_index=True)
+                a.freq[new_rows[first]] += prior[first]
+                self.admission.forget(uk)
+        if rejected.size:
+            out[rejected] = self._initial(k[rejected])
+        with self._meta_lock:
+            ak.bump_freq(a.freq, rows)
+
+    def __getitem__(self, keys: Any) -> np.ndarray:
+        """``table[keys]`` is ``lookup(keys, insert=False)``."""
+        return self.lookup(keys, insert=False)
+
+    def contains(self, keys: Any) -> np.ndarray:
+        """Boolean array: does each key have a row?"""
+        k = self._as_keys(keys)
+        with self._lock.read():
+            return self._arena.find(k) >= 0
+
+    def __contains__(self, key: Any) -> bool:
+        return bool(self.contains([key])[0])
+
+    def __len__(self) -> int:
+        return len(self._arena)
+
+    def keys(self) -> np.ndarray:
+        """All keys with a row (int64, row order)."""
+        with self._lock.read():
+            return self._arena.keys()
+
+    def frequency(self, keys: Any) -> np.ndarray:
+        """Lookup count of each key (0 for keys without a row)."""
+        return self._meta_of(keys, "freq", 0)
+
+    def version(self, keys: Any) -> np.ndarray:
+        """Last-update step of each key (-1 for keys without a row)."""
+        return self._meta_of(keys, "version", -1)
+
+    def _meta_of(self, keys: Any, name: str, missing: int) -> np.ndarray:
+        k = self._as_keys(keys)
+        with self._lock.read():
+            rows = self._arena.find(k)
+            out = getattr(self._arena, name)[np.maximum(rows, 0)].copy()
+        out[rows < 0] = missing
+        return out
+
+    # --- updates -------------------------------------------------------------------------------
+    @property
+    def step(self) -> int:
+        """The table's step: the last ``apply_gradients`` step."""
+        return self._step
+
+    @property
+    def mutation_seq(self) -> int:
+        """Counter bumped by every mutating call; rows remember the value of their last change."""
+        return self._mseq
+
+    def apply_gradients(self, keys: Any, grads: Any, step: int | None = None) -> int:
+        """Apply one sparse optimizer step to the rows of ``keys``.
+
+        Gradients of duplicate keys are summed first (IndexedSlices semantics); only the
+        given rows change. Keys without a row are inserted first (with their initial value)
+        unless an admission filter is set, in which case their gradients are dropped.
+
+        Parameters
+        ----------
+        keys
+            ``n`` keys (duplicates allowed).
+        grads
+            float ``[n, dim]`` gradients.
+        step
+            The step of this update (for lr schedules and ``version``); default: the
+            table's step + 1.
+
+        Returns
+        -------
+        int
+            Number of rows updated.
+        """
+        k = self._as_keys(keys)
+        g = self._as_grads(grads, k.shape[0])
+        if step is not None and (isinstance(step, bool) or not isinstance(step, (int, np.integer))):
+            raise ConfigError(f"step={step!r} must be an integer or None")
+        bad = ak.nonfinite_positions(g)
+        n_skip = 0
+        if bad.any():
+            bad_keys = np.unique(k[bad])
+            if self.nan_policy == "raise":
+                raise NonFiniteGradientError(
+                    f"{int(bad.sum())} gradient rows for {bad_keys.size} keys hold NaN or Inf "
+                    f"(keys {bad_keys[:8].tolist()}{' ...' if bad_keys.size > 8 else ''}); the "
+                    "table is unchanged. Fix the loss, clip gradients, or create the table "
+                    "with nan_policy='skip' to skip such keys"
+                )
+            keep = ~np.isin(k, bad_keys)
+            k, g = k[keep], np.ascontiguousarray(g[keep])
+            n_skip = bad_keys.size
+        a = self._arena
+        with self._lock.write():
+            rows = a.find(k)
+            miss = np.flatnonzero(rows < 0)
+            if miss.size:
+                if self.admission is not None:
+                    self._stats["gradients_dropped"] += miss.size
+                else:
+                    mk = k[miss]
+                    if not self.growth:
+                        a.check_room(np.unique(mk).size)
+                    new_rows, is_new = a.insert(mk)
+                    self._init_rows(new_rows[is_new], mk[is_new])
+                    self._stats["inserts"] += int(is_new.sum())
+                    rows[miss] = new_rows
+            self._step = self._step + 1 if step is None else int(step)
+            uniq = np.empty(rows.shape[0], np.int64)
+            sums = np.empty((rows.shape[0], self.dim), np.float32)
+            u = ak.dedup_sum(rows, g, uniq, sums)
+            uniq, sums = uniq[:u], sums[:u]
+            self._stats["nonfinite_skipped"] += n_skip
+            if u:
+                self.optimizer.apply(a.values, a.slots, uniq, sums, self._step)
+            self._mseq += 1
+            ak.set_meta(a.version, a.seq, uniq, self._step, self._mseq)
+            ev = self.eviction
+            if ev is not None and ev.every_n_steps and self._step % ev.every_n_steps == 0:
+                self._evict_locked()
+        return int(u)
+
+    def upsert(self, keys: Any, values: Any) -> None:
+        """Set the values of ``keys`` (inserting absent ones; a later duplicate wins).
+
+        New rows get initial optimizer slots; existing rows keep theirs.
+        """
+        k = self._as_keys(keys)
+        v = np.asarray(values)
+        if v.dtype.kind != "f" or v.shape != (k.shape[0], self.dim):
+            raise ShapeError(
+                f"values have shape {v.shape} and dtype {v.dtype}; {k.shape[0]} keys need a "
+                f"float array of shape ({k.shape[0]}, {self.dim})"
+            )
+        v = np.ascontiguousarray(v, dtype=np.float32)
+        a = self._arena
+        with self._lock.write():
+            if not self.growth:
+                self._check_room(k)
+            rows, is_new = a.insert(k)
+            self._init_rows(rows[is_new], k[is_new])
+            self._stats["inserts"] += int(is_new.sum())
+            a.scatter(rows, v)
+            self._mseq += 1
+            ak.set_meta(a.version, a.seq, rows, self._step, self._mseq)
+
+    def remove(self, keys: Any) -> int:
+        """Remove keys (absent ones ignored); returns how many rows were removed."""
+        k = self._as_keys(keys)
+        with self._lock.write():
+            rows = self._arena.remove(k)
+            n = int((rows >= 0).sum())
+            if n:
+                self._mseq += 1
+                self._stats["removed"] += n
+        return n
+
+    def clear(self) -> None:
+        """Remove every row (and the admission filter's counts)."""
+        with self._lock.write():
+            self._arena.clear()
+            if self.admission is not None:
+                self.admission.clear()
+            self._mseq += 1
+
+    def evict(self) -> int:
+        """Apply the eviction policy now; returns how many rows were evicted."""
+        with self._lock.write():
+            return self._evict_locked()
+
+    def _evict_locked(self) -> int:
+        if self.eviction is None:
+            return 0
+        a = self._arena
+        rows = self.eviction.select(a, self._step)
+        if rows.size == 0:
+            return 0
+        removed = a.remove(a.row_key[rows].copy())
+        n = int((removed >= 0).sum())
+        self._mseq += 1
+        self._stats["evictions"] += n
+        return n
+
+    # --- export / import ---------------------------------------------------------------------
+    def export(self, chunk_rows: int = 65536, since: int | None = None) -> Iterator[ExportChunk]:
+        """Yield the rows (keys, values, slots, freq, version, seq) in chunks.
+
+        Parameters
+        ----------
+        chunk_rows
+            Most rows per chunk.
+        since
+            Only rows changed after this :attr:`mutation_seq` (incremental checkpoints).
+
+        Each chunk is copied under the shared lock; a writer running between chunks may make
+        the export a mix of before/after states, so pause training for a snapshot.
+        """
+        if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, (int, np.integer)) or \
+                chunk_rows < 1:
+            raise ConfigError(f"chunk_rows={chunk_rows!r} must be a positive integer")
+        s = -1 if since is None else int(since)
+        with self._lock.read():
+            hw = self._arena.high_water
+            rows_all = ak.live_rows(self._arena.live, self._arena.seq, 0, hw, s)
+        for start in range(0, rows_all.shape[0], chunk_rows):
+            rows = rows_all[start:start + chunk_rows]
+            with self._lock.read():
+                a = self._arena
+                rows = rows[a.live[rows].view(np.bool_)]
+                if rows.size == 0:
+                    continue
+                chunk = ExportChunk(
+                    a.row_key[rows], a.gather(rows), a.gather_slots(rows), a.freq[rows],
+                    a.version[rows], a.seq[rows],
+                )
+            yield chunk
+
+    def import_(self, chunks: Iterable[Any]) -> int:
+        """Upsert exported rows exactly (values, slots, freq, version); returns rows written.
+
+        ``chunks`` is an iterable of :class:`ExportChunk` or tuples
+        ``(keys, values, slots, freq, version[, seq])``. Each chunk is checked before it is
+        applied; a bad chunk raises :class:`ShapeError` and leaves the table as it was after
+        the previous chunk.
+        """
+        total = 0
+        if isinstance(chunks, tuple) and len(chunks) >= 5 and isinstance(chunks[0], np.ndarray):
+            chunks = [chunks]
+        for ch in chunks:
+            keys, values, slots, freq, version = self._check_chunk(ch)
+            a = self._arena
+            with self._lock.write():
+                if not self.growth:
+                    self._check_room(keys)
+                rows, is_new = a.insert(keys)
+                a.scatter(rows, values)
+                if self.num_slots:
+                    a.scatter_slots(rows, slots)
+                a.freq[rows] = freq
+                a.version[rows] = version
+                self._mseq += 1
+                a.seq[rows] = self._mseq
+            total += keys.shape[0]
+        return total
+
+    def _check_chunk(self, ch: Any) -> tuple[np.ndarray, ...]:
+        try:
+            keys, values, slots, freq, version = tuple(ch)[:5]
+        except (TypeError, ValueError):
+            raise ShapeError(
+                f"import_ got {type(ch).__name__}; give ExportChunk objects or tuples "
+                "(keys, values, slots, freq, version)"
+            ) from None
+        keys = self._as_keys(keys)
+        m = keys.shape[0]
+        values = np.asarray(values)
+        if values.ndim != 2 or values.shape[1] != self.dim:
+            raise ShapeError(
+                f"imported values have shape {values.shape} (dim {values.shape[-1]}) but the "
+                f"table has dim={self.dim}; import into a table with dim="
+                f"{values.shape[-1] if values.ndim else '?'}"
+            )
+        if values.shape[0] != m:
+            raise ShapeError(f"imported chunk has {m} keys but {values.shape[0]} value rows")
+        sw = self.num_slots * self.dim
+        slots = np.asarray(slots, dtype=np.float32)
+        if slots.size == 0 and sw == 0:
+            slots = np.zeros((m, 0), np.float32)
+        if slots.shape != (m, sw):
+            raise ShapeError(
+                f"imported slots have shape {slots.shape} but this table's optimizer "
+                f"{self.optimizer.name!r} needs ({m}, {sw}); import with the same optimizer"
+            )
+        freq = np.asarray(freq, dtype=np.int64).reshape(-1)
+        version = np.asarray(version, dtype=np.int64).reshape(-1)
+        if freq.shape[0] != m or version.shape[0] != m:
+            raise ShapeError(
+                f"imported chunk has {m} keys but {freq.shape[0]} freq and "
+                f"{version.shape[0]} version entries"
+            )
+        return (keys, np.ascontiguousarray(values, dtype=np.float32),
+                np.ascontiguousarray(slots), freq, version)
+
+    # --- metadata -------------------------------------------------------------------------------
+    def state_dict_meta(self) -> dict[str, Any]:
+        """JSON-serialisable description, enough for :meth:`from_meta` to rebuild an empty twin."""
+        return {
+            "format": META_FORMAT,
+            "dim": self.dim,
+            "dtype": self.dtype,
+            "initializer": self.initializer.config(),
+            "optimizer": {"config": self.optimizer.config(), "state": self.optimizer.state()},
+            "seed": self.seed,
+            "step": self._step,
+            "mutation_seq": self._mseq,
+            "admission": None if self.admission is None else self.admission.config(),
+            "eviction": None if self.eviction is None else self.eviction.config(),
+            "default_value": None if self._default is None else self._default.tolist(),
+            "nan_policy": self.nan_policy,
+            "capacity": self.capacity_limit,
+            "growth": self.growth,
+        }
+
+    @classmethod
+    def from_meta(cls, meta: dict[str, Any]) -> EmbeddingTable:
+        """Build an empty table from :meth:`state_dict_meta` (step and optimizer state too)."""
+        if not isinstance(meta, dict) or "dim" not in meta:
+            raise ConfigError("from_meta needs the dict returned by state_dict_meta()")
+        if meta.get("format", META_FORMAT) > META_FORMAT:
+            raise ConfigError(
+                f"table meta format {meta['format']} is newer than this tensorkv "
+                f"({META_FORMAT}); upgrade tensorkv"
+            )
+        opt = meta.get("optimizer") or {}
+        table = cls(
+            meta["dim"], dtype=meta.get("dtype", "float32"), initializer=meta.get("initializer"),
+            optimizer=opt.get("config"), admission=meta.get("admission"),
+            eviction=meta.get("eviction"), capacity=meta.get("capacity"), seed=meta.get("seed", 0),
+            default_value=meta.get("default_value"), nan_policy=meta.get("nan_policy", "raise"),
+            growth=meta.get("growth", True),
+        )
+        if opt.get("state") is not None:
+            table.optimizer.load_state(opt["state"])
+        table._step = int(meta.get("step", 0))
+        table._mseq = int(meta.get("mutation_seq", 0))
+        return table
+
+    def stats(self) -> dict[str, Any]:
+        """Sizes and counters.
+
+        ``collisions`` counts distinct str/bytes keys within one call that hashed to a key
+        already used by another string of the same call (collisions across calls cannot be
+        detected, as strings are not stored).
+        """
+        with self._lock.read():
+            a = self._arena
+            rows = len(a)
+            nbytes = a.nbytes + (self.admission.nbytes if self.admission is not None else 0)
+            out: dict[str, Any] = {
+                "rows": rows,
+                "capacity": a.capacity,
+                "index_slots": a.n_slots,
+                "load_factor": rows / a.n_slots,
+                "bytes": nbytes,
+                "bytes_per_key": nbytes / rows if rows else float("nan"),
+                "row_bytes": 4 * (self.dim + self.num_slots * self.dim),
+                "step": self._step,
+                "mutation_seq": self._mseq,
+            }
+        with self._meta_lock:
+            out.update(self._stats)
+        return out
+
+    def __repr__(self) -> str:
+        return (f"EmbeddingTable(dim={self.dim}, rows={len(self)}, optimizer={self.optimizer!r}, "
+                f"initializer={self.initializer!r})")
+
+
+__all__ = ["EmbeddingTable", "ExportChunk", "RWLock"]

@@ -1,0 +1,649 @@
+"""SSDHASH: an append-only, hash-indexed record store on local disk (the SSD tier).
+
+Records are appended to segment files through a write buffer; an in-memory open-addressing
+index maps each key to its latest record's location ``(segment id << 40) | record index``.
+Reads gather rows from memory-mapped segments with a numba kernel (no system call per row).
+Overwrites and deletes leave dead records behind; once a sealed segment is at least
+``compaction_threshold`` dead, its live records are copied to the head and the file removed.
+
+Durability: :meth:`flush` writes the buffer and fsyncs the head segment; everything flushed
+survives a crash. Reopening loads the last index snapshot and replays only the records after
+it, truncating a torn tail detected by checksum. Compaction deletes old segments only after
+the copies and a snapshot referencing them are on disk. See ``docs/tiers.md``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from tensorkv import config
+from tensorkv.embedding.tiers import ssdhash_files as sf
+from tensorkv.embedding.tiers.base import LowerTier, RecordLayout, as_keys, check_chunk_rows
+from tensorkv.embedding.tiers.ssdhash_files import REC_BITS, REC_MASK, SEG_HEADER, Segment
+from tensorkv.errors import (
+    ConfigError,
+    CorruptRecordError,
+    ShapeError,
+    StoreLockedError,
+    StorePathError,
+)
+from tensorkv.kernels import ssdhash as K
+
+DEFAULT_SEGMENT_BYTES = 256 * 1024 * 1024
+DEFAULT_BUFFER_BYTES = 4 * 1024 * 1024
+DEFAULT_SNAPSHOT_MIN_BYTES = 64 * 1024 * 1024
+DEFAULT_COMPACTION_THRESHOLD = 0.5
+
+
+class SSDHashTier(LowerTier):
+    """Append-only segment files plus an in-memory hash index.
+
+    Parameters
+    ----------
+    path
+        Directory of the tier (created if missing). Reopening it restores the rows.
+    layout
+        Record layout; must match the layout the directory was created with.
+    segment_bytes
+        Size at which the head segment is sealed and a new one started (bytes or ``"256MiB"``).
+    buffer_bytes
+        Write buffer; puts smaller than this are coalesced into one ``write`` call.
+    compaction_threshold
+        Fraction of dead records that makes a sealed segment a compaction candidate.
+    async_compaction
+        Compact on a background thread (default: ``TENSORKV_SSDHASH_ASYNC_COMPACTION``).
+    snapshot_min_bytes
+        ``flush`` writes a new index snapshot once this many bytes (and at least the
+        snapshot's own size) were appended since the last one; ``close`` always does.
+    repair
+        Open a directory whose snapshot is damaged by replaying every segment, and truncate a
+        damaged segment instead of refusing to open. Rows deleted before the last compaction
+        may come back.
+    """
+
+    kind = "ssdhash"
+    persistent = True
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        layout: RecordLayout,
+        *,
+        segment_bytes: int | str = DEFAULT_SEGMENT_BYTES,
+        buffer_bytes: int | str = DEFAULT_BUFFER_BYTES,
+        compaction_threshold: float = DEFAULT_COMPACTION_THRESHOLD,
+        async_compaction: bool | None = None,
+        snapshot_min_bytes: int | str = DEFAULT_SNAPSHOT_MIN_BYTES,
+        repair: bool = False,
+    ) -> None:
+        super().__init__(layout)
+        self.path = os.path.abspath(os.fspath(path))
+        self.words = self.record_bytes // 8 + 1  # stored record in uint64 words
+        self.stored_bytes = self.words * 8
+        seg_bytes = config.parse_size(segment_bytes, what="segment_bytes")
+        self.segment_rows = (seg_bytes - SEG_HEADER) // self.stored_bytes
+        if self.segment_rows < 1:
+            raise ConfigError(
+                f"segment_bytes={segment_bytes!r} holds no {self.stored_bytes}-byte record; "
+                f"use at least {SEG_HEADER + self.stored_bytes} bytes (default 256MiB)"
+            )
+        self.segment_rows = min(self.segment_rows, REC_MASK)
+        buf_bytes = config.parse_size(buffer_bytes, what="buffer_bytes")
+        self.buffer_rows = max(1, buf_bytes // self.stored_bytes)
+        if not 0.0 < float(compaction_threshold) <= 1.0:
+            raise ConfigError(
+                f"compaction_threshold={compaction_threshold!r} must be in (0, 1], e.g. 0.5"
+            )
+        self.compaction_threshold = float(compaction_threshold)
+        self.async_compaction = (
+            config.ssdhash_async_compaction() if async_compaction is None else bool(async_compaction)
+        )
+        self.snapshot_min_bytes = config.parse_size(snapshot_min_bytes, what="snapshot_min_bytes")
+        self._buf = np.empty((self.buffer_rows, self.words), np.uint64)
+        self._buf_n = 0
+        self._segs: dict[int, Segment] = {}
+        self._counters = dict.fromkeys(
+            (
+                "reads", "writes", "deletes", "compactions", "compacted_records",
+                "snapshots", "replayed_records", "truncated_records", "write_calls", "fsyncs",
+            ),
+            0,
+        )  # fmt: skip
+        self._since_snapshot = 0  # bytes appended since the last snapshot
+        self._dirty = False
+        self._lock_fd: int | None = None
+        self._open(repair)
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._compaction_error: BaseException | None = None
+        if self.async_compaction:
+            self._thread = threading.Thread(
+                target=self._compaction_loop, name=f"ssdhash-compaction:{self.path}", daemon=True
+            )
+            self._thread.start()
+            self._wake.set()
+
+    def __repr__(self) -> str:
+        return f"<SSDHashTier {self.path!r} rows={len(self.index) if hasattr(self, 'index') else 0}>"
+
+    # ================================================================= open / recovery
+    def _open(self, repair: bool) -> None:
+        try:
+            os.makedirs(self.path, exist_ok=True)
+        except OSError as exc:
+            raise StorePathError(f"cannot create SSDHASH directory {self.path!r}: {exc}") from exc
+        if not os.path.isdir(self.path):
+            raise StorePathError(f"SSDHASH path {self.path!r} is not a directory")
+        self._lock_fd = os.open(os.path.join(self.path, sf.LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+            raise StoreLockedError(
+                f"SSDHASH directory {self.path!r} is open in another tier (this or another "
+                "process); close it first"
+            ) from None
+        try:
+            self._load(repair)
+        except BaseException:
+            self._release_files()
+            raise
+
+    def _load(self, repair: bool) -> None:
+        meta_path = os.path.join(self.path, sf.META_NAME)
+        seg_ids = sf.list_segments(self.path)
+        if os.path.exists(meta_path):
+            with open(meta_path) as f:
+                meta = json.load(f)
+            if meta.get("format") != sf.FORMAT_NAME:
+                raise StorePathError(f"{self.path!r} holds {meta.get('format')!r}, not SSDHASH")
+            stored = RecordLayout.from_dict(meta["layout"])
+            if stored != self.layout:
+                raise ShapeError(
+                    f"SSDHASH directory {self.path!r} stores records of {stored}; it was opened "
+                    f"with {self.layout}; open it with the same dim, dtype and slots"
+                )
+        elif seg_ids:
+            raise StorePathError(f"{self.path!r} has segments but no {sf.META_NAME}; not a tier")
+        else:
+            meta = {"format": sf.FORMAT_NAME, "version": sf.FORMAT_VERSION,
+                    "layout": self.layout.to_dict(), "stored_bytes": self.stored_bytes}  # fmt: skip
+            sf.atomic_write(meta_path, [json.dumps(meta, indent=1).encode()])
+
+        covered_seg, covered_rows, next_id = 0, 0, 1
+        snap_path = os.path.join(self.path, sf.SNAP_NAME)
+        keys = locs = np.empty(0, np.int64)
+        if os.path.exists(snap_path):
+            try:
+                header, keys, locs = sf.read_snapshot(snap_path)
+                covered_seg = int(header["covered_seg"])
+                covered_rows = int(header["covered_rows"])
+                next_id = int(header["next_seg_id"])
+            except (CorruptRecordError, ValueError, KeyError) as exc:
+                if not repair:
+                    raise CorruptRecordError(
+                        f"{snap_path}: {exc}; reopen with repair=True to rebuild the index from "
+                        "the segments (rows deleted before the last compaction may return)"
+                    ) from exc
+                keys = locs = np.empty(0, np.int64)
+        self.index = K.HashIndex.from_items(keys, locs)
+        for sid in seg_ids:
+            p = os.path.join(self.path, sf.seg_name(sid))
+            self._segs[sid] = Segment(sid, p)
+        missing = np.setdiff1d(np.unique(locs >> REC_BITS), np.asarray(seg_ids, np.int64))
+        if missing.size:
+            raise CorruptRecordError(
+                f"{snap_path} references segment(s) {missing[:8].tolist()} missing from "
+                f"{self.path!r}; restore them or reopen with repair=True"
+            )
+        last = seg_ids[-1] if seg_ids else None
+        for sid in seg_ids:
+            seg = self._segs[sid]
+            size = os.path.getsize(seg.path)
+            if size < SEG_HEADER:
+                if sid != last and not repair:
+                    raise CorruptRecordError(f"{seg.path}: segment shorter than its header")
+                with open(seg.path, "wb") as f:
+                    f.write(sf.segment_header(sid, self.record_bytes, self.stored_bytes))
+                size = SEG_HEADER
+            with open(seg.path, "rb") as f:
+                sf.check_segment_header(f.read(SEG_HEADER), sid, self.record_bytes, seg.path)
+            n = (size - SEG_HEADER) // self.stored_bytes
+            seg.rows = seg.written = n
+            if sid < covered_seg:
+                continue
+            start = covered_rows if sid == covered_seg else 0
+            arr = seg.mapped(self.words, n)
+            good = int(K.first_invalid(arr, min(start, n), n)) if n else 0
+            if good < n or size != SEG_HEADER + n * self.stored_bytes:
+                if sid != last and not repair:
+                    raise CorruptRecordError(
+                        f"{seg.path}: record {good} of {n} fails its checksum in a sealed "
+                        "segment; reopen with repair=True to truncate it there"
+                    )
+                self._counters["truncated_records"] += n - good
+                seg.unmap()
+                del arr
+                os.truncate(seg.path, SEG_HEADER + good * self.stored_bytes)
+                seg.rows = seg.written = n = good
+                arr = seg.mapped(self.words, n)
+            if start < n:
+                block = arr[start:n]
+                rkeys = np.ascontiguousarray(block[:, 0]).view(np.int64)
+                tomb = (block[:, -1] & np.uint64(0xFFFFFFFF)) == K.FLAG_TOMB
+                rlocs = (np.int64(sid) << REC_BITS) | np.arange(start, n, dtype=np.int64)
+                self.index.apply(rkeys, rlocs, tomb)
+                self._counters["replayed_records"] += n - start
+                self._since_snapshot += (n - start) * self.stored_bytes
+        self._recount_live()
+        self._next_id = max([next_id, covered_seg + 1] + [s + 1 for s in seg_ids])
+        if last is not None and self._segs[last].rows < self.segment_rows:
+            self._activate(self._segs[last])
+        else:
+            self._new_segment()
+        self._dirty = self._since_snapshot > 0
+
+    def _recount_live(self) -> None:
+        _, locs = self.index.items()
+        ids, counts = np.unique(locs >> REC_BITS, return_counts=True)
+        for seg in self._segs.values():
+            seg.live = 0
+        for sid, c in zip(ids.tolist(), counts.tolist(), strict=True):
+            self._segs[sid].live = c
+
+    def _activate(self, seg: Segment) -> None:
+        seg.fd = os.open(seg.path, os.O_WRONLY | os.O_APPEND)
+        self._active = seg
+
+    def _new_segment(self) -> None:
+        sid = self._next_id
+        self._next_id += 1
+        p = os.path.join(self.path, sf.seg_name(sid))
+        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
+        sf.write_all(fd, sf.segment_header(sid, self.record_bytes, self.stored_bytes))
+        seg = Segment(sid, p, fd=fd)
+        self._segs[sid] = seg
+        self._active = seg
+        sf.fsync_dir(self.path)
+
+    # ================================================================= writing
+    def _write_buffer(self) -> None:
+        if self._buf_n:
+            seg = self._active
+            sf.write_all(seg.fd, self._buf[: self._buf_n])
+            seg.written += self._buf_n
+            self._buf_n = 0
+            self._counters["write_calls"] += 1
+
+    def _roll(self) -> None:
+        self._write_buffer()
+        seg = self._active
+        os.fsync(seg.fd)
+        os.close(seg.fd)
+        seg.fd = None
+        self._counters["fsyncs"] += 1
+        self._new_segment()
+
+    def _append(self, stored: np.ndarray) -> np.ndarray:
+        """Append sealed records (uint64[m, words]); return their locations."""
+        m = stored.shape[0]
+        locs = np.empty(m, np.int64)
+        i = 0
+        while i < m:
+            seg = self._active
+            room = self.segment_rows - seg.rows
+            if room == 0:
+                self._roll()
+                continue
+            take = min(room, m - i)
+            locs[i : i + take] = (np.int64(seg.seg_id) << REC_BITS) | np.arange(
+                seg.rows, seg.rows + take, dtype=np.int64
+            )
+            chunk = stored[i : i + take]
+            if self._buf_n + take <= self.buffer_rows:
+                self._buf[self._buf_n : self._buf_n + take] = chunk
+                self._buf_n += take
+            else:
+                self._write_buffer()
+                if take >= self.buffer_rows:
+                    sf.write_all(seg.fd, np.ascontiguousarray(chunk))
+                    seg.written += take
+                    self._counters["write_calls"] += 1
+                else:
+                    self._buf[:take] = chunk
+                    self._buf_n = take
+            seg.rows += take
+            i += take
+        self._since_snapshot += m * self.stored_bytes
+        self._dirty = True
+        return locs
+
+    def _account(self, old: np.ndarray, new_locs: np.ndarray | None) -> None:
+        """Update live counts after the index moved keys from ``old`` to ``new_locs``."""
+        for locs, sign in ((old[old >= 0], -1), (new_locs, 1)):
+            if locs is None or locs.size == 0:
+                continue
+            ids, counts = np.unique(locs >> REC_BITS, return_counts=True)
+            for sid, c in zip(ids.tolist(), counts.tolist(), strict=True):
+                self._segs[sid].live += sign * c
+
+    def put(self, keys: np.ndarray, records: np.ndarray) -> None:
+        """Store one record per key; later duplicates in the batch win."""
+        keys, records = self._check_put(keys, records)
+        n = keys.shape[0]
+        if n == 0:
+            return
+        stored = np.empty((n, self.words), np.uint64)
+        K.seal(records.view(np.uint64), K.FLAG_PUT, stored)
+        with self._lock:
+            self._check_open()
+            locs = self._append(stored)
+            old = self.index.upsert(keys, locs)
+            self._account(old, locs)
+            self._counters["writes"] += n
+            self._after_write()
+
+    def delete(self, keys: np.ndarray) -> int:
+        """Remove keys (tombstones are appended so deletes survive reopening)."""
+        keys = as_keys(keys)
+        with self._lock:
+            self._check_open()
+            if keys.size == 0:
+                return 0
+            keys = keys[K.last_occurrence(keys)]
+            keys = keys[self.index.lookup(keys) >= 0]
+            n = keys.size
+            if n == 0:
+                return 0
+            tomb = self.layout.empty(n)
+            self.layout.record_keys(tomb)[:] = keys
+            stored = np.empty((n, self.words), np.uint64)
+            K.seal(tomb.view(np.uint64), K.FLAG_TOMB, stored)
+            self._append(stored)
+            old = self.index.remove(keys)
+            self._account(old, None)
+            self._counters["deletes"] += n
+            self._after_write()
+            return n
+
+    def flush(self) -> None:
+        """Write the buffer and fsync the head segment (and maybe snapshot the index)."""
+        with self._lock:
+            self._check_open()
+            self._flush(force_snapshot=False)
+
+    def _flush(self, force_snapshot: bool) -> None:
+        self._write_buffer()
+        os.fsync(self._active.fd)
+        self._counters["fsyncs"] += 1
+        limit = max(self.snapshot_min_bytes, 16 * len(self.index))
+        if force_snapshot or self._since_snapshot >= limit:
+            self._snapshot()
+
+    def _snapshot(self) -> None:
+        """Write an index snapshot covering everything written so far (buffer must be empty)."""
+        assert self._buf_n == 0
+        keys, locs = self.index.items()
+        header = {
+            "covered_seg": self._active.seg_id,
+            "covered_rows": self._active.written,
+            "next_seg_id": self._next_id,
+            "rows": int(keys.size),
+            "layout": self.layout.to_dict(),
+        }
+        sf.write_snapshot(os.path.join(self.path, sf.SNAP_NAME), header, keys, locs)
+        self._since_snapshot = 0
+        self._dirty = False
+        self._counters["snapshots"] += 1
+
+    # ================================================================= reading
+    def _gather(self, locs: np.ndarray, out: np.ndarray, pos: np.ndarray) -> None:
+        """Copy records at ``locs`` into ``out[pos]`` (uint64 words), grouped by segment."""
+        if locs.size == 0:
+            return
+        sids = locs >> REC_BITS
+        lo = int(sids.min())
+        order, starts = K.group_by(sids - lo, int(sids.max()) - lo + 1)
+        rows_all = locs & REC_MASK
+        for g in np.flatnonzero(np.diff(starts)).tolist():
+            sel = order[starts[g] : starts[g + 1]]
+            seg = self._segs[lo + g]
+            rows = rows_all[sel]
+            arr = seg.mapped(self.words, seg.written)
+            if seg is self._active and self._buf_n:
+                K.gather_tail(arr, seg.written, self._buf, rows, out, pos[sel])
+            else:
+                K.gather(arr, rows, out, pos[sel])
+
+    def get(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Return ``(found, records)``; absent rows are zero."""
+        keys = as_keys(keys)
+        n = keys.size
+        out = np.zeros((n, self.record_bytes // 8), np.uint64)
+        with self._lock:
+            self._check_open()
+            locs = self.index.lookup(keys)
+            found = locs >= 0
+            pos = np.flatnonzero(found)
+            self._gather(locs[pos], out, pos)
+            self._counters["reads"] += n
+        return found, out.view(np.uint8)
+
+    def contains(self, keys: np.ndarray) -> np.ndarray:
+        """``bool[n]``: which keys are stored."""
+        keys = as_keys(keys)
+        with self._lock:
+            self._check_open()
+            return self.index.lookup(keys) >= 0
+
+    def keys(self) -> np.ndarray:
+        """All stored keys."""
+        with self._lock:
+            self._check_open()
+            return self.index.items()[0]
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def scan(self, chunk_rows: int = 65536) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Yield ``(keys, records)`` chunks in on-disk order; safe against concurrent writes."""
+        chunk_rows = check_chunk_rows(chunk_rows)
+        with self._lock:
+            self._check_open()
+            keys, locs = self.index.items()
+        keys = keys[np.argsort(locs, kind="stable")]
+        for i in range(0, keys.size, chunk_rows):
+            ck = keys[i : i + chunk_rows]
+            found, recs = self.get(ck)
+            if not found.all():
+                ck, recs = ck[found], recs[found]
+            if ck.size:
+                yield ck, recs
+
+    # ================================================================= compaction
+    def _candidates(self) -> list[Segment]:
+        active = self._active
+        c = [
+            s for s in self._segs.values()
+            if s is not active and s.rows > 0 and s.dead >= self.compaction_threshold * s.rows
+        ]  # fmt: skip
+        c.sort(key=lambda s: s.dead / s.rows, reverse=True)
+        return c
+
+    def _after_write(self) -> None:
+        if self.async_compaction:
+            if self._compaction_error is not None:
+                err, self._compaction_error = self._compaction_error, None
+                raise CorruptRecordError(f"background compaction of {self.path!r} failed: {err}")
+            if self._candidates():
+                self._wake.set()
+        else:
+            victims = self._candidates()
+            if victims:
+                self._compact(victims)
+
+    def _copy_live(self, seg: Segment) -> None:
+        """Append the live records of ``seg`` to the head and point the index at them."""
+        arr = seg.mapped(self.words, seg.written)
+        n = arr.shape[0]
+        rkeys = np.ascontiguousarray(arr[:, 0]).view(np.int64)
+        here = (np.int64(seg.seg_id) << REC_BITS) | np.arange(n, dtype=np.int64)
+        rows = np.flatnonzero(self.index.lookup(rkeys) == here)
+        if rows.size:
+            copies = arr[rows]  # sealed records keep their checksums
+            locs = self._append(copies)
+            old = self.index.upsert(rkeys[rows], locs)
+            self._account(old, locs)
+            self._counters["compacted_records"] += int(rows.size)
+
+    def _retire(self, victims: list[Segment]) -> None:
+        """Make the copies durable, snapshot, then delete the victims' files."""
+        self._flush(force_snapshot=True)
+        for seg in victims:
+            seg.unmap()
+            self._segs.pop(seg.seg_id, None)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(seg.path)
+        sf.fsync_dir(self.path)
+        self._counters["compactions"] += 1
+
+    def _compact(self, victims: list[Segment]) -> None:
+        for seg in victims:
+            self._copy_live(seg)
+        self._retire(victims)
+
+    def compact(self) -> int:
+        """Compact every candidate segment now; return how many segments were removed."""
+        with self._lock:
+            self._check_open()
+            victims = self._candidates()
+            if victims:
+                self._compact(victims)
+            return len(victims)
+
+    def _compaction_loop(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(1.0)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
+            try:
+                with self._lock:
+                    if self._closed:
+                        return
+                    victims = self._candidates()
+                done = []
+                for seg in victims:  # copy one segment per lock hold; writers interleave
+                    with self._lock:
+                        if self._closed or self._stop.is_set():
+                            return
+                        self._copy_live(seg)
+                        done.append(seg)
+                if done:
+                    with self._lock:
+                        if self._closed:
+                            return
+                        self._retire(done)
+            except BaseException as exc:  # surfaced on the next write
+                self._compaction_error = exc
+                return
+
+    # ================================================================= checks & stats
+    def check(self) -> list[str]:
+        """Verify every live index entry against its record (key, flags, checksum)."""
+        problems: list[str] = []
+        with self._lock:
+            self._check_open()
+            keys, locs = self.index.items()
+            sids = locs >> REC_BITS
+            for sid in np.unique(sids).tolist():
+                seg = self._segs.get(sid)
+                sel = np.flatnonzero(sids == sid)
+                if seg is None:
+                    problems.append(f"{sel.size} rows point at missing segment {sid}")
+                    continue
+                rows = locs[sel] & REC_MASK
+                if int(rows.max()) >= seg.rows:
+                    problems.append(f"{seg.path}: rows point past the end ({seg.rows} records)")
+                    continue
+                bad = np.zeros(sel.size, np.uint8)
+                in_file = rows < seg.written
+                arr = seg.mapped(self.words, seg.written)
+                if in_file.any():
+                    b = np.zeros(int(in_file.sum()), np.uint8)
+                    K.verify_rows(arr, rows[in_file], keys[sel][in_file], b)
+                    bad[in_file] = b
+                if (~in_file).any():
+                    b = np.zeros(int((~in_file).sum()), np.uint8)
+                    K.verify_rows(self._buf, rows[~in_file] - seg.written, keys[sel][~in_file], b)
+                    bad[~in_file] = b
+                for code, what in ((1, "key mismatch"), (2, "not a put record"), (3, "bad checksum")):
+                    hit = np.flatnonzero(bad == code)
+                    if hit.size:
+                        ex = keys[sel][hit[:5]].tolist()
+                        problems.append(f"{seg.path}: {hit.size} records with {what} (keys {ex})")
+                if seg.live != sel.size:
+                    problems.append(f"{seg.path}: live count {seg.live} but index has {sel.size}")
+                size = os.path.getsize(seg.path)
+                if size != SEG_HEADER + seg.written * self.stored_bytes:
+                    problems.append(f"{seg.path}: size {size} does not match {seg.written} records")
+        return problems
+
+    def stats(self) -> dict[str, Any]:
+        """Counters and sizes (rows, bytes on disk, dead records, segments, compactions...)."""
+        with self._lock:
+            self._check_open()
+            segs = list(self._segs.values())
+            disk = sum(SEG_HEADER + s.rows * self.stored_bytes for s in segs)
+            return {
+                "kind": self.kind,
+                "path": self.path,
+                "rows": len(self.index),
+                "bytes": disk,
+                "live_bytes": len(self.index) * self.stored_bytes,
+                "dead_records": sum(s.dead for s in segs),
+                "segments": len(segs),
+                "record_bytes": self.record_bytes,
+                "index_bytes": self.index.nbytes,
+                "buffered_rows": self._buf_n,
+                "async_compaction": self.async_compaction,
+                **self._counters,
+            }
+
+    # ================================================================= lifecycle
+    def _close(self) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._wake.set()
+            if self._thread is not threading.current_thread():
+                self._lock.release()  # let the compaction thread finish its step
+                try:
+                    self._thread.join()
+                finally:
+                    self._lock.acquire()
+            self._thread = None
+        try:
+            if self._dirty or self._buf_n:
+                self._flush(force_snapshot=True)
+        finally:
+            self._release_files()
+
+    def _release_files(self) -> None:
+        for seg in self._segs.values():
+            if seg.fd is not None:
+                os.close(seg.fd)
+                seg.fd = None
+            seg.unmap()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # releases the flock
+            self._lock_fd = None

@@ -1,0 +1,184 @@
+"""On-disk pieces of the SSDHASH tier: segment files, the index snapshot and the tier metadata.
+
+A directory holds::
+
+    TIER.json         format name, version and record layout (written once, atomically)
+    LOCK              flock'ed by the process that has the tier open
+    seg-00000001.dat  segments: a 64-byte header, then fixed-size stored records
+    index.snap        the latest index snapshot (replaced atomically)
+
+Segment header (64 bytes, little-endian): magic ``b"TKVSEG01"``, u64 segment id, u64
+record_bytes, u64 stored_bytes, zero padding. A stored record is the row record followed by
+one u64 trailer: flags (1 put, 2 tombstone) in the low 32 bits, a checksum in the high 32.
+
+Snapshot: magic ``b"TKVSNAP1"``, u64 header length, a JSON header (padded with spaces to a
+multiple of 8), ``int64 keys[rows]``, ``int64 locs[rows]``, then the xxh3-64 digest of all
+bytes before it. ``covered_seg``/``covered_rows`` in the header say which records it reflects:
+every record of segments below ``covered_seg`` and the first ``covered_rows`` of it.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from tensorkv.errors import CorruptRecordError
+
+SEG_MAGIC = b"TKVSEG01"
+SNAP_MAGIC = b"TKVSNAP1"
+SEG_HEADER = 64
+REC_BITS = 40  # a location packs (segment id << REC_BITS) | record index
+REC_MASK = (1 << REC_BITS) - 1
+META_NAME = "TIER.json"
+SNAP_NAME = "index.snap"
+LOCK_NAME = "LOCK"
+FORMAT_NAME = "tensorkv-ssdhash"
+FORMAT_VERSION = 1
+
+
+def seg_name(seg_id: int) -> str:
+    """File name of segment ``seg_id``."""
+    return f"seg-{seg_id:08d}.dat"
+
+
+def list_segments(path: str) -> list[int]:
+    """Ids of the segment files in ``path``, ascending."""
+    out = []
+    for name in os.listdir(path):
+        if name.startswith("seg-") and name.endswith(".dat"):
+            try:
+                out.append(int(name[4:-4]))
+            except ValueError:
+                continue
+    return sorted(out)
+
+
+def fsync_dir(path: str) -> None:
+    """fsync a directory so renames and new files in it are durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_all(fd: int, data: memoryview | bytes) -> None:
+    """``os.write`` until every byte is written."""
+    mv = memoryview(data).cast("B")
+    while mv.nbytes:
+        n = os.write(fd, mv)
+        mv = mv[n:]
+
+
+def atomic_write(path: str, chunks: list[Any]) -> None:
+    """Write ``chunks`` to ``path`` via a temporary file, fsync, rename and directory fsync."""
+    tmp = path + ".tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for c in chunks:
+            write_all(fd, c)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(path) or ".")
+
+
+def segment_header(seg_id: int, record_bytes: int, stored_bytes: int) -> bytes:
+    """The 64-byte header of a segment file."""
+    h = SEG_MAGIC + struct.pack("<QQQ", seg_id, record_bytes, stored_bytes)
+    return h + b"\0" * (SEG_HEADER - len(h))
+
+
+def check_segment_header(raw: bytes, seg_id: int, record_bytes: int, path: str) -> None:
+    """Raise CorruptRecordError unless ``raw`` is the right header for this segment."""
+    if len(raw) < SEG_HEADER or raw[:8] != SEG_MAGIC:
+        raise CorruptRecordError(f"{path}: not a tensorkv SSDHASH segment (bad magic)")
+    sid, rb, _ = struct.unpack("<QQQ", raw[8:32])
+    if sid != seg_id or rb != record_bytes:
+        raise CorruptRecordError(
+            f"{path}: header says segment {sid} with {rb}-byte records; expected segment "
+            f"{seg_id} with {record_bytes}-byte records"
+        )
+
+
+@dataclass
+class Segment:
+    """One segment file: ``rows`` records assigned, of which ``written`` are in the file."""
+
+    seg_id: int
+    path: str
+    rows: int = 0
+    written: int = 0
+    live: int = 0
+    fd: int | None = None  # write descriptor (active segment only)
+    arr: np.ndarray | None = None  # uint64[mapped_rows, words] view of an mmap
+    mm: mmap.mmap | None = None
+
+    def mapped(self, words: int, need: int) -> np.ndarray:
+        """A uint64 view covering at least the first ``need`` written rows (remapped as needed)."""
+        if self.arr is not None and self.arr.shape[0] >= need:
+            return self.arr
+        n = self.written
+        if n == 0:
+            return np.empty((0, words), np.uint64)
+        length = SEG_HEADER + n * words * 8
+        with open(self.path, "rb") as f:
+            mm = mmap.mmap(f.fileno(), length, access=mmap.ACCESS_READ)
+        self.mm = mm
+        self.arr = np.frombuffer(mm, np.uint64, count=n * words, offset=SEG_HEADER).reshape(
+            n, words
+        )
+        return self.arr
+
+    def unmap(self) -> None:
+        """Drop the mapping (it closes when no array refers to it)."""
+        self.arr = None
+        self.mm = None
+
+    @property
+    def dead(self) -> int:
+        """Records that are no longer the live copy of their key (including tombstones)."""
+        return self.rows - self.live
+
+
+def write_snapshot(
+    path: str, header: dict[str, Any], keys: np.ndarray, locs: np.ndarray
+) -> int:
+    """Atomically write an index snapshot; return its size in bytes."""
+    hj = json.dumps(header, sort_keys=True).encode()
+    hj += b" " * (-len(hj) % 8)
+    head = SNAP_MAGIC + struct.pack("<Q", len(hj)) + hj
+    k = np.ascontiguousarray(keys, np.int64)
+    v = np.ascontiguousarray(locs, np.int64)
+    h = xxhash.xxh3_64()
+    for c in (head, k, v):
+        h.update(memoryview(c).cast("B"))
+    atomic_write(path, [head, k, v, h.digest()])
+    return len(head) + k.nbytes + v.nbytes + 8
+
+
+def read_snapshot(path: str) -> tuple[dict[str, Any], np.ndarray, np.ndarray]:
+    """Read and verify a snapshot; CorruptRecordError when it is damaged."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    if len(raw) < 24 or raw[:8] != SNAP_MAGIC:
+        raise CorruptRecordError(f"{path}: not a tensorkv SSDHASH index snapshot")
+    if xxhash.xxh3_64_digest(memoryview(raw)[:-8]) != raw[-8:]:
+        raise CorruptRecordError(f"{path}: index snapshot fails its checksum")
+    (hlen,) = struct.unpack("<Q", raw[8:16])
+    header = json.loads(raw[16 : 16 + hlen])
+    n = int(header["rows"])
+    off = 16 + hlen
+    if len(raw) != off + 16 * n + 8:
+        raise CorruptRecordError(f"{path}: index snapshot has the wrong length for {n} rows")
+    keys = np.frombuffer(raw, np.int64, count=n, offset=off).copy()
+    locs = np.frombuffer(raw, np.int64, count=n, offset=off + 8 * n).copy()
+    return header, keys, locs

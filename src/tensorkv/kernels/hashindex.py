@@ -1,0 +1,280 @@
+"""Open-addressing hash index ``int64 key -> int64 row`` as numba kernels over numpy arrays.
+
+Layout
+------
+Two parallel arrays of ``2**b`` slots: ``slot_keys`` (int64) and ``slot_rows`` (int64). A slot is
+empty when ``slot_rows[s] < 0``; ``slot_keys`` is then meaningless. Occupancy lives in the row
+field, so every int64 value -- negatives, ``INT64_MIN``, ``INT64_MAX`` -- is a valid key and no
+key value is reserved as a sentinel. That costs 16 bytes per slot and nothing else.
+
+Probing is linear from ``mix64(key) & mask`` where ``mix64`` is the splitmix64 finaliser (a
+bijection on 64 bits with full avalanche, so sequential ids spread evenly). Deletion uses
+backward-shift (no tombstones), so probe lengths never degrade after many removes.
+
+Rows are allocated by the insert kernel itself: a freed row goes on a free list threaded through
+``row_key`` of dead rows (``row_key[r]`` holds the next free row), so reusing rows costs no
+extra memory. Allocator state is one small int64 array ``state``:
+``[size, next_row, free_head, n_free]``.
+
+The kernels never allocate the index; callers grow it (double + :func:`index_rehash`) when an
+insert kernel returns early because the load factor or the row capacity would be exceeded.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+# state[] fields
+SIZE = 0
+NEXT_ROW = 1
+FREE_HEAD = 2
+N_FREE = 3
+
+
+@njit(nogil=True, cache=True, inline="always")
+def mix64(x: np.uint64) -> np.uint64:  # pragma: no cover - compiled
+    """splitmix64 finaliser: a 64-bit bijection with full avalanche."""
+    z = np.uint64(x)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+@njit(nogil=True, cache=True, inline="always")
+def home_slot(key: np.int64, mask: np.int64) -> np.int64:  # pragma: no cover - compiled
+    """First probe position of ``key`` in a table of ``mask + 1`` slots."""
+    return np.int64(mix64(np.uint64(key)) & np.uint64(mask))
+
+
+def new_index(n_slots: int) -> tuple[np.ndarray, np.ndarray]:
+    """Allocate an empty index of ``n_slots`` slots (a power of two)."""
+    if n_slots <= 0 or n_slots & (n_slots - 1):
+        raise ValueError(f"n_slots={n_slots} must be a positive power of two")
+    return np.zeros(n_slots, np.int64), np.full(n_slots, -1, np.int64)
+
+
+@njit(nogil=True, cache=True)
+def index_find(slot_keys, slot_rows, keys, rows_out):  # pragma: no cover - compiled
+    """Row of each key into ``rows_out`` (``-1`` when absent); returns the number of misses."""
+    mask = np.int64(slot_keys.shape[0] - 1)
+    misses = 0
+    for i in range(keys.shape[0]):
+        k = keys[i]
+        h = home_slot(k, mask)
+        r = slot_rows[h]
+        while r >= 0 and slot_keys[h] != k:
+            h = (h + 1) & mask
+            r = slot_rows[h]
+        rows_out[i] = r
+        if r < 0:
+            misses += 1
+    return misses
+
+
+@njit(nogil=True, cache=True)
+def index_insert(
+    slot_keys, slot_rows, keys, start, rows_out, is_new, state, row_key, live, max_size, max_rows
+):  # pragma: no cover - compiled
+    """Find-or-insert ``keys[start:]``; new keys get a row from the free list or ``next_row``.
+
+    Stops before a key that would push the index past ``max_size`` keys or need a row
+    ``>= max_rows``; returns the position reached (``len(keys)`` when done) so the caller can
+    grow and resume. ``is_new[i]`` says whether key ``i`` got a fresh row.
+    """
+    mask = np.int64(slot_keys.shape[0] - 1)
+    n = keys.shape[0]
+    for i in range(start, n):
+        k = keys[i]
+        h = home_slot(k, mask)
+        while True:
+            r = slot_rows[h]
+            if r < 0:
+                if state[SIZE] >= max_size:
+                    return i
+                if state[N_FREE] > 0:
+                    row = state[FREE_HEAD]
+                    state[FREE_HEAD] = row_key[row]
+                    state[N_FREE] -= 1
+                else:
+                    if state[NEXT_ROW] >= max_rows:
+                        return i
+                    row = state[NEXT_ROW]
+                    state[NEXT_ROW] += 1
+                slot_keys[h] = k
+                slot_rows[h] = row
+                row_key[row] = k
+                live[row] = 1
+                state[SIZE] += 1
+                rows_out[i] = row
+                is_new[i] = True
+                break
+            if slot_keys[h] == k:
+                rows_out[i] = r
+                is_new[i] = False
+                break
+            h = (h + 1) & mask
+    return n
+
+
+@njit(nogil=True, cache=True)
+def index_remove(slot_keys, slot_rows, keys, rows_out, state, row_key, live):  # pragma: no cover
+    """Remove keys (backward-shift deletion); freed rows go on the free list.
+
+    ``rows_out[i]`` is the freed row of key ``i`` or ``-1`` when it was absent (or a duplicate
+    already removed in this call). Returns the number of keys removed.
+    """
+    mask = np.int64(slot_keys.shape[0] - 1)
+    removed = 0
+    for i in range(keys.shape[0]):
+        k = keys[i]
+        h = home_slot(k, mask)
+        r = slot_rows[h]
+        while r >= 0 and slot_keys[h] != k:
+            h = (h + 1) & mask
+            r = slot_rows[h]
+        rows_out[i] = r
+        if r < 0:
+            continue
+        removed += 1
+        # free the row
+        live[r] = 0
+        row_key[r] = state[FREE_HEAD]
+        state[FREE_HEAD] = r
+        state[N_FREE] += 1
+        state[SIZE] -= 1
+        # backward shift: pull later members of the cluster into the hole when allowed
+        hole = h
+        j = h
+        while True:
+            j = (j + 1) & mask
+            if slot_rows[j] < 0:
+                break
+            home = home_slot(slot_keys[j], mask)
+            # the entry at j may move to `hole` iff its home is not cyclically in (hole, j]
+            if hole <= j:
+                stays = hole < home <= j
+            else:
+                stays = home > hole or home <= j
+            if not stays:
+                slot_keys[hole] = slot_keys[j]
+                slot_rows[hole] = slot_rows[j]
+                hole = j
+        slot_rows[hole] = -1
+    return removed
+
+
+@njit(nogil=True, cache=True)
+def index_rehash(old_keys, old_rows, new_keys, new_rows):  # pragma: no cover - compiled
+    """Insert every occupied slot of the old index into an empty new one."""
+    mask = np.int64(new_keys.shape[0] - 1)
+    for s in range(old_keys.shape[0]):
+        r = old_rows[s]
+        if r < 0:
+            continue
+        k = old_keys[s]
+        h = home_slot(k, mask)
+        while new_rows[h] >= 0:
+            h = (h + 1) & mask
+        new_keys[h] = k
+        new_rows[h] = r
+
+
+@njit(nogil=True, cache=True)
+def index_probe_stats(slot_keys, slot_rows):  # pragma: no cover - compiled
+    """Mean and max probe length (1 = found in its home slot) over the stored keys."""
+    mask = np.int64(slot_keys.shape[0] - 1)
+    total = 0
+    worst = 0
+    count = 0
+    for s in range(slot_keys.shape[0]):
+        if slot_rows[s] < 0:
+            continue
+        d = ((s - home_slot(slot_keys[s], mask)) & mask) + 1
+        total += d
+        count += 1
+        if d > worst:
+            worst = d
+    return (total / count if count else 0.0), worst
+
+
+# --- a small counting map (key -> count), used by the admission counter filter ----------------
+@njit(nogil=True, cache=True)
+def count_map_add(slot_keys, slot_counts, keys, counts_out, state, max_size):  # pragma: no cover
+    """Add one sighting per key occurrence; ``counts_out[i]`` = count after occurrence ``i``.
+
+    Empty slots hold ``slot_counts < 0``. Returns the position reached (stops before a new key
+    would exceed ``max_size``) so the caller can grow and resume.
+    """
+    mask = np.int64(slot_keys.shape[0] - 1)
+    n = keys.shape[0]
+    for i in range(n):
+        if counts_out[i] > 0:  # already counted in an earlier partial pass
+            continue
+        k = keys[i]
+        h = home_slot(k, mask)
+        while True:
+            c = slot_counts[h]
+            if c < 0:
+                if state[SIZE] >= max_size:
+                    return i
+                slot_keys[h] = k
+                slot_counts[h] = 1
+                state[SIZE] += 1
+                counts_out[i] = 1
+                break
+            if slot_keys[h] == k:
+                slot_counts[h] = c + 1
+                counts_out[i] = c + 1
+                break
+            h = (h + 1) & mask
+    return n
+
+
+@njit(nogil=True, cache=True)
+def count_map_remove(slot_keys, slot_counts, keys, state):  # pragma: no cover - compiled
+    """Remove keys from a counting map (backward shift); returns how many were present."""
+    mask = np.int64(slot_keys.shape[0] - 1)
+    removed = 0
+    for i in range(keys.shape[0]):
+        k = keys[i]
+        h = home_slot(k, mask)
+        c = slot_counts[h]
+        while c >= 0 and slot_keys[h] != k:
+            h = (h + 1) & mask
+            c = slot_counts[h]
+        if c < 0:
+            continue
+        removed += 1
+        state[SIZE] -= 1
+        hole = h
+        j = h
+        while True:
+            j = (j + 1) & mask
+            if slot_counts[j] < 0:
+                break
+            home = home_slot(slot_keys[j], mask)
+            if hole <= j:
+                stays = hole < home <= j
+            else:
+                stays = home > hole or home <= j
+            if not stays:
+                slot_keys[hole] = slot_keys[j]
+                slot_counts[hole] = slot_counts[j]
+                hole = j
+        slot_counts[hole] = -1
+    return removed
+
+
+@njit(nogil=True, cache=True)
+def count_map_get(slot_keys, slot_counts, keys, out):  # pragma: no cover - compiled
+    """Current count of each key (0 when absent)."""
+    mask = np.int64(slot_keys.shape[0] - 1)
+    for i in range(keys.shape[0]):
+        k = keys[i]
+        h = home_slot(k, mask)
+        c = slot_counts[h]
+        while c >= 0 and slot_keys[h] != k:
+            h = (h + 1) & mask
+            c = slot_counts[h]
+        out[i] = c if c > 0 else 0

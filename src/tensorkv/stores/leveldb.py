@@ -1,0 +1,221 @@
+"""LevelDB backend through ``plyvel``: a small, dependable LSM store for one process.
+
+``leveldb:///abs/path`` opens (or creates) the database directory ``/abs/path``. Every write
+call is one LevelDB write batch appended to the log as a single record, so batches are atomic
+even if the process is killed. The log is not fsynced per write unless ``sync=true``.
+"""
+
+from __future__ import annotations
+
+import errno
+from collections.abc import Iterator
+from dataclasses import replace
+from itertools import islice, repeat
+from typing import Any
+
+import plyvel
+
+from tensorkv import config
+from tensorkv.errors import ConfigError, StoreClosedError, StoreError, StoreFullError
+from tensorkv.stores.base import Capabilities, KVStore, WriteOp
+from tensorkv.stores.embedded import (
+    as_bool,
+    as_int,
+    as_size,
+    chunked_scan,
+    claim_path,
+    close_on_collect,
+    locked_error,
+    permission_error,
+    prepare_directory,
+    release_path,
+    store_path,
+    take_options,
+)
+
+
+def _as_compression(name: str, value: Any) -> str:
+    low = str(value).strip().lower()
+    if low not in ("none", "snappy"):
+        raise ConfigError(f"option {name}={value!r} is not a compression; use none or snappy")
+    return low
+
+
+_OPTIONS = {
+    "readonly": (as_bool, False),
+    "sync": (as_bool, False),
+    "compression": (_as_compression, "none"),
+    "write_buffer_size": (as_size, config.LEVELDB_WRITE_BUFFER_SIZE),
+    "block_cache_size": (as_size, config.LEVELDB_BLOCK_CACHE_SIZE),
+    "bloom_bits": (lambda n, v: as_int(n, v, minimum=0), 10),
+    "max_open_files": (as_int, 1000),
+}
+
+
+class LevelDBStore(KVStore):
+    """A store in a LevelDB database (one directory), used by one process at a time.
+
+    Parameters
+    ----------
+    path
+        Absolute path of the database directory (created when missing, unless readonly).
+    url
+        The URL it was opened with.
+    readonly
+        Refuse writes. LevelDB has no read-only mode of its own, so the database is still
+        locked against other processes while open.
+    sync
+        ``False`` (default): the log is written on every call but not fsynced, so data
+        survives a process crash but maybe not a power loss. ``True``: fsync each write.
+    compression
+        ``"none"`` (default; float data barely compresses) or ``"snappy"``.
+    write_buffer_size
+        Bytes per memtable (default 32 MiB).
+    block_cache_size
+        Bytes of uncompressed blocks cached for reads (default 64 MiB).
+    bloom_bits
+        Bloom filter bits per key (default 10; 0 disables).
+    max_open_files
+        Table files kept open.
+    """
+
+    scheme = "leveldb"
+    capabilities = Capabilities(
+        ordered_scans=True, atomic_batches=True, durable_on_return=False, multi_process=False
+    )
+    max_value_size = 0xFFFF_FFFF  # record lengths in the log are 32-bit varints
+
+    def __init__(
+        self,
+        path: str,
+        url: str = "",
+        *,
+        readonly: bool = False,
+        sync: bool = False,
+        compression: str = "none",
+        write_buffer_size: int = config.LEVELDB_WRITE_BUFFER_SIZE,
+        block_cache_size: int = config.LEVELDB_BLOCK_CACHE_SIZE,
+        bloom_bits: int = 10,
+        max_open_files: int = 1000,
+    ) -> None:
+        super().__init__(url or f"leveldb://{path}", readonly=readonly)
+        self.path = path
+        self.sync = bool(sync)
+        if self.sync:
+            self.capabilities = replace(type(self).capabilities, durable_on_return=True)
+        prepare_directory(path, readonly=readonly, marker="CURRENT", scheme="leveldb")
+        # LevelDB locks even read-only opens, and a second open in one process would drop
+        # the first one's lock: refuse it before plyvel is called.
+        self._claim = claim_path("leveldb", path)
+        try:
+            self._db = plyvel.DB(
+                path,
+                create_if_missing=not readonly,
+                write_buffer_size=write_buffer_size,
+                lru_cache_size=block_cache_size,
+                bloom_filter_bits=bloom_bits,
+                compression=None if compression == "none" else compression,
+                max_open_files=max_open_files,
+            )
+        except plyvel.Error as exc:
+            release_path(self._claim)
+            raise self._open_error(exc) from exc
+        self._finalizer = close_on_collect(self, self._db.close, self._claim)
+
+    def _open_error(self, exc: BaseException) -> Exception:
+        text = str(exc)
+        if "LOCK" in text and ("temporarily unavailable" in text or "already held" in text):
+            return locked_error("leveldb", self.path, exc)
+        if "Permission denied" in text or "Read-only file system" in text:
+            return permission_error("leveldb", self.path, exc)
+        return StoreError(f"cannot open the leveldb store {self.path!r}: {exc}")
+
+    @classmethod
+    def from_url(cls, parsed: Any, **options: Any) -> LevelDBStore:
+        """Open from a parsed URL; see the class for the options."""
+        path = store_path(parsed)
+        opts = take_options("leveldb", options, _OPTIONS)
+        return cls(path, parsed.url, **opts)
+
+    # ----------------------------------------------------------------- primitives
+    def _closed_error(self, exc: RuntimeError) -> Exception:
+        if self._closed or "closed" in str(exc):
+            return StoreClosedError(f"store {self.url!r} is closed; open it again with open_store")
+        return exc
+
+    def _get_many(self, keys: list[bytes]) -> list[bytes | None]:
+        try:
+            snap = self._db.snapshot()  # one consistent view for the whole batch
+        except RuntimeError as exc:
+            raise self._closed_error(exc) from None
+        try:
+            get = snap.get
+            return [get(k) for k in keys]
+        finally:
+            snap.close()
+
+    def _write(self, ops: list[WriteOp], *, atomic: bool) -> None:
+        try:
+            wb = self._db.write_batch(transaction=True, sync=self.sync)
+        except RuntimeError as exc:
+            raise self._closed_error(exc) from None
+        put, delete = wb.put, wb.delete
+        try:
+            for k, v in ops:
+                if v is None:
+                    delete(k)
+                else:
+                    put(k, v)
+        except BaseException:
+            wb.clear()
+            raise
+        try:
+            wb.write()
+        except plyvel.Error as exc:
+            if "No space left" in str(exc):
+                raise StoreFullError(
+                    errno.ENOSPC,
+                    f"the disk under leveldb store {self.path!r} is full ({exc}); free space "
+                    "and retry",
+                ) from exc
+            raise StoreError(f"leveldb write to {self.path!r} failed: {exc}") from exc
+        except RuntimeError as exc:
+            raise self._closed_error(exc) from None
+
+    def _read_chunk(
+        self, start: bytes | None, n: int, stop: bytes | None, keys_only: bool
+    ) -> list[tuple[bytes, bytes | None]]:
+        try:
+            it = self._db.iterator(start=start, stop=stop, include_value=not keys_only)
+        except RuntimeError as exc:
+            raise self._closed_error(exc) from None
+        try:
+            if keys_only:
+                return list(zip(islice(it, n), repeat(None)))
+            return list(islice(it, n))
+        finally:
+            it.close()
+
+    def _scan(
+        self, start: bytes | None, stop: bytes | None, keys_only: bool, limit: int | None
+    ) -> Iterator[tuple[bytes, bytes | None]]:
+        def read(pos: bytes | None, n: int) -> list[tuple[bytes, bytes | None]]:
+            return self._read_chunk(pos, n, stop, keys_only)
+
+        return chunked_scan(read, start, limit, self._check_open)
+
+    def _flush(self) -> None:
+        # LevelDB has no call to sync the log on its own; an empty synced batch does it.
+        if not self.sync:
+            self._db.write_batch(sync=True).write()
+
+    def _close(self) -> None:
+        self._finalizer()
+
+    def _stats(self) -> dict[str, Any]:
+        raw = self._db.get_property(b"leveldb.approximate-memory-usage")
+        return {
+            "path": self.path,
+            "memory_bytes": int(raw) if raw else None,
+            "sync": self.sync,
+        }

@@ -1,0 +1,461 @@
+"""LMDB backend: a memory-mapped B+tree shared by many threads and processes.
+
+``lmdb:///abs/path`` opens (or creates) the directory ``/abs/path`` holding ``data.mdb`` and
+``lock.mdb``. Every write call is one LMDB write transaction, so batches are atomic even
+if the process is killed; with ``sync=true`` (the default) a write is on disk when it
+returns. The memory map grows by doubling when full, up to ``max_map_size``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import errno
+import os
+import threading
+import weakref
+from collections.abc import Iterator
+from dataclasses import replace
+from itertools import groupby, islice, repeat
+from operator import itemgetter
+from typing import Any
+
+import lmdb
+
+from tensorkv import config
+from tensorkv.errors import (
+    ConfigError,
+    KeyTooLargeError,
+    StoreError,
+    StoreFullError,
+    StoreLockedError,
+)
+from tensorkv.stores.base import Capabilities, KVStore, WriteOp
+from tensorkv.stores.embedded import (
+    as_bool,
+    as_int,
+    as_size,
+    chunked_scan,
+    permission_error,
+    prepare_directory,
+    store_path,
+    take_options,
+)
+
+_OPTIONS = {
+    "readonly": (as_bool, False),
+    "map_size": (as_size, config.LMDB_INITIAL_MAP_SIZE),
+    "max_map_size": (as_size, config.LMDB_MAX_MAP_SIZE),
+    "sync": (as_bool, True),
+    "readahead": (as_bool, False),
+    "max_readers": (as_int, config.LMDB_MAX_READERS),
+}
+
+_first = itemgetter(0)
+
+
+def _is_delete(op: WriteOp) -> bool:
+    return op[1] is None
+
+
+class _TxnGate:
+    """Any number of transactions at once, or one map resize while none runs.
+
+    LMDB may change the map size only while this process has no active transaction.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._active = 0
+        self._exclusive = False
+
+    def enter(self) -> None:
+        with self._cond:
+            while self._exclusive:
+                self._cond.wait()
+            self._active += 1
+
+    def leave(self) -> None:
+        with self._cond:
+            self._active -= 1
+            if not self._active:
+                self._cond.notify_all()
+
+    def enter_exclusive(self) -> None:
+        with self._cond:
+            while self._exclusive:
+                self._cond.wait()
+            self._exclusive = True
+            while self._active:
+                self._cond.wait()
+
+    def leave_exclusive(self) -> None:
+        with self._cond:
+            self._exclusive = False
+            self._cond.notify_all()
+
+
+class _SharedEnv:
+    """One LMDB environment per directory per process, shared by every store opened on it.
+
+    LMDB forbids opening the same environment twice in one process (its file locks would
+    be released by the second close), so stores on the same path share this object.
+    """
+
+    def __init__(self, key: str, env: lmdb.Environment, readonly: bool, sync: bool) -> None:
+        self.key = key
+        self.env = env
+        self.readonly = readonly
+        self.sync = sync
+        self.gate = _TxnGate()
+        self.write_lock = threading.Lock()
+        self.pid = os.getpid()
+        self.refs = 1
+
+
+_ENVS: dict[tuple[int, str], _SharedEnv] = {}
+_ENVS_LOCK = threading.Lock()
+
+
+def _open_error(path: str, exc: lmdb.Error) -> Exception:
+    text = str(exc)
+    if "Permission denied" in text or "Read-only file system" in text:
+        return permission_error("lmdb", path, exc)
+    if "Resource temporarily unavailable" in text:
+        return StoreLockedError(errno.EAGAIN, f"the lmdb store {path!r} is locked: {exc}", path)
+    return StoreError(f"cannot open the lmdb store {path!r}: {exc}")
+
+
+def _acquire_env(
+    path: str, *, readonly: bool, sync: bool, map_size: int, readahead: bool, max_readers: int
+) -> _SharedEnv:
+    key = os.path.realpath(path)
+    with _ENVS_LOCK:
+        shared = _ENVS.get((os.getpid(), key))
+        if shared is not None:
+            if shared.readonly and not readonly:
+                raise StoreLockedError(
+                    errno.EBUSY,
+                    f"the lmdb store {path!r} is already open read-only in this process; close "
+                    "that store before opening it for writing",
+                    path,
+                )
+            if shared.sync != sync and not readonly:
+                raise ConfigError(
+                    f"the lmdb store {path!r} is already open in this process with "
+                    f"sync={shared.sync}; open it again with the same sync setting"
+                )
+            shared.refs += 1
+            return shared
+        try:
+            env = lmdb.open(
+                path,
+                map_size=map_size,
+                subdir=True,
+                readonly=readonly,
+                create=not readonly,
+                metasync=sync,
+                sync=sync,
+                readahead=readahead,
+                lock=True,
+                max_readers=max_readers,
+                max_dbs=0,
+                max_spare_txns=4,
+            )
+        except lmdb.Error as exc:
+            raise _open_error(path, exc) from exc
+        with contextlib.suppress(lmdb.Error):
+            env.reader_check()  # free reader slots left by killed processes
+        shared = _SharedEnv(key, env, readonly, sync)
+        _ENVS[(shared.pid, key)] = shared
+        return shared
+
+
+def _release_env(shared: _SharedEnv) -> None:
+    with _ENVS_LOCK:
+        shared.refs -= 1
+        if shared.refs > 0:
+            return
+        _ENVS.pop((shared.pid, shared.key), None)
+    if os.getpid() != shared.pid:
+        return  # never close a parent's environment from a forked child
+    shared.gate.enter_exclusive()
+    try:
+        shared.env.close()
+    finally:
+        shared.gate.leave_exclusive()
+
+
+class LMDBStore(KVStore):
+    """A store in an LMDB environment (one directory), shared by threads and processes.
+
+    Parameters
+    ----------
+    path
+        Absolute path of the environment directory (created when missing, unless readonly).
+    url
+        The URL it was opened with.
+    readonly
+        Open read-only; the environment must exist.
+    map_size
+        Initial map size in bytes (default 64 MiB); the map doubles whenever a write
+        transaction finds it full.
+    max_map_size
+        The map never grows beyond this (default 1 TiB); a write that needs more raises
+        :class:`~tensorkv.errors.StoreFullError` and changes nothing.
+    sync
+        ``True`` (default): fsync on every commit, so writes are durable on return.
+        ``False``: leave flushing to the OS (much faster bulk loads); a process crash loses
+        nothing, a power loss may lose the last writes. Call :meth:`flush` to sync.
+    readahead
+        OS readahead on the map. Off by default: lookups of embedding rows and tensors are
+        random access, and readahead would evict hot pages for cold ones.
+    max_readers
+        Read transactions that may be open at once across every process sharing the store.
+
+    Notes
+    -----
+    Keys are at most 511 bytes (LMDB's compile-time limit). An open store must not be used
+    in a child created by ``fork``; open the URL again in the child.
+    """
+
+    scheme = "lmdb"
+    capabilities = Capabilities(
+        ordered_scans=True, atomic_batches=True, durable_on_return=True, multi_process=True
+    )
+    max_value_size = 0xFFFF_FFFF  # LMDB stores node data sizes in 32 bits
+
+    def __init__(
+        self,
+        path: str,
+        url: str = "",
+        *,
+        readonly: bool = False,
+        map_size: int = config.LMDB_INITIAL_MAP_SIZE,
+        max_map_size: int = config.LMDB_MAX_MAP_SIZE,
+        sync: bool = True,
+        readahead: bool = False,
+        max_readers: int = config.LMDB_MAX_READERS,
+    ) -> None:
+        super().__init__(url or f"lmdb://{path}", readonly=readonly)
+        if map_size <= 0:
+            raise ConfigError(f"map_size={map_size} must be positive, e.g. '64MiB'")
+        if max_map_size < map_size:
+            raise ConfigError(
+                f"max_map_size={max_map_size} is smaller than map_size={map_size}; raise "
+                "max_map_size or lower map_size"
+            )
+        self.path = path
+        self.max_map_size = max_map_size
+        self.sync = bool(sync)
+        if not self.sync:
+            self.capabilities = replace(type(self).capabilities, durable_on_return=False)
+        prepare_directory(path, readonly=readonly, marker="data.mdb", scheme="lmdb")
+        shared = _acquire_env(
+            path,
+            readonly=readonly,
+            sync=self.sync,
+            map_size=map_size,
+            readahead=readahead,
+            max_readers=max_readers,
+        )
+        self._shared = shared
+        self._finalizer = weakref.finalize(self, _release_env, shared)
+        self._env = shared.env
+        self._gate = shared.gate
+        self._write_lock = shared.write_lock
+        self._pid = shared.pid
+        self._max_key = self._env.max_key_size()
+        self.resizes = 0
+
+    @classmethod
+    def from_url(cls, parsed: Any, **options: Any) -> LMDBStore:
+        """Open from a parsed URL; see the class for the options."""
+        path = store_path(parsed)
+        opts = take_options("lmdb", options, _OPTIONS)
+        return cls(path, parsed.url, **opts)
+
+    # ----------------------------------------------------------------- transactions
+    def _enter(self) -> None:
+        if os.getpid() != self._pid:
+            raise StoreError(
+                f"lmdb store {self.url!r} was opened in process {self._pid} and cannot be used "
+                "after fork; open the URL again in the child process"
+            )
+        self._gate.enter()
+        if self._closed:
+            self._gate.leave()
+            self._check_open()
+
+    def _adopt_map_size(self) -> None:
+        """Another process grew the map: adopt its size (needs no active transaction)."""
+        self._gate.enter_exclusive()
+        try:
+            self._env.set_mapsize(0)
+        finally:
+            self._gate.leave_exclusive()
+
+    def _grow(self, needed: BaseException) -> None:
+        self._gate.enter_exclusive()
+        try:
+            current = self._env.info()["map_size"]
+            if current >= self.max_map_size:
+                raise StoreFullError(
+                    errno.ENOSPC,
+                    f"lmdb store {self.path!r} is full: the map has reached max_map_size="
+                    f"{current} bytes ({current / 2**20:.1f} MiB) and the write needs more; "
+                    "nothing was written. Open it with a larger max_map_size (e.g. "
+                    f"?max_map_size={max(2 * current, 1 << 30)}) or delete data",
+                ) from needed
+            self._env.set_mapsize(min(2 * current, self.max_map_size))
+            self.resizes += 1
+        finally:
+            self._gate.leave_exclusive()
+
+    def _check_key_sizes(self, keys: list[bytes]) -> None:
+        longest = max(map(len, keys))
+        if longest > self._max_key:
+            bad = next(k for k in keys if len(k) > self._max_key)
+            raise KeyTooLargeError(
+                f"key {bad[:40]!r}... is {len(bad)} bytes; LMDB keys are at most "
+                f"{self._max_key} bytes: hash or shorten long keys"
+            )
+
+    # ----------------------------------------------------------------- primitives
+    def _get_many(self, keys: list[bytes]) -> list[bytes | None]:
+        limit = self._max_key
+        if max(map(len, keys)) > limit:  # keys LMDB cannot hold are absent by definition
+            short = [k for k in keys if len(k) <= limit]
+            found = iter(self._get_many(short) if short else [])
+            return [next(found) if len(k) <= limit else None for k in keys]
+        while True:
+            self._enter()
+            try:
+                with self._env.begin(buffers=False) as txn:
+                    get = txn.get
+                    return [get(k) for k in keys]
+            except lmdb.MapResizedError:
+                pass
+            finally:
+                self._gate.leave()
+            self._adopt_map_size()
+
+    @staticmethod
+    def _apply(txn: lmdb.Transaction, ops: list[WriteOp]) -> None:
+        cursor = txn.cursor()
+        if not any(map(_is_delete, ops)):
+            cursor.putmulti(ops)
+            return
+        delete = txn.delete
+        for is_del, run in groupby(ops, key=_is_delete):
+            if is_del:
+                for k, _ in run:
+                    delete(k)
+            else:
+                cursor.putmulti(run)
+
+    def _write(self, ops: list[WriteOp], *, atomic: bool) -> None:
+        self._check_key_sizes([k for k, _ in ops])
+        with self._write_lock:
+            while True:
+                self._enter()
+                try:
+                    with self._env.begin(write=True) as txn:
+                        self._apply(txn, ops)
+                    return
+                except (lmdb.MapFullError, lmdb.MapResizedError) as exc:
+                    retry: BaseException = exc
+                except lmdb.Error as exc:
+                    if "No space left" in str(exc):
+                        raise StoreFullError(
+                            errno.ENOSPC,
+                            f"the disk under lmdb store {self.path!r} is full; nothing was "
+                            "written: free space and retry",
+                        ) from exc
+                    raise
+                finally:
+                    self._gate.leave()
+                # the transaction was aborted: fix the map, then replay every op
+                if isinstance(retry, lmdb.MapFullError):
+                    self._grow(retry)
+                else:
+                    self._adopt_map_size()
+
+    def _read_chunk(
+        self, start: bytes | None, n: int, stop: bytes | None, keys_only: bool
+    ) -> list[tuple[bytes, bytes | None]]:
+        while True:
+            self._enter()
+            try:
+                with self._env.begin(buffers=False) as txn:
+                    cur = txn.cursor()
+                    positioned = cur.first() if start is None else cur.set_range(start)
+                    if not positioned:
+                        return []
+                    if keys_only:
+                        keys = list(islice(cur.iternext(keys=True, values=False), n))
+                        if stop is not None:
+                            del keys[bisect.bisect_left(keys, stop) :]
+                        return list(zip(keys, repeat(None)))
+                    items = list(islice(cur.iternext(keys=True, values=True), n))
+                    if stop is not None:
+                        del items[bisect.bisect_left(items, stop, key=_first) :]
+                    return items
+            except lmdb.MapResizedError:
+                pass
+            finally:
+                self._gate.leave()
+            self._adopt_map_size()
+
+    def _scan(
+        self, start: bytes | None, stop: bytes | None, keys_only: bool, limit: int | None
+    ) -> Iterator[tuple[bytes, bytes | None]]:
+        def read(pos: bytes | None, n: int) -> list[tuple[bytes, bytes | None]]:
+            return self._read_chunk(pos, n, stop, keys_only)
+
+        return chunked_scan(read, start, limit, self._check_open)
+
+    def count(self, prefix: bytes = b"") -> int:
+        """Number of keys starting with ``prefix`` (O(1) for the whole store)."""
+        if prefix:
+            return super().count(prefix)
+        self._check_open()
+        self._enter()
+        try:
+            return int(self._env.stat()["entries"])
+        finally:
+            self._gate.leave()
+
+    def _flush(self) -> None:
+        if not self.sync:
+            self._enter()
+            try:
+                self._env.sync(True)
+            finally:
+                self._gate.leave()
+
+    def _close(self) -> None:
+        self._finalizer()
+
+    def _stats(self) -> dict[str, Any]:
+        self._enter()
+        try:
+            info = self._env.info()
+            st = self._env.stat()
+        finally:
+            self._gate.leave()
+        page = st["psize"]
+        return {
+            "path": self.path,
+            "keys": st["entries"],
+            "map_size": info["map_size"],
+            "max_map_size": self.max_map_size,
+            "used_bytes": (info["last_pgno"] + 1) * page,
+            "page_size": page,
+            "depth": st["depth"],
+            "readers": info["num_readers"],
+            "max_readers": info["max_readers"],
+            "resizes": self.resizes,
+            "sync": self.sync,
+        }
+

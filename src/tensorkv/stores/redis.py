@@ -1,0 +1,721 @@
+"""Redis backend: standalone, TLS, ACL users, Redis Cluster and Redis Sentinel.
+
+Keys are stored as plain Redis strings under an optional namespace ``prefix``. Reads and
+writes go out as pipelined MGET / MSET / UNLINK commands of at most ``keys_sending_size``
+keys each; in cluster mode keys are first grouped by hash slot (honouring ``{hash tags}``)
+so that every multi-key command stays within one slot. See ``docs/redis.md``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from itertools import chain, repeat
+from typing import Any
+from urllib.parse import parse_qsl, urlsplit
+
+import numpy as np
+import redis
+from redis import exceptions as rex
+from redis.backoff import ExponentialBackoff, NoBackoff
+from redis.retry import Retry
+
+from tensorkv import config
+from tensorkv.errors import (
+    ConfigError,
+    InvalidURLError,
+    KeyTypeError,
+    StoreAuthError,
+    StoreError,
+    StoreFullError,
+    StoreUnavailableError,
+    TensorKVError,
+)
+from tensorkv.stores.base import Capabilities, KVStore, WriteOp, prefix_upper_bound
+from tensorkv.stores.redis_config import RedisOptions, resolve_options
+
+__all__ = ["RedisStore", "glob_escape", "key_slots"]
+
+_STANDALONE_CAPS = Capabilities(
+    ordered_scans=False, atomic_batches=True, durable_on_return=False, multi_process=True
+)
+_CLUSTER_CAPS = Capabilities(
+    ordered_scans=False,
+    atomic_batches=False,
+    durable_on_return=False,
+    multi_process=True,
+    distributed=True,
+)
+_MODES = {"redis": "standalone", "redis+cluster": "cluster", "redis+sentinel": "sentinel"}
+_GLOB_SPECIAL = frozenset(b"\\*?[]")
+
+
+# ---------------------------------------------------------------------------- hash slots
+def _crc16_table() -> np.ndarray:
+    table = np.zeros(256, dtype=np.int64)
+    for i in range(256):
+        crc = i << 8
+        for _ in range(8):
+            crc = ((crc << 1) ^ 0x1021) if crc & 0x8000 else (crc << 1)
+        table[i] = crc & 0xFFFF
+    return table
+
+
+_CRC16_TABLE = _crc16_table()
+
+
+def _slots_py(buf: np.ndarray, offsets: np.ndarray, table: np.ndarray) -> np.ndarray:
+    """Redis Cluster hash slot (CRC16/XMODEM of the key or its hash tag, mod 16384)."""
+    n = offsets.shape[0] - 1
+    out = np.empty(n, dtype=np.int64)
+    for i in range(n):
+        a = offsets[i]
+        b = offsets[i + 1]
+        j = a
+        while j < b and buf[j] != 123:  # '{'
+            j += 1
+        if j < b:
+            k = j + 1
+            while k < b and buf[k] != 125:  # '}'
+                k += 1
+            if k < b and k != j + 1:
+                a = j + 1
+                b = k
+        crc = 0
+        for p in range(a, b):
+            crc = ((crc << 8) & 0xFFFF) ^ table[((crc >> 8) ^ buf[p]) & 0xFF]
+        out[i] = crc & 16383
+    return out
+
+
+_slots_kernel: Any = None
+_kernel_lock = threading.Lock()
+
+
+def key_slots(keys: Sequence[bytes]) -> np.ndarray:
+    """Redis Cluster hash slot of each key, as an int64 array (numba kernel).
+
+    Parameters
+    ----------
+    keys
+        Full Redis keys (namespace included). A key holding ``{tag}`` with a non-empty tag
+        hashes the tag alone, so keys sharing a tag share a slot.
+
+    Returns
+    -------
+    numpy.ndarray
+        Slots in ``[0, 16384)``, one per key.
+    """
+    global _slots_kernel
+    if _slots_kernel is None:
+        with _kernel_lock:
+            if _slots_kernel is None:
+                from numba import njit
+
+                _slots_kernel = njit(nogil=True, cache=True)(_slots_py)
+    n = len(keys)
+    offsets = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(np.fromiter(map(len, keys), dtype=np.int64, count=n), out=offsets[1:])
+    buf = np.frombuffer(b"".join(keys), dtype=np.uint8)
+    return _slots_kernel(buf, offsets, _CRC16_TABLE)
+
+
+# ---------------------------------------------------------------------------- helpers
+def glob_escape(prefix: bytes) -> bytes:
+    r"""Escape Redis glob characters (``\\ * ? [ ]``) so ``prefix`` matches literally."""
+    if not _GLOB_SPECIAL.intersection(prefix):
+        return prefix
+    out = bytearray()
+    for c in prefix:
+        if c in _GLOB_SPECIAL:
+            out.append(0x5C)
+        out.append(c)
+    return bytes(out)
+
+
+def _range_prefix(lo: bytes | None, hi: bytes | None) -> bytes:
+    """Longest P such that every key in ``[lo, hi)`` starts with P."""
+    if lo is None:
+        return b""
+    for n in range(len(lo), 0, -1):
+        p = lo[:n]
+        ub = prefix_upper_bound(p)
+        if ub is None or (hi is not None and hi <= ub):
+            return p
+    return b""
+
+
+def _take(seq: Sequence[Any], idx: np.ndarray) -> list[Any]:
+    """``[seq[i] for i in idx]`` without a Python-level loop."""
+    if len(idx) == 0:
+        return []
+    if len(idx) == 1:
+        return [seq[int(idx[0])]]
+    return list(operator.itemgetter(*idx.tolist())(seq))
+
+
+def _bounds(n: int, max_keys: int, sizes: np.ndarray | None = None,
+            max_bytes: int = 0, groups: np.ndarray | None = None) -> np.ndarray:
+    """Chunk boundaries over ``n`` items.
+
+    At most ``max_keys`` items per chunk, a new chunk wherever ``groups`` changes, and a split
+    whenever the running byte total of ``sizes`` crosses a multiple of ``max_bytes``.
+    """
+    if groups is not None and n:
+        change = np.empty(n, dtype=bool)
+        change[0] = True
+        np.not_equal(groups[1:], groups[:-1], out=change[1:])
+        starts = np.flatnonzero(change)
+        start_of = starts[np.cumsum(change) - 1]
+        pos = np.arange(n) - start_of
+        cuts = np.flatnonzero(pos % max_keys == 0)
+    else:
+        cuts = np.arange(0, n, max_keys)
+    if sizes is not None and n and max_bytes:
+        total = np.cumsum(sizes)
+        marks = np.arange(max_bytes, int(total[-1]), max_bytes)
+        extra = np.searchsorted(total, marks, side="right")
+        extra = extra[(extra > 0) & (extra < n)]
+        cuts = np.union1d(cuts, extra)  # a split inside a slot group stays in that slot
+    return np.append(cuts, n).astype(np.int64)
+
+
+def _value_sizes(values: Sequence[Any]) -> np.ndarray:
+    # check_value hands over bytes or 1-D unsigned-byte memoryviews, so len() is bytes
+    return np.fromiter(map(len, values), dtype=np.int64, count=len(values))
+
+
+# ---------------------------------------------------------------------------- the store
+class RedisStore(KVStore):
+    """A key-value store in Redis (standalone, cluster or sentinel-managed).
+
+    Open it with :func:`tensorkv.open_store`::
+
+        open_store("redis://localhost:6379/0?prefix=exp1/")
+        open_store("rediss://user:pw@host:6380/0", ssl_ca_certs="ca.pem")
+        open_store("redis+cluster://h1:7000,h2:7001", read_from_replicas=True)
+        open_store("redis+sentinel://s1:26379,s2:26379/mymaster/0")
+
+    Parameters
+    ----------
+    url
+        The URL, for messages.
+    mode
+        ``"standalone"``, ``"cluster"`` or ``"sentinel"``.
+    hosts
+        Servers (standalone), startup nodes (cluster) or sentinels.
+    db
+        Database number (standalone and sentinel; cluster has only 0).
+    master_name
+        Sentinel service name.
+    tls
+        Connect with TLS.
+    options
+        Validated :class:`~tensorkv.stores.redis_config.RedisOptions`.
+    scheme
+        The URL scheme (reported by :meth:`stats`).
+
+    Notes
+    -----
+    Scans are unordered (Redis SCAN). Batches are MULTI/EXEC transactions except in cluster
+    mode, where only a batch whose keys all hash to one slot is a transaction. Writes are
+    not durable on return: that depends on the server's ``appendfsync`` setting.
+    """
+
+    scheme = "redis"
+    capabilities = _STANDALONE_CAPS
+    max_value_size = config.REDIS_MAX_VALUE_BYTES
+
+    def __init__(
+        self,
+        url: str = "redis://127.0.0.1:6379/0",
+        *,
+        mode: str = "standalone",
+        hosts: Sequence[tuple[str, int]] = (("127.0.0.1", 6379),),
+        db: int = 0,
+        master_name: str | None = None,
+        tls: bool = False,
+        options: RedisOptions | None = None,
+        scheme: str = "redis",
+        config_file: str | None = None,
+    ) -> None:
+        opts = options or RedisOptions()
+        super().__init__(url, readonly=opts.readonly)
+        if mode not in ("standalone", "cluster", "sentinel"):
+            raise ConfigError(f"mode={mode!r}; use standalone, cluster or sentinel")
+        self.scheme = scheme  # type: ignore[misc]
+        self.mode = mode
+        self.options = opts
+        self.config_file = config_file
+        self.capabilities = _CLUSTER_CAPS if mode == "cluster" else _STANDALONE_CAPS  # type: ignore[misc]
+        self._hosts = [(h, int(p)) for h, p in hosts]
+        self._db = db
+        self._master_name = master_name
+        self._tls = tls
+        self._ns = opts.prefix
+        self._nsl = len(opts.prefix)
+        self._ks = opts.keys_sending_size
+        self._gate = (
+            threading.BoundedSemaphore(opts.max_connections)
+            if opts.max_connections and mode != "standalone"
+            else None
+        )
+        self._sentinel: Any = None
+        self._client: Any = None
+        self._reader: Any = None
+        try:
+            self._connect()
+        except BaseException:
+            self._close_clients()
+            raise
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_url(cls, parsed: Any, **options: Any) -> RedisStore:
+        """Open from a parsed URL (see :func:`tensorkv.stores.registry.parse_url`)."""
+        scheme = parsed.scheme
+        tls = scheme.startswith("rediss")
+        base = scheme.replace("rediss", "redis", 1)
+        if base not in _MODES:
+            raise InvalidURLError(
+                f"{parsed.url!r}: scheme {scheme!r} is not a Redis scheme; use redis://, "
+                "rediss://, redis+cluster:// or redis+sentinel://"
+            )
+        mode = _MODES[base]
+        default_port = 26379 if mode == "sentinel" else 6379
+        hosts = [(h or "127.0.0.1", p or default_port) for h, p in parsed.hosts] or [
+            ("127.0.0.1", default_port)
+        ]
+        parts = [p for p in parsed.path.split("/") if p]
+        db, master = 0, None
+        if mode == "sentinel":
+            if not parts or len(parts) > 2:
+                raise InvalidURLError(
+                    f"{parsed.url!r}: a sentinel URL names the master after the hosts, "
+                    "e.g. redis+sentinel://s1:26379,s2:26379/mymaster or .../mymaster/0"
+                )
+            master = parts[0]
+            parts = parts[1:]
+        if len(parts) > 1 or (parts and not parts[0].isdigit()):
+            raise InvalidURLError(
+                f"{parsed.url!r}: the path must be a database number such as /0, not "
+                f"{parsed.path!r}"
+            )
+        db = int(parts[0]) if parts else 0
+        if mode == "cluster" and db != 0:
+            raise InvalidURLError(
+                f"{parsed.url!r}: Redis Cluster has only database 0; drop /{db} from the URL"
+            )
+        if mode == "standalone" and len(hosts) > 1:
+            raise InvalidURLError(
+                f"{parsed.url!r} lists {len(hosts)} hosts; a standalone server takes one "
+                "(use redis+cluster:// or redis+sentinel:// for several)"
+            )
+        # Query values were converted to int/float/bool; string options keep their raw text.
+        raw = dict(parse_qsl(urlsplit("x://" + parsed.url.split("://", 1)[1]).query,
+                             keep_blank_values=True))
+        for name in ("prefix", "password", "username", "ssl_ca_certs", "ssl_certfile",
+                     "ssl_keyfile", "config", "config_env"):
+            if name in raw and name in options and options[name] is parsed.options.get(name):
+                options[name] = raw[name]
+        opts, config_file = resolve_options(
+            options,
+            url_username=parsed.username,
+            url_password=parsed.password,
+            where=f"options of {parsed.url!r}",
+        )
+        return cls(parsed.url, mode=mode, hosts=hosts, db=db, master_name=master, tls=tls,
+                   options=opts, scheme=scheme, config_file=config_file)
+
+    def _conn_kwargs(self) -> dict[str, Any]:
+        o = self.options
+        kw: dict[str, Any] = {
+            "username": o.username,
+            "password": o.password,
+            "socket_connect_timeout": o.connect_timeout,
+            "socket_timeout": o.socket_timeout,
+        }
+        if self._tls:
+            kw.update(
+                ssl=True,
+                ssl_ca_certs=o.ssl_ca_certs,
+                ssl_certfile=o.ssl_certfile,
+                ssl_keyfile=o.ssl_keyfile,
+                ssl_cert_reqs=o.ssl_cert_reqs,
+                ssl_check_hostname=o.ssl_check_hostname and o.ssl_cert_reqs != "none",
+            )
+        return kw
+
+    def _retry(self) -> Retry:
+        o = self.options
+        cap = max(o.retry_backoff * 2 ** (o.retries + 1), o.retry_backoff)
+        return Retry(
+            ExponentialBackoff(cap=cap, base=o.retry_backoff),
+            o.retries,
+            supported_errors=(rex.ConnectionError, rex.TimeoutError, TimeoutError),
+        )
+
+    def _where(self) -> str:
+        nodes = ",".join(f"{h}:{p}" for h, p in self._hosts)
+        what = {"standalone": "Redis server", "cluster": "Redis Cluster nodes",
+                "sentinel": "Redis sentinels"}[self.mode]
+        return f"{what} {nodes}" + (f" (master {self._master_name!r})" if self._master_name else "")
+
+    def _probe(self, host: str, port: int) -> None:
+        """One PING without retries, so an unreachable server fails within connect_timeout."""
+        kw = self._conn_kwargs()
+        probe = redis.Redis(host=host, port=port, db=self._db, retry=Retry(NoBackoff(), 0),
+                            single_connection_client=True, **kw)
+        try:
+            probe.ping()
+        finally:
+            probe.close()
+
+    def _connect(self) -> None:
+        o = self.options
+        kw = self._conn_kwargs()
+        with self._errors(opening=True):
+            if self.mode == "standalone":
+                host, port = self._hosts[0]
+                self._probe(host, port)
+                pool_kw = dict(kw, host=host, port=port, db=self._db, retry=self._retry())
+                if pool_kw.pop("ssl", False):
+                    pool_kw["connection_class"] = redis.SSLConnection
+                if o.max_connections:
+                    pool: Any = redis.BlockingConnectionPool(
+                        max_connections=o.max_connections, timeout=o.socket_timeout, **pool_kw
+                    )
+                else:
+                    pool = redis.ConnectionPool(**pool_kw)
+                self._client = redis.Redis(connection_pool=pool)
+                self._reader = self._client
+            elif self.mode == "sentinel":
+                from redis.sentinel import Sentinel
+
+                skw = {k: v for k, v in kw.items() if k not in ("username", "password")}
+                skw["retry"] = Retry(NoBackoff(), 0)
+                ckw = dict(kw, retry=self._retry())
+                if o.max_connections:
+                    ckw["max_connections"] = o.max_connections
+                self._sentinel = Sentinel(self._hosts, sentinel_kwargs=skw, **ckw)
+                host, port = self._sentinel.discover_master(self._master_name)
+                self._probe(host, port)
+                self._client = self._sentinel.master_for(self._master_name, db=self._db)
+                self._reader = (
+                    self._sentinel.slave_for(self._master_name, db=self._db)
+                    if o.read_from_replicas
+                    else self._client
+                )
+            else:
+                from redis.cluster import ClusterNode, LoadBalancingStrategy, RedisCluster
+
+                ckw = dict(kw)
+                if o.max_connections:
+                    ckw["max_connections"] = o.max_connections
+                strategy = (
+                    LoadBalancingStrategy.ROUND_ROBIN_REPLICAS if o.read_from_replicas else None
+                )
+                self._client = RedisCluster(
+                    startup_nodes=[ClusterNode(h, p) for h, p in self._hosts],
+                    retry=self._retry(),
+                    load_balancing_strategy=strategy,
+                    **ckw,
+                )
+                self._reader = self._client
+
+    # ------------------------------------------------------------------ errors
+    @contextmanager
+    def _errors(self, *, opening: bool = False) -> Iterator[None]:
+        """Translate redis-py exceptions into tensorkv's hierarchy (and gate connections)."""
+        gate = None if opening else self._gate
+        if gate is not None and not gate.acquire(timeout=self.options.socket_timeout):
+            raise StoreUnavailableError(
+                f"all max_connections={self.options.max_connections} connections to "
+                f"{self._where()} stayed busy for socket_timeout={self.options.socket_timeout} s"
+            )
+        try:
+            yield
+        except TensorKVError:
+            raise
+        except (rex.AuthenticationError, rex.NoPermissionError) as exc:
+            raise StoreAuthError(
+                f"{self._where()} refused the credentials of user "
+                f"{self.options.username or 'default'!r}: {exc}; check the username and password "
+                "(URL user:pass@, or the username/password options) and the user's ACL rights"
+            ) from exc
+        except rex.OutOfMemoryError as exc:
+            raise StoreFullError(f"{self._where()} is out of memory (maxmemory): {exc}") from exc
+        except (rex.ConnectionError, rex.TimeoutError, rex.ClusterDownError,
+                rex.MasterDownError, rex.SlotNotCoveredError, OSError) as exc:
+            if _auth_failure(exc):
+                raise StoreAuthError(
+                    f"{self._where()} refused the credentials: {exc}; check the username and "
+                    "password"
+                ) from exc
+            o = self.options
+            raise StoreUnavailableError(
+                f"cannot reach {self._where()} within connect_timeout={o.connect_timeout} s / "
+                f"socket_timeout={o.socket_timeout} s"
+                + ("" if opening else f" after {o.retries} retries")
+                + f": {exc}; check that the server runs and that host:port is right"
+            ) from exc
+        except rex.RedisClusterException as exc:
+            if _auth_failure(exc):
+                raise StoreAuthError(
+                    f"{self._where()} refused the credentials: {exc}; check the username and "
+                    "password"
+                ) from exc
+            if opening:
+                raise StoreUnavailableError(
+                    f"cannot reach {self._where()} within connect_timeout="
+                    f"{self.options.connect_timeout} s: {exc}"
+                ) from exc
+            raise StoreError(f"{self._where()}: {exc}") from exc
+        except rex.RedisError as exc:
+            if _auth_failure(exc):
+                raise StoreAuthError(f"{self._where()} refused the credentials: {exc}") from exc
+            raise StoreError(f"{self._where()} failed: {exc}") from exc
+        finally:
+            if gate is not None:
+                gate.release()
+
+    # ------------------------------------------------------------------ keys
+    def _full(self, keys: Sequence[bytes]) -> list[bytes]:
+        if not self._nsl:
+            return list(keys)
+        return list(map(self._ns.__add__, keys))
+
+    def _strip(self, keys: Sequence[bytes]) -> list[bytes]:
+        if not self._nsl:
+            return list(keys)
+        return list(map(operator.itemgetter(slice(self._nsl, None)), keys))
+
+    # ------------------------------------------------------------------ reads
+    def _get_many(self, keys: list[bytes]) -> list[bytes | None]:
+        with self._errors():
+            return self._mget(self._full(keys))
+
+    def _mget(self, full: list[bytes]) -> list[bytes | None]:
+        n, ks = len(full), self._ks
+        if self.mode == "cluster":
+            slots = key_slots(full)
+            order = np.argsort(slots, kind="stable")
+            sorted_keys = _take(full, order)
+            cuts = _bounds(n, ks, groups=slots[order])
+            pipe = self._reader.pipeline(transaction=False)
+            for a, b in zip(cuts[:-1].tolist(), cuts[1:].tolist(), strict=True):
+                pipe.execute_command("MGET", *sorted_keys[a:b])
+            flat = np.fromiter(chain.from_iterable(pipe.execute()), dtype=object, count=n)
+            out = np.empty(n, dtype=object)
+            out[order] = flat
+            return out.tolist()
+        if n <= ks:
+            return self._reader.execute_command("MGET", *full)
+        pipe = self._reader.pipeline(transaction=False)
+        for i in range(0, n, ks):
+            pipe.execute_command("MGET", *full[i : i + ks])
+        return list(chain.from_iterable(pipe.execute()))
+
+    # ------------------------------------------------------------------ writes
+    def _write(self, ops: list[WriteOp], *, atomic: bool) -> None:
+        keys, values = zip(*ops, strict=True)
+        full = self._full(keys)
+        is_del = np.fromiter(map(operator.is_, values, repeat(None)), dtype=bool, count=len(ops))
+        with self._errors():
+            self._apply(full, list(values), is_del, atomic=atomic)
+
+    def _queue(self, pipe: Any, full: list[bytes], values: list[Any], is_del: np.ndarray,
+               slots: np.ndarray | None) -> int:
+        """Queue MSET/UNLINK commands for consecutive runs of puts and deletes; return count."""
+        n = len(full)
+        change = np.flatnonzero(is_del[1:] != is_del[:-1]) + 1
+        runs = np.concatenate(([0], change, [n])).tolist()
+        queued = 0
+        for a, b in zip(runs[:-1], runs[1:], strict=True):
+            rkeys = full[a:b]
+            deleting = bool(is_del[a])
+            rvals = None if deleting else values[a:b]
+            if slots is not None:
+                order = np.argsort(slots[a:b], kind="stable")
+                rkeys = _take(rkeys, order)
+                if rvals is not None:
+                    rvals = _take(rvals, order)
+                groups = slots[a:b][order]
+            else:
+                groups = None
+            sizes = None if rvals is None else _value_sizes(rvals)
+            cuts = _bounds(b - a, self._ks, sizes, config.REDIS_MAX_COMMAND_BYTES, groups)
+            for c0, c1 in zip(cuts[:-1].tolist(), cuts[1:].tolist(), strict=True):
+                if deleting:
+                    pipe.execute_command("UNLINK", *rkeys[c0:c1])
+                else:
+                    args: list[Any] = [None] * (2 * (c1 - c0))
+                    args[0::2] = rkeys[c0:c1]
+                    args[1::2] = rvals[c0:c1]  # type: ignore[index]
+                    pipe.execute_command("MSET", *args)
+                queued += 1
+        return queued
+
+    def _apply(self, full: list[bytes], values: list[Any], is_del: np.ndarray, *,
+               atomic: bool) -> list[Any]:
+        slots = key_slots(full) if self.mode == "cluster" else None
+        if slots is not None:
+            atomic = atomic and bool(np.all(slots == slots[0]))
+        pipe = self._client.pipeline(transaction=atomic)
+        self._queue(pipe, full, values, is_del, slots)
+        return pipe.execute()
+
+    def _unlink(self, full: list[bytes]) -> int:
+        """UNLINK full keys in pipelined chunks; return how many existed."""
+        if not full:
+            return 0
+        res = self._apply(full, [None] * len(full), np.ones(len(full), dtype=bool), atomic=False)
+        return int(sum(res))
+
+    # ------------------------------------------------------------------ scans
+    def _scan_clients(self) -> list[Any]:
+        if self.mode == "cluster":
+            return [self._client.get_redis_connection(n) for n in self._client.get_primaries()]
+        return [self._reader]
+
+    def _scan_full(self, prefix: bytes) -> Iterator[list[bytes]]:
+        """Yield batches of full keys starting with namespace + ``prefix`` (deduplicated)."""
+        pattern = glob_escape(self._ns + prefix) + b"*"
+        count = max(self._ks, 10)
+        for client in self._scan_clients():
+            seen: set[bytes] = set()
+            cursor = 0
+            while True:
+                with self._errors():
+                    cursor, batch = client.scan(cursor, match=pattern, count=count)
+                if batch:
+                    fresh = set(batch) - seen
+                    if fresh:
+                        seen |= fresh
+                        yield list(fresh)
+                if cursor == 0:
+                    break
+
+    def _scan(
+        self, start: bytes | None, stop: bytes | None, keys_only: bool, limit: int | None
+    ) -> Iterator[tuple[bytes, bytes | None]]:
+        p = _range_prefix(start, stop)
+        exact = (start is None or start == p) and stop == prefix_upper_bound(p)
+        left = limit
+        for full in self._scan_full(p):
+            keys = self._strip(full)
+            if not exact:
+                keep = [i for i, k in enumerate(keys)
+                        if (start is None or k >= start) and (stop is None or k < stop)]
+                if not keep:
+                    continue
+                keys = [keys[i] for i in keep]
+                full = [full[i] for i in keep]
+            if left is not None:
+                keys, full = keys[:left], full[:left]
+            if keys_only:
+                yield from zip(keys, repeat(None))
+                got = len(keys)
+            else:
+                with self._errors():
+                    vals = self._mget(full)
+                pairs = [(k, v) for k, v in zip(keys, vals, strict=True) if v is not None]
+                yield from pairs
+                got = len(pairs)
+            if left is not None:
+                left -= got
+                if left <= 0:
+                    return
+
+    def count(self, prefix: bytes = b"") -> int:
+        """Number of keys starting with ``prefix`` under the namespace.
+
+        Uses DBSIZE when there is neither a namespace nor a prefix, otherwise one SCAN pass
+        (per primary in cluster mode) with server-side MATCH.
+        """
+        self._check_open()
+        if not isinstance(prefix, (bytes, bytearray)):
+            raise KeyTypeError(f"prefix {prefix!r} must be bytes")
+        if not prefix and not self._nsl:
+            with self._errors():
+                return sum(int(c.dbsize()) for c in self._scan_clients())
+        return sum(len(b) for b in self._scan_full(bytes(prefix)))
+
+    def delete_prefix(self, prefix: bytes, *, chunk: int = 4096) -> int:
+        """Delete every key starting with ``prefix`` (SCAN + pipelined UNLINK); return count."""
+        self._check_writable()
+        if not isinstance(prefix, (bytes, bytearray)):
+            raise KeyTypeError(f"prefix {prefix!r} must be bytes")
+        total = 0
+        pending: list[bytes] = []
+        for batch in self._scan_full(bytes(prefix)):
+            pending.extend(batch)
+            if len(pending) >= chunk:
+                with self._errors():
+                    total += self._unlink(pending)
+                pending = []
+        with self._errors():
+            total += self._unlink(pending)
+        return total
+
+    # ------------------------------------------------------------------ lifecycle
+    def _close_clients(self) -> None:
+        clients = {id(c): c for c in (self._reader, self._client) if c is not None}
+        if self._sentinel is not None:
+            clients.update((id(s), s) for s in self._sentinel.sentinels)
+        for c in clients.values():
+            with contextlib.suppress(Exception):  # closing is best effort
+                c.close()
+
+    def _close(self) -> None:
+        self._close_clients()
+
+    def _stats(self) -> dict[str, Any]:
+        with self._errors():
+            clients = self._scan_clients()
+            infos = [c.info() for c in clients]
+            if self.mode == "cluster":
+                nodes = [n.name for n in self._client.get_nodes()]
+            elif self.mode == "sentinel":
+                h, p = self._sentinel.discover_master(self._master_name)
+                nodes = [f"{h}:{p}"] + [f"{h2}:{p2}" for h2, p2 in
+                                        self._sentinel.discover_slaves(self._master_name)]
+            else:
+                nodes = [f"{h}:{p}" for h, p in self._hosts]
+            db_keys = sum(int(c.dbsize()) for c in clients)
+        if not self._nsl:
+            keys: int | None = db_keys
+        elif db_keys <= config.REDIS_STATS_COUNT_LIMIT:
+            keys = self.count()
+        else:
+            keys = None  # counting would scan the whole keyspace
+        return {
+            "mode": self.mode,
+            "nodes": nodes,
+            "server_version": infos[0].get("redis_version") if infos else None,
+            "used_memory_bytes": sum(int(i.get("used_memory", 0)) for i in infos),
+            "db_keys": db_keys,
+            "keys": keys,
+            "prefix": self._ns,
+            "keys_sending_size": self._ks,
+            "config_file": self.config_file,
+        }
+
+
+def _auth_failure(exc: BaseException) -> bool:
+    """Whether an exception (or its cause) is Redis refusing the credentials."""
+    seen = 0
+    e: BaseException | None = exc
+    while e is not None and seen < 5:
+        if isinstance(e, (rex.AuthenticationError, rex.NoPermissionError)):
+            return True
+        msg = str(e)
+        if any(m in msg for m in ("WRONGPASS", "NOAUTH", "invalid username-password",
+                                  "Authentication required", "NOPERM")):
+            return True
+        e = e.__cause__ or e.__context__
+        seen += 1
+    return False

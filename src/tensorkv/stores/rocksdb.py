@@ -1,0 +1,240 @@
+"""RocksDB backend through ``rocksdict``: an LSM tree for write-heavy, larger-than-memory data.
+
+``rocksdb:///abs/path`` opens (or creates) the database directory ``/abs/path``. Every write
+call is one RocksDB ``WriteBatch`` written to the write-ahead log, so batches are atomic even
+if the process is killed. The WAL is not fsynced per write unless ``sync=true``: data
+survives a process crash, but a power loss or OS crash may lose the last writes.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Iterator
+from dataclasses import replace
+from itertools import islice, repeat
+from typing import Any
+
+import rocksdict
+
+from tensorkv import config
+from tensorkv.errors import ConfigError, StoreClosedError, StoreError, StoreFullError
+from tensorkv.stores.base import Capabilities, KVStore, WriteOp
+from tensorkv.stores.embedded import (
+    as_bool,
+    as_int,
+    as_size,
+    chunked_scan,
+    claim_path,
+    close_on_collect,
+    locked_error,
+    permission_error,
+    prepare_directory,
+    release_path,
+    store_path,
+    take_options,
+)
+
+_COMPRESSION = {
+    "none": rocksdict.DBCompressionType.none,
+    "lz4": rocksdict.DBCompressionType.lz4,
+    "zstd": rocksdict.DBCompressionType.zstd,
+    "snappy": rocksdict.DBCompressionType.snappy,
+}
+
+
+def _as_compression(name: str, value: Any) -> str:
+    low = str(value).strip().lower()
+    if low not in _COMPRESSION:
+        raise ConfigError(
+            f"option {name}={value!r} is not a compression; use one of {', '.join(_COMPRESSION)}"
+        )
+    return low
+
+
+_DEFAULT_JOBS = max(2, min(8, os.cpu_count() or 2))  # flush + compaction threads
+
+_OPTIONS = {
+    "readonly": (as_bool, False),
+    "sync": (as_bool, False),
+    "compression": (_as_compression, "none"),
+    "write_buffer_size": (as_size, config.ROCKSDB_WRITE_BUFFER_SIZE),
+    "max_write_buffers": (as_int, config.ROCKSDB_MAX_WRITE_BUFFERS),
+    "block_cache_size": (as_size, config.ROCKSDB_BLOCK_CACHE_SIZE),
+    "background_jobs": (as_int, _DEFAULT_JOBS),
+    "bloom_bits": (lambda n, v: as_int(n, v, minimum=0), 10),
+}
+
+
+class RocksDBStore(KVStore):
+    """A store in a RocksDB database (one directory), used by one process at a time.
+
+    Parameters
+    ----------
+    path
+        Absolute path of the database directory (created when missing, unless readonly).
+    url
+        The URL it was opened with.
+    readonly
+        Open read-only (no lock taken; other read-only opens may run at once).
+    sync
+        ``False`` (default): the WAL is written on every call but not fsynced, so data
+        survives a process crash but maybe not a power loss. ``True``: fsync the WAL on
+        every write call (durable on return, much slower).
+    compression
+        ``"none"`` (default: float tensors and embedding rows barely compress, so LZ4 costs
+        CPU for nothing), ``"lz4"``, ``"zstd"`` or ``"snappy"``.
+    write_buffer_size
+        Bytes per memtable (default 64 MiB); larger buffers mean fewer, larger flushes.
+    max_write_buffers
+        Memtables kept while older ones flush (default 4), so bulk loads do not stall.
+    block_cache_size
+        Bytes of uncompressed blocks cached for reads (default 128 MiB).
+    background_jobs
+        Threads for flushes and compactions (default: CPU count, between 2 and 8).
+    bloom_bits
+        Bloom filter bits per key (default 10; 0 disables): lookups of absent keys skip
+        most files.
+    """
+
+    scheme = "rocksdb"
+    capabilities = Capabilities(
+        ordered_scans=True, atomic_batches=True, durable_on_return=False, multi_process=False
+    )
+    max_value_size = 0xFFFF_FFFF  # record lengths in the WAL are 32-bit varints
+
+    def __init__(
+        self,
+        path: str,
+        url: str = "",
+        *,
+        readonly: bool = False,
+        sync: bool = False,
+        compression: str = "none",
+        write_buffer_size: int = config.ROCKSDB_WRITE_BUFFER_SIZE,
+        max_write_buffers: int = config.ROCKSDB_MAX_WRITE_BUFFERS,
+        block_cache_size: int = config.ROCKSDB_BLOCK_CACHE_SIZE,
+        background_jobs: int = _DEFAULT_JOBS,
+        bloom_bits: int = 10,
+    ) -> None:
+        super().__init__(url or f"rocksdb://{path}", readonly=readonly)
+        self.path = path
+        self.sync = bool(sync)
+        if self.sync:
+            self.capabilities = replace(type(self).capabilities, durable_on_return=True)
+        prepare_directory(path, readonly=readonly, marker="CURRENT", scheme="rocksdb")
+        opts = rocksdict.Options(raw_mode=True)
+        opts.create_if_missing(not readonly)
+        opts.increase_parallelism(background_jobs)
+        opts.set_max_background_jobs(background_jobs)
+        opts.set_write_buffer_size(write_buffer_size)
+        opts.set_max_write_buffer_number(max_write_buffers)
+        opts.set_compression_type(_COMPRESSION[compression]())
+        opts.set_bottommost_compression_type(_COMPRESSION[compression]())
+        opts.set_wal_recovery_mode(rocksdict.DBRecoveryMode.point_in_time())
+        table = rocksdict.BlockBasedOptions()
+        table.set_block_cache(rocksdict.Cache(block_cache_size))
+        if bloom_bits:
+            table.set_bloom_filter(bloom_bits, False)
+        table.set_cache_index_and_filter_blocks(True)
+        table.set_pin_l0_filter_and_index_blocks_in_cache(True)
+        opts.set_block_based_table_factory(table)
+        self._claim = None if readonly else claim_path("rocksdb", path)
+        try:
+            access = (
+                rocksdict.AccessType.read_only(False)
+                if readonly
+                else rocksdict.AccessType.read_write()
+            )
+            self._db = rocksdict.Rdict(path, opts, access_type=access)
+        except Exception as exc:
+            if self._claim is not None:
+                release_path(self._claim)
+            raise self._open_error(exc) from exc
+        self._finalizer = close_on_collect(self, self._db.close, self._claim)
+        self._wopt = rocksdict.WriteOptions()
+        self._wopt.sync = self.sync
+        self._db.set_write_options(self._wopt)
+
+    def _open_error(self, exc: BaseException) -> Exception:
+        text = str(exc)
+        if "LOCK" in text and ("Resource temporarily unavailable" in text or "lock" in text):
+            return locked_error("rocksdb", self.path, exc)
+        if "Permission denied" in text or "Read-only file system" in text:
+            return permission_error("rocksdb", self.path, exc)
+        return StoreError(f"cannot open the rocksdb store {self.path!r}: {exc}")
+
+    @classmethod
+    def from_url(cls, parsed: Any, **options: Any) -> RocksDBStore:
+        """Open from a parsed URL; see the class for the options."""
+        path = store_path(parsed)
+        opts = take_options("rocksdb", options, _OPTIONS)
+        return cls(path, parsed.url, **opts)
+
+    # ----------------------------------------------------------------- primitives
+    def _call(self, fn: Any, *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except rocksdict.DbClosedError:
+            self._check_open()
+            raise StoreClosedError(f"store {self.url!r} is closed") from None
+
+    def _get_many(self, keys: list[bytes]) -> list[bytes | None]:
+        return self._call(self._db.get, keys)
+
+    def _write(self, ops: list[WriteOp], *, atomic: bool) -> None:
+        wb = rocksdict.WriteBatch(raw_mode=True)
+        put, delete = wb.put, wb.delete
+        for k, v in ops:
+            if v is None:
+                delete(k)
+            else:
+                put(k, v if type(v) is bytes else bytes(v))  # raw mode takes bytes only
+        try:
+            self._call(self._db.write, wb, self._wopt)
+        except StoreClosedError:
+            raise
+        except Exception as exc:
+            if "No space left" in str(exc):
+                raise StoreFullError(
+                    errno.ENOSPC,
+                    f"the disk under rocksdb store {self.path!r} is full ({exc}); free space "
+                    "and retry",
+                ) from exc
+            raise StoreError(f"rocksdb write to {self.path!r} failed: {exc}") from exc
+
+    def _read_chunk(
+        self, start: bytes | None, n: int, stop: bytes | None, keys_only: bool
+    ) -> list[tuple[bytes, bytes | None]]:
+        ropt = rocksdict.ReadOptions()
+        if stop is not None:
+            ropt.set_iterate_upper_bound(stop)
+        if keys_only:
+            it = self._call(self._db.keys, False, start, ropt)
+            return list(zip(islice(it, n), repeat(None)))
+        it = self._call(self._db.items, False, start, ropt)
+        return list(islice(it, n))
+
+    def _scan(
+        self, start: bytes | None, stop: bytes | None, keys_only: bool, limit: int | None
+    ) -> Iterator[tuple[bytes, bytes | None]]:
+        def read(pos: bytes | None, n: int) -> list[tuple[bytes, bytes | None]]:
+            return self._read_chunk(pos, n, stop, keys_only)
+
+        return chunked_scan(read, start, limit, self._check_open)
+
+    def _flush(self) -> None:
+        self._db.flush_wal(True)
+
+    def _close(self) -> None:
+        self._finalizer()
+
+    def _stats(self) -> dict[str, Any]:
+        prop = self._db.property_int_value
+        return {
+            "path": self.path,
+            "estimated_keys": prop("rocksdb.estimate-num-keys"),
+            "live_sst_bytes": prop("rocksdb.live-sst-files-size"),
+            "memtable_bytes": prop("rocksdb.cur-size-all-mem-tables"),
+            "sync": self.sync,
+        }

@@ -1,0 +1,224 @@
+import json
+
+import numpy as np
+import pytest
+
+import tensorkv
+from tensorkv.embedding.optimizers import SGD, Adagrad
+from tensorkv.embedding.table import EmbeddingTable, ExportChunk
+
+I64 = np.iinfo(np.int64)
+
+
+def test_lookup_inserts_and_is_stable():
+    t = EmbeddingTable(8, seed=1)
+    k = np.array([3, -4, I64.min, I64.max], np.int64)
+    a = t.lookup(k)
+    assert a.shape == (4, 8) and a.dtype == np.float32
+    assert len(t) == 4
+    np.testing.assert_array_equal(t.lookup(k[::-1]), a[::-1])
+    assert t.contains(np.array([3, 5])).tolist() == [True, False]
+    assert 3 in t and 5 not in t
+    s = t.stats()
+    assert s["rows"] == 4 and s["inserts"] == 4 and s["hits"] == 4 and s["misses"] == 4
+
+
+def test_lookup_without_insert():
+    t = EmbeddingTable(4, initializer="uniform", seed=2)
+    out = t.lookup([10, 11], insert=False)
+    assert len(t) == 0
+    np.testing.assert_array_equal(out, t.initializer.values(np.array([10, 11]), 4, 2))
+    t2 = EmbeddingTable(4, default_value=[1, 2, 3, 4])
+    np.testing.assert_array_equal(t2[[7]], [[1, 2, 3, 4]])
+    assert len(t2) == 0
+    # insert=False counts no sighting
+    t.lookup([10])
+    t.lookup([10], insert=False)
+    assert t.frequency([10, 11]).tolist() == [1, 0]
+
+
+def test_duplicate_gradients_are_summed_like_numpy():
+    dim = 5
+    rng = np.random.default_rng(0)
+    keys = rng.integers(0, 50, 400)
+    grads = rng.standard_normal((400, dim)).astype(np.float32)
+    t = EmbeddingTable(dim, optimizer=SGD(lr=1.0), initializer="zeros")
+    uniq = np.unique(keys)
+    t.lookup(uniq)
+    n = t.apply_gradients(keys, grads)
+    assert n == uniq.size
+    ref = np.zeros((50, dim), np.float32)
+    np.add.at(ref, keys, grads)  # sequential accumulation in input order
+    np.testing.assert_array_equal(t.lookup(uniq, insert=False), -ref[uniq])
+    # untouched rows unchanged
+    t.lookup([1000])
+    before = t.lookup([1000], insert=False)
+    t.apply_gradients(keys, grads)
+    np.testing.assert_array_equal(t.lookup([1000], insert=False), before)
+
+
+def test_apply_gradients_inserts_unseen_keys_and_counts_steps():
+    t = EmbeddingTable(2, optimizer=SGD(lr=0.5), initializer="zeros")
+    t.apply_gradients([1, 2], np.ones((2, 2)))
+    assert t.step == 1 and len(t) == 2
+    t.apply_gradients([1], np.ones((1, 2)), step=10)
+    assert t.step == 10
+    assert t.version([1, 2, 3]).tolist() == [10, 1, -1]
+    np.testing.assert_array_equal(t.lookup([1, 2], insert=False), [[-1, -1], [-0.5, -0.5]])
+
+
+def test_upsert_remove_clear_keys():
+    t = EmbeddingTable(3, optimizer="adagrad")
+    vals = np.arange(12, dtype=np.float32).reshape(4, 3)
+    t.upsert([1, 2, 3, 1], vals)  # later duplicate wins
+    np.testing.assert_array_equal(t.lookup([1, 2, 3], insert=False), vals[[3, 1, 2]])
+    assert sorted(t.keys().tolist()) == [1, 2, 3]
+    assert t.remove([2, 99]) == 1
+    assert sorted(t.keys().tolist()) == [1, 3]
+    assert t.contains([2]).tolist() == [False]
+    t.clear()
+    assert len(t) == 0 and t.keys().size == 0
+    t.lookup([5])
+    assert len(t) == 1
+
+
+def test_mutation_seq_and_incremental_export():
+    t = EmbeddingTable(2, optimizer="adagrad")
+    s0 = t.mutation_seq
+    t.lookup(np.arange(10))
+    s1 = t.mutation_seq
+    assert s1 > s0
+    t.lookup(np.arange(10))  # no change
+    assert t.mutation_seq == s1
+    t.apply_gradients([3, 4], np.ones((2, 2)))
+    changed = list(t.export(since=s1))
+    assert sorted(np.concatenate([c.keys for c in changed]).tolist()) == [3, 4]
+    t.remove([0])
+    assert t.mutation_seq > s1
+
+
+def test_export_import_round_trip_bit_identical():
+    t = EmbeddingTable(6, optimizer=Adagrad(lr=0.1), initializer="normal", seed=4)
+    rng = np.random.default_rng(3)
+    keys = np.concatenate([rng.integers(I64.min, I64.max, 3000, dtype=np.int64),
+                           [I64.min, I64.max, 0, -1]])
+    t.lookup(keys)
+    for _ in range(3):
+        k = rng.choice(keys, 500)
+        t.apply_gradients(k, rng.standard_normal((500, 6)))
+    chunks = list(t.export(chunk_rows=700))
+    assert all(isinstance(c, ExportChunk) and len(c.keys) <= 700 for c in chunks)
+    assert sum(len(c.keys) for c in chunks) == len(t)
+    t2 = EmbeddingTable.from_meta(json.loads(json.dumps(t.state_dict_meta())))
+    assert t2.import_(chunks) == len(t)
+    assert len(t2) == len(t) and t2.step == t.step
+
+    def dump(tab):
+        ch = list(tab.export(chunk_rows=10**6))[0]
+        order = np.argsort(ch.keys)
+        return [np.asarray(x)[order] for x in ch[:5]]
+
+    for a, b in zip(dump(t), dump(t2), strict=True):
+        np.testing.assert_array_equal(a, b)
+    # both continue identically
+    g = rng.standard_normal((100, 6)).astype(np.float32)
+    k = keys[:100]
+    t.apply_gradients(k, g)
+    t2.apply_gradients(k, g)
+    np.testing.assert_array_equal(t.lookup(k, insert=False), t2.lookup(k, insert=False))
+    # plain tuples import too
+    t3 = EmbeddingTable(6, optimizer=Adagrad(lr=0.1))
+    t3.import_([tuple(c) for c in t.export()])
+    assert len(t3) == len(t)
+
+
+def test_string_keys():
+    t = EmbeddingTable(4, seed=0)
+    a = t.lookup(["user:1", "user:2", b"user:1"])
+    np.testing.assert_array_equal(a[0], a[2])
+    assert len(t) == 2
+    np.testing.assert_array_equal(t.lookup(np.array(["user:2"])), a[1:2])
+    np.testing.assert_array_equal(t.lookup(np.array(["user:1"], dtype=object)), a[:1])
+    t.apply_gradients(["user:1", "user:1"], np.ones((2, 4)))
+    assert t.stats()["collisions"] == 0
+    assert t.contains(["user:1", "nobody"]).tolist() == [True, False]
+    assert t.frequency(["user:1"]).tolist() == [3]
+
+
+def test_frequency_counts_lookups():
+    t = EmbeddingTable(2)
+    t.lookup([1, 1, 2])
+    t.lookup([1])
+    assert t.frequency([1, 2, 3]).tolist() == [3, 1, 0]
+
+
+def test_stats_and_bytes_per_key():
+    t = EmbeddingTable(64, optimizer="adagrad")
+    t.lookup(np.arange(20_000))
+    s = t.stats()
+    assert s["rows"] == 20_000
+    assert s["row_bytes"] == 512
+    assert s["bytes_per_key"] == s["bytes"] / 20_000
+    assert 0 < s["load_factor"] <= 0.5
+    # metadata + index overhead stay modest
+    assert s["bytes_per_key"] < 2 * s["row_bytes"]
+
+
+def test_meta_is_json_and_rebuilds_an_empty_twin():
+    t = EmbeddingTable(4, optimizer=Adagrad(lr=0.3), initializer="uniform", seed=9,
+                       nan_policy="skip")
+    t.apply_gradients([1], np.ones((1, 4)))
+    meta = json.loads(json.dumps(t.state_dict_meta()))
+    t2 = EmbeddingTable.from_meta(meta)
+    assert len(t2) == 0
+    assert t2.optimizer.config() == t.optimizer.config()
+    assert t2.initializer == t.initializer and t2.seed == 9 and t2.nan_policy == "skip"
+    np.testing.assert_array_equal(t2.lookup([77]), t.lookup([77]))
+
+
+def test_nan_policy_skip():
+    t = EmbeddingTable(2, optimizer=SGD(lr=1.0), initializer="zeros", nan_policy="skip")
+    g = np.array([[1, 1], [np.nan, 1], [2, 2], [1, np.inf]], np.float32)
+    t.lookup([1, 2, 3])
+    t.apply_gradients([1, 2, 3, 2], g)
+    np.testing.assert_array_equal(t.lookup([1, 2, 3], insert=False),
+                                  [[-1, -1], [0, 0], [-2, -2]])
+    assert t.stats()["nonfinite_skipped"] == 1
+
+
+def test_growth_false_capacity():
+    t = EmbeddingTable(2, capacity=10, growth=False)
+    t.lookup(np.arange(10))
+    t.lookup(np.arange(10))  # existing keys fit
+    assert len(t) == 10
+    t.remove([0])
+    t.lookup([100])
+    assert len(t) == 10
+
+
+def test_end_to_end_adagrad_matches_torch():
+    torch = pytest.importorskip("torch")
+    dim, n_keys, steps = 16, 200, 20
+    rng = np.random.default_rng(7)
+    t = EmbeddingTable(dim, optimizer=Adagrad(lr=0.05), initializer="normal", seed=1)
+    ids = np.arange(n_keys, dtype=np.int64) * 1_000_003 - 50_000  # sparse, negative ids
+    init = t.lookup(ids)
+    emb = torch.nn.Embedding(n_keys, dim, sparse=True)
+    with torch.no_grad():
+        emb.weight.copy_(torch.from_numpy(init))
+    opt = torch.optim.Adagrad(emb.parameters(), lr=0.05)
+    for _ in range(steps):
+        idx = rng.integers(0, n_keys, 300)  # with duplicates
+        g = rng.standard_normal((300, dim)).astype(np.float32)
+        t.apply_gradients(ids[idx], g)
+        opt.zero_grad()
+        out = emb(torch.from_numpy(idx))
+        out.backward(torch.from_numpy(g))
+        opt.step()
+    got = t.lookup(ids, insert=False)
+    want = emb.weight.detach().numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+
+
+def test_package_exports():
+    assert tensorkv.EmbeddingTable is EmbeddingTable

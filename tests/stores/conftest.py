@@ -1,0 +1,77 @@
+"""Session-scoped real Redis servers (standalone, TLS, ACL, cluster, sentinel) for store tests.
+
+Each server starts once per test session, on demand, and is stopped (with its temp dir) when
+the session ends, even after failures. Tests isolate themselves with a fresh key prefix and a
+FLUSHALL before they start.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import servers  # noqa: E402
+
+_counter = itertools.count()
+
+
+def _need_redis() -> None:
+    if not servers.available():
+        pytest.skip("redis-server / redis-cli are not installed")
+
+
+def _session_server(request: pytest.FixtureRequest, server):  # type: ignore[no-untyped-def]
+    request.addfinalizer(server.stop)
+    return server.start()
+
+
+@pytest.fixture(scope="session")
+def redis_server(request):
+    """A plain standalone redis-server."""
+    _need_redis()
+    return _session_server(request, servers.RedisServer())
+
+
+@pytest.fixture(scope="session")
+def redis_tls_server(request):
+    """A TLS-only redis-server that requires client certificates."""
+    _need_redis()
+    return _session_server(request, servers.RedisServer(tls=True))
+
+
+@pytest.fixture(scope="session")
+def redis_acl_server(request):
+    """A redis-server whose default user is disabled; user ``app`` / password ``s3cret``."""
+    _need_redis()
+    return _session_server(request, servers.RedisServer(username="app", password="s3cret"))
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(request):
+    """A Redis Cluster of 3 masters with one replica each."""
+    _need_redis()
+    return _session_server(request, servers.RedisCluster(replicas=1))
+
+
+@pytest.fixture(scope="session")
+def redis_sentinel(request):
+    """A master, a replica and three sentinels (quorum 2) for service ``mymaster``."""
+    _need_redis()
+    return _session_server(request, servers.RedisSentinel())
+
+
+@pytest.fixture
+def key_prefix() -> str:
+    """A namespace no other test in this session uses."""
+    return f"t{os.getpid()}-{next(_counter)}/"
+
+
+@pytest.fixture(autouse=True)
+def _no_redis_config_env(monkeypatch):
+    """Keep a TENSORKV_REDIS_CONFIG_PATH from the caller's shell out of the tests."""
+    monkeypatch.delenv("TENSORKV_REDIS_CONFIG_PATH", raising=False)

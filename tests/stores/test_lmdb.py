@@ -1,0 +1,321 @@
+import gc
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+
+import tensorkv
+from tensorkv.errors import (
+    ConfigError,
+    InvalidURLError,
+    KeyTooLargeError,
+    ReadOnlyError,
+    StoreError,
+    StoreFullError,
+    StoreLockedError,
+    StoreNotFoundError,
+    StorePathError,
+    StorePermissionError,
+)
+from tensorkv.stores.lmdb import LMDBStore
+from tensorkv.testing import StoreTests
+from tensorkv.testing.stores import unwritable_directory
+
+KiB, MiB = 1024, 1024 * 1024
+
+
+class TestLMDBStore(StoreTests):
+    @pytest.fixture
+    def store_url(self, tmp_path):
+        return f"lmdb://{tmp_path}/db"
+
+
+class TestLMDBNoSync(StoreTests):
+    """sync=false keeps every guarantee except durability against power loss."""
+
+    open_options = {"sync": False}
+
+    @pytest.fixture
+    def store_url(self, tmp_path):
+        return f"lmdb://{tmp_path}/db"
+
+
+def _child(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120
+    )
+
+
+# ----------------------------------------------------------------------------- map growth
+def test_map_grows_from_64kib_through_many_mb(tmp_path):
+    url = f"lmdb://{tmp_path}/db?map_size=64KiB"
+    with tensorkv.open_store(url) as s:
+        assert s.stats()["map_size"] == 64 * KiB
+        value = os.urandom(8 * KiB)
+        for batch in range(40):  # 40 x 32 x 8 KiB = 10 MiB
+            s.put_many({b"k%03d/%02d" % (batch, i): value for i in range(32)})
+        one_big = {b"big/%04d" % i: os.urandom(4 * KiB) for i in range(1024)}  # 4 MiB at once
+        with s.batch() as b:
+            b.put_many(one_big)
+        st = s.stats()
+        assert st["map_size"] >= 14 * MiB
+        assert st["resizes"] >= 8
+        assert s.count() == 40 * 32 + 1024
+        assert s.get(b"k000/00") == value and s.get(b"k039/31") == value
+        assert s.get_many(list(one_big)[:50]) == list(one_big.values())[:50]
+    with tensorkv.open_store(url) as again:  # reopening with the small map_size keeps all
+        assert again.count() == 40 * 32 + 1024
+        assert again.stats()["map_size"] >= 14 * MiB
+
+
+def test_full_map_raises_and_keeps_earlier_data(tmp_path):
+    url = f"lmdb://{tmp_path}/db?map_size=128KiB&max_map_size=1MiB"
+    s = tensorkv.open_store(url)
+    written = {}
+    with pytest.raises(StoreFullError, match="max_map_size") as info:
+        for i in range(100):
+            batch = {b"c%03d/%d" % (i, j): os.urandom(10 * KiB) for j in range(4)}
+            s.put_many(batch)
+            written.update(batch)
+    msg = str(info.value)
+    assert str(1 * MiB) in msg and str(tmp_path) in msg
+    assert isinstance(info.value, OSError)
+    assert 0 < len(written) < 400
+    assert s.count() == len(written)  # the refused batch wrote nothing
+    some = list(written)[:: max(1, len(written) // 10)]
+    assert s.get_many(some) == [written[k] for k in some]
+    s.put(b"small", b"still fits")  # small writes that fit keep working
+    assert s.get(b"small") == b"still fits"
+    s.close()
+    with tensorkv.open_store(url, max_map_size="8MiB") as bigger:
+        bigger.put_many({b"more/%d" % j: os.urandom(10 * KiB) for j in range(100)})
+        assert bigger.count(b"c") == len(written)
+
+
+def test_another_process_grows_the_map(tmp_path):
+    url = f"lmdb://{tmp_path}/db?map_size=64KiB"
+    s = tensorkv.open_store(url)
+    s.put(b"parent", b"1")
+    r = _child(
+        f"""
+        import os, tensorkv
+        with tensorkv.open_store({url!r}) as c:
+            c.put_many({{b"child/%04d" % i: os.urandom(4096) for i in range(2000)}})
+            print(c.stats()["map_size"])
+        """
+    )
+    assert r.returncode == 0, r.stderr
+    assert int(r.stdout) > 64 * KiB
+    # this process still maps 64 KiB: reads and writes adopt the larger map
+    assert s.count(b"child/") == 2000
+    assert len(s.get(b"child/1999")) == 4096
+    s.put_many({b"parent/%04d" % i: os.urandom(4096) for i in range(500)})
+    assert s.count() == 2501
+    s.close()
+
+
+def test_processes_write_at_once_while_the_map_grows(tmp_path):
+    url = f"lmdb://{tmp_path}/db?map_size=64KiB"
+    code = f"""
+        import os, sys, tensorkv
+        p = int(sys.argv[1])
+        with tensorkv.open_store({url!r}) as s:
+            for r in range(30):
+                s.put_many({{b"p%d/%02d/%02d" % (p, r, i): os.urandom(2048) for i in range(10)}})
+                assert s.count(b"p%d/" % p) == (r + 1) * 10
+    """
+    with tensorkv.open_store(url) as parent:
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", textwrap.dedent(code), str(p)],
+                stderr=subprocess.PIPE,
+            )
+            for p in range(3)
+        ]
+        seen = 0
+        while any(proc.poll() is None for proc in procs):
+            seen = max(seen, parent.count(b"p"))  # reads keep adopting the growing map
+        for proc in procs:
+            proc.wait()
+            assert proc.returncode == 0, proc.stderr.read().decode()
+        assert parent.count(b"p") == 3 * 30 * 10
+        assert parent.stats()["map_size"] > 64 * KiB
+
+
+def test_threads_write_and_read_while_the_map_grows(tmp_path):
+    s = tensorkv.open_store(f"lmdb://{tmp_path}/db", map_size="64KiB")
+    errors = []
+
+    def writer(t):
+        try:
+            for r in range(30):
+                s.put_many({b"w%d/%02d/%02d" % (t, r, i): os.urandom(2048) for i in range(20)})
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    def reader():
+        try:
+            for _ in range(200):
+                s.get_many([b"w0/00/00", b"w1/05/03", b"absent"])
+                for _ in s.scan(b"w2/", limit=50):
+                    pass
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(t,)) for t in range(3)]
+    threads += [threading.Thread(target=reader) for _ in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors
+    assert s.count() == 3 * 30 * 20
+    assert s.stats()["resizes"] > 0
+    s.close()
+
+
+# ----------------------------------------------------------------------------- options
+def test_options_from_query_and_kwargs(tmp_path):
+    url = f"lmdb://{tmp_path}/db?sync=false&map_size=1MiB&readahead=true&max_readers=64"
+    with tensorkv.open_store(url) as s:
+        st = s.stats()
+        assert st["sync"] is False and st["map_size"] == MiB and st["max_readers"] == 64
+        assert s.capabilities.durable_on_return is False
+        assert LMDBStore.capabilities.durable_on_return is True  # class flags unchanged
+        assert s.stats()["capabilities"]["durable_on_return"] is False
+        s.put(b"k", b"v")
+        s.flush()
+    with tensorkv.open_store(url, sync=True) as s:  # kwargs override the query string
+        assert s.stats()["sync"] is True and s.capabilities.durable_on_return is True
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"mapsize": "1GiB"}, "mapsize; valid options: map_size, max_map_size, max_readers"),
+        ({"map_size": "lots"}, "map_size='lots'"),
+        ({"map_size": "1MiB", "max_map_size": "512KiB"}, "smaller than map_size"),
+        ({"sync": "maybe"}, "sync='maybe' is not a boolean"),
+        ({"max_readers": 0}, "max_readers=0 is below"),
+    ],
+)
+def test_bad_options(tmp_path, options, match):
+    with pytest.raises(ConfigError, match=match):
+        tensorkv.open_store(f"lmdb://{tmp_path}/db", **options)
+
+
+def test_bad_urls(tmp_path):
+    with pytest.raises(InvalidURLError, match="lmdb:///abs/path"):
+        tensorkv.open_store("lmdb://relative/db")
+    with pytest.raises(InvalidURLError, match="no path"):
+        tensorkv.open_store("lmdb://")
+
+
+def test_store_dropped_without_close_frees_the_path(tmp_path):
+    url = f"lmdb://{tmp_path}/db"
+    tensorkv.open_store(url).put(b"k", b"v")  # never closed; collected right away
+    gc.collect()
+    with tensorkv.open_store(url, readonly=True) as ro:
+        assert ro.get(b"k") == b"v"
+    with tensorkv.open_store(url) as s:
+        s.put(b"k", b"again")
+
+
+# ----------------------------------------------------------------------------- paths
+def test_readonly_open_of_missing_path(tmp_path):
+    missing = tmp_path / "nope"
+    with pytest.raises(StoreNotFoundError, match=str(missing)) as info:
+        tensorkv.open_store(f"lmdb://{missing}", readonly=True)
+    assert isinstance(info.value, FileNotFoundError)
+    assert "readonly=False" in str(info.value)
+    assert not missing.exists()  # nothing was created
+
+
+def test_path_under_a_file(tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_bytes(b"not a directory")
+    with pytest.raises(StorePathError, match=str(afile)):
+        tensorkv.open_store(f"lmdb://{afile}/db")
+    with pytest.raises(StorePathError, match="not a directory"):
+        tensorkv.open_store(f"lmdb://{afile}")
+    assert afile.read_bytes() == b"not a directory"
+
+
+def test_unwritable_directory(tmp_path):
+    parent = unwritable_directory(tmp_path)
+    with pytest.raises(StorePermissionError, match=str(parent)) as info:
+        tensorkv.open_store(f"lmdb://{parent}/db")
+    assert isinstance(info.value, PermissionError)
+
+
+# ----------------------------------------------------------------------------- sharing
+def test_two_stores_on_one_path_share_the_environment(tmp_path):
+    url = f"lmdb://{tmp_path}/db"
+    a = tensorkv.open_store(url)
+    b = tensorkv.open_store(url)
+    ro = tensorkv.open_store(url, readonly=True)
+    a.put(b"k", b"from a")
+    assert b.get(b"k") == b"from a" and ro.get(b"k") == b"from a"
+    with pytest.raises(ReadOnlyError):
+        ro.put(b"k", b"x")
+    a.close()
+    b.put(b"k2", b"from b")  # closing one store leaves the others working
+    assert ro.get(b"k2") == b"from b"
+    b.close()
+    ro.close()
+    with pytest.raises(ConfigError, match="sync"), tensorkv.open_store(url):
+        tensorkv.open_store(url, sync=False)
+
+
+def test_readonly_first_then_writer_in_same_process(tmp_path):
+    url = f"lmdb://{tmp_path}/db"
+    tensorkv.open_store(url).close()
+    with tensorkv.open_store(url, readonly=True) as ro:
+        with pytest.raises(StoreLockedError, match="read-only"):
+            tensorkv.open_store(url)
+        assert ro.count() == 0
+    with tensorkv.open_store(url) as rw:  # once the read-only store is closed it works
+        rw.put(b"k", b"v")
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_use_after_fork_is_refused(tmp_path):
+    s = tensorkv.open_store(f"lmdb://{tmp_path}/db")
+    s.put(b"k", b"v")
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: the inherited environment must not be touched
+        os.close(r)
+        try:
+            s.get(b"k")
+            os.write(w, b"no error")
+        except StoreError as exc:
+            os.write(w, b"refused" if "fork" in str(exc) else str(exc).encode())
+        except BaseException as exc:  # noqa: BLE001
+            os.write(w, repr(exc).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        answer = f.read()
+    os.waitpid(pid, 0)
+    assert answer == b"refused"
+    assert s.get(b"k") == b"v"  # the parent is unaffected
+    s.close()
+
+
+# ----------------------------------------------------------------------------- keys
+def test_key_too_large(tmp_path):
+    with tensorkv.open_store(f"lmdb://{tmp_path}/db") as s:
+        s.put(b"ok", b"1")
+        long_key = b"x" * 600
+        with pytest.raises(KeyTooLargeError, match="511"):
+            s.put_many({b"a": b"1", long_key: b"2"})
+        assert s.get(b"a") is None  # nothing from the refused batch
+        assert s.get_many([b"ok", long_key, b"ok"]) == [b"1", None, b"1"]
+        assert long_key not in s
+        s.put(b"y" * 511, b"max")
+        assert s.get(b"y" * 511) == b"max"

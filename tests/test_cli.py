@@ -1,0 +1,122 @@
+import json
+import os
+
+import pytest
+from click.testing import CliRunner
+
+import tensorkv
+from tensorkv.cli.bench_cmd import workloads
+from tensorkv.cli.demo import PREFIX, default_scheme
+from tensorkv.cli.main import backend_rows, main
+
+
+@pytest.fixture
+def runner():
+    return CliRunner()
+
+
+def test_help_lists_subcommands(runner):
+    result = runner.invoke(main, ["--help"])
+    assert result.exit_code == 0, result.output
+    for name in ("demo", "bench", "stores"):
+        assert name in result.output
+
+
+def test_version(runner):
+    result = runner.invoke(main, ["--version"])
+    assert result.exit_code == 0
+    assert tensorkv.__version__ in result.output
+
+
+def test_demo_default_store(runner, tmp_path):
+    path = tmp_path / "data"
+    result = runner.invoke(main, ["demo", "--path", str(path)])
+    assert result.exit_code == 0, result.output
+    assert "bit-identical" in result.output
+    assert "embedding.weight" in result.output and "bfloat16" in result.output
+    assert (path / default_scheme()).is_dir()
+    # the tensors are really in the store, readable by a fresh open
+    url = f"{default_scheme()}://{path / default_scheme()}"
+    with tensorkv.open_store(url) as store:
+        assert store.count(PREFIX) == 6
+    # running again over existing data works
+    again = runner.invoke(main, ["demo", "--path", str(path)])
+    assert again.exit_code == 0, again.output
+
+
+def test_demo_memory_url(runner, tmp_path):
+    result = runner.invoke(main, ["demo", "--url", "memory://"])
+    assert result.exit_code == 0, result.output
+    assert "6/6 bit-identical" in result.output
+    try:
+        from tensorkv.embedding import EmbeddingTable  # noqa: F401
+    except ImportError:
+        assert "skipped" in result.output
+    else:
+        assert "apply_gradients" in result.output and "rows=6" in result.output
+
+
+def test_demo_bad_url(runner):
+    result = runner.invoke(main, ["demo", "--url", "nosuch://x"])
+    assert result.exit_code == 1
+    assert "nosuch" in result.output and "lmdb" in result.output  # names the known schemes
+    result = runner.invoke(main, ["demo", "--url", "lmdb://relative/path"])
+    assert result.exit_code == 1
+    assert "lmdb:///" in result.output  # says how to write it
+
+
+def test_bench_unknown_name_lists_workloads(runner):
+    result = runner.invoke(main, ["bench", "no_such_workload"])
+    assert result.exit_code == 2
+    assert "no_such_workload" in result.output
+    assert "kv" in result.output
+    assert "common" not in workloads() and "redis_server" not in workloads()
+
+
+def test_bench_bad_param(runner):
+    result = runner.invoke(main, ["bench", "kv", "-p", "bogus=1"])
+    assert result.exit_code == 2
+    assert "bogus" in result.output and "scale" in result.output
+    result = runner.invoke(main, ["bench", "kv", "-p", "noequals"])
+    assert result.exit_code == 2
+    assert "NAME=VALUE" in result.output
+
+
+def test_bench_kv_tiny_json(runner, tmp_path):
+    out = tmp_path / "kv.json"
+    result = runner.invoke(
+        main,
+        [
+            "bench", "kv", "--quick", "--json", str(out),
+            "-p", "scale=0.0005", "-p", "backends=memory,lmdb", "-p", "sizes=4KiB",
+            "-p", "drop_caches=false", "-p", f"directory={tmp_path}",
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    assert "| ratio |" in result.output
+    doc = json.loads(out.read_text())
+    assert doc["bench"] == "kv"
+    assert set(doc["machine"]) >= {"python", "cpus"}
+    cases = {r["case"] for r in doc["results"]}
+    assert {"memory 4KiB put_many", "lmdb 4KiB get_many", "files 4KiB write"} <= cases
+    for r in doc["results"]:
+        assert set(r) >= {"case", "metric", "value", "baseline", "baseline_value", "ratio"}
+        assert r["value"] > 0 and r["baseline_value"] > 0
+    # the benchmark cleaned up after itself
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("tensorkv-bench-kv-")]
+
+
+def test_bench_kv_bad_size(runner, tmp_path):
+    result = runner.invoke(main, ["bench", "kv", "-p", "sizes=3B", "-p", f"directory={tmp_path}"])
+    assert result.exit_code == 1
+    assert "3B" in result.output and "4KiB" in result.output
+
+
+def test_stores_lists_every_scheme(runner):
+    result = runner.invoke(main, ["stores"])
+    assert result.exit_code == 0, result.output
+    for scheme in tensorkv.stores.schemes():
+        assert f"{scheme}://" in result.output
+    rows = {r["scheme"]: r for r in backend_rows()}
+    assert rows["memory"]["status"] == "ok"
+    assert rows["memory"]["ordered_scans"] is True

@@ -1,0 +1,65 @@
+"""The README's examples run and its backend table matches the backend classes."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from tensorkv.cli.main import scheme_capabilities
+from tensorkv.stores import schemes
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+COLUMNS = {
+    "ordered scans?": "ordered_scans",
+    "atomic batches?": "atomic_batches",
+    "durable on return?": "durable_on_return",
+    "shared between processes?": "multi_process",
+    "distributed?": "distributed",
+}
+
+
+def python_blocks(text: str) -> list[str]:
+    return re.findall(r"^```python\n(.*?)^```", text, flags=re.S | re.M)
+
+
+def backend_table(text: str) -> tuple[list[str], list[list[str]]]:
+    lines = text.split("\n## Backends\n", 1)[1].splitlines()
+    rows = [line for line in lines if line.startswith("|")]
+    split = [[c.strip() for c in row.strip().strip("|").split("|")] for row in rows]
+    return split[0], [r for r in split[2:]]
+
+
+def test_readme_setup_commands_come_first():
+    text = README.read_text()
+    first_code = text.index("```")
+    assert text[first_code:].startswith("```sh\nmake demo")
+    block = text[first_code : text.index("```", first_code + 3)]
+    assert "make test" in block
+
+
+@pytest.mark.parametrize("index", range(len(python_blocks(README.read_text()))))
+def test_readme_python_examples_run(index, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code = python_blocks(README.read_text())[index]
+    exec(compile(code, f"README.md python block {index + 1}", "exec"), {"__name__": "readme"})
+
+
+def test_readme_backend_table_matches_capabilities():
+    head, rows = backend_table(README.read_text())
+    assert head[:2] == ["backend", "URL"]
+    assert [COLUMNS.get(h) for h in head[2:]] == list(COLUMNS.values())
+    seen: set[str] = set()
+    for row in rows:
+        urls = re.findall(r"`([a-z+]+)://", row[1])
+        assert urls, f"no URL in row {row}"
+        seen.update(urls)
+        caps = scheme_capabilities(urls[0]).as_dict()
+        for name, cell in zip(head[2:], row[2:], strict=True):
+            word = cell.split()[0].lower()
+            assert word in {"yes", "no"}, f"{row[0]}: {name} cell {cell!r} must start yes/no"
+            assert (word == "yes") == caps[COLUMNS[name]], (
+                f"README says {row[0]} {name} {word}; the class says {caps[COLUMNS[name]]}"
+            )
+        for scheme in urls[1:]:  # every scheme in a row has the same guarantees
+            assert scheme_capabilities(scheme) == scheme_capabilities(urls[0]), (row[0], scheme)
+    assert seen == set(schemes()), f"schemes missing from the README table: {set(schemes()) - seen}"

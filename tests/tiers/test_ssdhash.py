@@ -1,0 +1,202 @@
+import os
+
+import numpy as np
+import pytest
+
+from tensorkv.embedding.tiers import ssdhash_files as sf
+from tensorkv.embedding.tiers.base import RecordLayout
+from tensorkv.embedding.tiers.ssdhash import SSDHashTier
+from tensorkv.errors import ConfigError, CorruptRecordError, StoreLockedError
+from tensorkv.testing.tiers import TierTests, make_records
+
+
+class TestSSDHashTier(TierTests):
+    @pytest.fixture
+    def make_tier(self, tmp_path):
+        # Small segments and buffer so rolls, buffered reads and compaction all happen.
+        return lambda layout: SSDHashTier(
+            tmp_path / "t", layout, segment_bytes=4096, buffer_bytes=1024
+        )
+
+
+class TestSSDHashTierAsync(TierTests):
+    @pytest.fixture
+    def make_tier(self, tmp_path):
+        return lambda layout: SSDHashTier(
+            tmp_path / "t", layout, segment_bytes=8192, async_compaction=True
+        )
+
+
+LAY = RecordLayout(8, num_slots=1)
+
+
+def open_tier(path, **kw):
+    kw.setdefault("segment_bytes", 8192)
+    kw.setdefault("buffer_bytes", 2048)
+    return SSDHashTier(path, LAY, **kw)
+
+
+def segfiles(path):
+    return sf.list_segments(str(path))
+
+
+def test_segments_roll_and_compaction_reclaims(tmp_path):
+    t = open_tier(tmp_path)
+    keys = np.arange(200, dtype=np.int64)
+    for i in range(10):
+        t.put(keys, make_records(LAY, keys, i))
+    s = t.stats()
+    assert s["compactions"] > 0 and s["compacted_records"] > 0
+    # garbage stays bounded: at most one threshold's worth per sealed segment plus the head
+    assert s["dead_records"] <= s["segments"] * (t.segment_rows // 2 + 1) + t.segment_rows
+    assert t.check() == []
+    _, got = t.get(keys)
+    np.testing.assert_array_equal(got, make_records(LAY, keys, 9))
+    t.close()
+
+
+def test_async_compaction_thread(tmp_path, monkeypatch):
+    monkeypatch.setenv("TENSORKV_SSDHASH_ASYNC_COMPACTION", "1")
+    t = open_tier(tmp_path)
+    assert t.async_compaction
+    keys = np.arange(200, dtype=np.int64)
+    for i in range(10):
+        t.put(keys, make_records(LAY, keys, i))
+    import time
+
+    for _ in range(200):  # wait for the thread (the test does not assert on time)
+        if t.stats()["compactions"]:
+            break
+        time.sleep(0.02)
+    assert t.stats()["compactions"] > 0
+    assert t.check() == []
+    t.close()
+    t = open_tier(tmp_path)
+    _, got = t.get(keys)
+    np.testing.assert_array_equal(got, make_records(LAY, keys, 9))
+    t.close()
+
+
+def test_reopen_replays_only_after_snapshot(tmp_path):
+    t = open_tier(tmp_path, segment_bytes="1MiB")
+    keys = np.arange(1000, dtype=np.int64)
+    t.put(keys, make_records(LAY, keys))
+    t.close()  # close writes a snapshot
+    t = open_tier(tmp_path, segment_bytes="1MiB")
+    assert t.stats()["replayed_records"] == 0
+    more = np.arange(1000, 1100, dtype=np.int64)
+    t.put(more, make_records(LAY, more))
+    t.delete(keys[:10])
+    t.flush()  # durable, but below the snapshot threshold
+    # Reopen without close (as after a crash): only the 110 newer records are replayed.
+    t._release_files()
+    t._closed = True
+    t = open_tier(tmp_path, segment_bytes="1MiB")
+    assert t.stats()["replayed_records"] == 110
+    assert len(t) == 1090
+    assert t.check() == []
+    t.close()
+
+
+def test_torn_tail_truncated_on_reopen(tmp_path):
+    t = open_tier(tmp_path)
+    keys = np.arange(20, dtype=np.int64)
+    t.put(keys, make_records(LAY, keys))
+    t.flush()
+    last = os.path.join(str(tmp_path), sf.seg_name(segfiles(tmp_path)[-1]))
+    t._release_files()
+    t._closed = True
+    with open(last, "ab") as f:  # half a record of garbage, as after a kill mid-write
+        f.write(b"\x07" * (t.stored_bytes // 2))
+    t = open_tier(tmp_path)
+    assert len(t) == 20 and t.check() == []
+    # a complete record with a wrong checksum is cut too
+    t._release_files()
+    t._closed = True
+    with open(last, "ab") as f:
+        f.write(b"\x01" * t.stored_bytes)
+    t = open_tier(tmp_path)
+    assert t.stats()["truncated_records"] == 1
+    assert len(t) == 20 and t.check() == []
+    t.close()
+
+
+def test_corrupt_sealed_segment_refused_then_repaired(tmp_path):
+    t = open_tier(tmp_path, segment_bytes=2048)
+    keys = np.arange(60, dtype=np.int64)
+    t.put(keys, make_records(LAY, keys))
+    t.flush()
+    t._release_files()
+    t._closed = True  # no snapshot: replay covers every segment
+    first = os.path.join(str(tmp_path), sf.seg_name(segfiles(tmp_path)[0]))
+    with open(first, "r+b") as f:
+        f.seek(sf.SEG_HEADER + 40)
+        f.write(b"\xff")
+    with pytest.raises(CorruptRecordError, match="repair=True"):
+        open_tier(tmp_path, segment_bytes=2048)
+    t = open_tier(tmp_path, segment_bytes=2048, repair=True)
+    assert 0 < len(t) < 60 and t.check() == []
+    t.close()
+
+
+def test_check_detects_damage(tmp_path):
+    t = open_tier(tmp_path)
+    keys = np.arange(30, dtype=np.int64)
+    t.put(keys, make_records(LAY, keys))
+    t.flush()
+    seg = t._segs[segfiles(tmp_path)[0]]
+    with open(seg.path, "r+b") as f:
+        f.seek(sf.SEG_HEADER + 3 * t.stored_bytes + 50)
+        f.write(b"\xaa\xbb")
+    seg.unmap()
+    problems = t.check()
+    assert problems and "bad checksum" in problems[0]
+    t.close()
+
+
+def test_snapshot_damage_refused_repair_rebuilds(tmp_path):
+    t = open_tier(tmp_path)
+    keys = np.arange(30, dtype=np.int64)
+    t.put(keys, make_records(LAY, keys))
+    t.close()
+    snap = os.path.join(str(tmp_path), sf.SNAP_NAME)
+    with open(snap, "r+b") as f:
+        f.seek(40)
+        f.write(b"\x00\x01")
+    with pytest.raises(CorruptRecordError, match="repair"):
+        open_tier(tmp_path)
+    t = open_tier(tmp_path, repair=True)
+    assert len(t) == 30 and t.check() == []
+    t.close()
+
+
+def test_lock_and_bad_options(tmp_path):
+    t = open_tier(tmp_path)
+    with pytest.raises(StoreLockedError):
+        open_tier(tmp_path)
+    t.close()
+    with pytest.raises(ConfigError, match="segment_bytes"):
+        open_tier(tmp_path / "x", segment_bytes=100)
+    with pytest.raises(ConfigError, match="compaction_threshold"):
+        open_tier(tmp_path / "y", compaction_threshold=0)
+    with pytest.raises(ConfigError, match="size"):
+        open_tier(tmp_path / "z", segment_bytes="lots")
+
+
+def test_compaction_survives_reopen_and_deletes_stay_deleted(tmp_path):
+    t = open_tier(tmp_path, segment_bytes=4096)
+    keys = np.arange(100, dtype=np.int64)
+    t.put(keys, make_records(LAY, keys))
+    t.delete(keys[:50])
+    for i in range(6):
+        t.put(keys[50:], make_records(LAY, keys[50:], i))
+    assert t.stats()["compactions"] > 0
+    t.flush()
+    t._release_files()
+    t._closed = True
+    t = open_tier(tmp_path, segment_bytes=4096)
+    assert len(t) == 50 and not t.contains(keys[:50]).any()
+    _, got = t.get(keys[50:])
+    np.testing.assert_array_equal(got, make_records(LAY, keys[50:], 5))
+    assert t.check() == []
+    t.close()
