@@ -6,7 +6,7 @@ PIP    := $(VENV)/bin/pip
 TORCH_PIN := torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: demo test venv install install-test redis-server lint bench-quick clean
+.PHONY: demo test venv install install-test redis-server lint bench-quick bench-kv clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +43,10 @@ lint: install-test
 
 bench-quick: install
 	$(VENV)/bin/tensorkv bench kv --quick
+
+# The full key-value benchmark behind docs/benchmarks.md (about 10 minutes, 600 MB of data).
+bench-kv: install
+	$(VENV)/bin/tensorkv bench kv --json bench-kv.json
 
 clean:
 	rm -rf $(VENV) tensorkv-data .pytest_cache .ruff_cache build dist src/*.egg-info

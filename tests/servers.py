@@ -160,11 +160,27 @@ def _wait(predicate: Any, timeout: float, what: str, proc: _Process | None = Non
     )
 
 
+def _remove_stale_dirs() -> None:
+    """Remove temp dirs left by test processes that were killed before they could clean up."""
+    for d in Path(tempfile.gettempdir()).glob("tensorkv-redis*-pid*-*"):
+        try:
+            pid = int(d.name.split("-pid", 1)[1].split("-", 1)[0])
+        except (IndexError, ValueError):
+            continue
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(d, ignore_errors=True)
+        except PermissionError:
+            pass
+
+
 class _Base:
     """Temp dir and process bookkeeping shared by the server kinds."""
 
     def __init__(self, name: str) -> None:
-        self.tmp = Path(tempfile.mkdtemp(prefix=f"tensorkv-{name}-"))
+        _remove_stale_dirs()
+        self.tmp = Path(tempfile.mkdtemp(prefix=f"tensorkv-{name}-pid{os.getpid()}-"))
         self.procs: list[_Process] = []
         _LIVE.add(self)
 
@@ -408,6 +424,53 @@ class RedisCluster(_Base):
                 c.flushall()
             finally:
                 c.close()
+
+    def slot_owner(self, slot: int) -> int:
+        """Port of the master serving ``slot``."""
+        c = _client(self.ports[0])
+        try:
+            for lo, hi, master, *_ in c.execute_command("CLUSTER", "SLOTS"):
+                if lo <= slot <= hi:
+                    return int(master[1])
+        finally:
+            c.close()
+        raise RuntimeError(f"slot {slot} is not served")
+
+    def move_slot(self, slot: int, to_port: int) -> None:
+        """Migrate ``slot`` and its keys to the master on ``to_port`` (as resharding does)."""
+        from_port = self.slot_owner(slot)
+        if from_port == to_port:
+            return
+        src, dst = _client(from_port), _client(to_port)
+        try:
+            src_id = src.execute_command("CLUSTER", "MYID").decode()
+            dst_id = dst.execute_command("CLUSTER", "MYID").decode()
+            dst.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", src_id)
+            src.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", dst_id)
+            while True:
+                keys = src.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 1000)
+                if not keys:
+                    break
+                src.execute_command("MIGRATE", "127.0.0.1", to_port, "", 0, 5000, "KEYS", *keys)
+            for c in (dst, src):
+                c.execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
+        finally:
+            src.close()
+            dst.close()
+        masters = self.nodes("master")
+
+        def agreed() -> bool:
+            for p in masters:
+                c = _client(p)
+                try:
+                    for lo, hi, master, *_ in c.execute_command("CLUSTER", "SLOTS"):
+                        if lo <= slot <= hi and int(master[1]) != to_port:
+                            return False
+                finally:
+                    c.close()
+            return True
+
+        _wait(agreed, 20, f"every master to agree that slot {slot} moved")
 
     def wait_replication(self, timeout: float = 20) -> None:
         """Wait until every replica has applied everything its master has written."""

@@ -27,6 +27,9 @@ def test_kv_smoke_every_backend(tmp_path):
         assert r.value > 0 and r.baseline_value > 0
         assert r.ratio == pytest.approx(r.value / r.baseline_value)
     assert "warm" in report.params["reads"]
+    table = kv.summary_table(report.to_dict()["results"]).splitlines()
+    assert len(table) == 2 + 3 * (len(names) + 2)
+    assert all(line.count("|") == 11 for line in table)
     assert os.listdir(tmp_path) == []
 
 

@@ -71,6 +71,9 @@ def test_bench_unknown_name_lists_workloads(runner):
     assert "no_such_workload" in result.output
     assert "kv" in result.output
     assert "common" not in workloads() and "redis_server" not in workloads()
+    result = runner.invoke(main, ["bench"])
+    assert result.exit_code == 2
+    assert "kv" in result.output
 
 
 def test_bench_bad_param(runner):

@@ -51,12 +51,6 @@ def test_round_trip_every_dtype_and_shape(dtype, shape):
     _same(out, arr)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="codec.encode_parts uses np.ascontiguousarray, which turns a 0-d array into shape "
-    "(1,); the record then says ndim=1 and decode returns shape (1,) instead of (). Fix: "
-    "np.ascontiguousarray(array).reshape(array.shape)",
-)
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=lambda d: np.dtype(d).name)
 def test_round_trip_zero_dim(dtype):
     arr = _sample(dtype, ())
@@ -202,11 +196,6 @@ def test_flipped_checksum_byte_is_caught():
         codec.decode(bytes(rec))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="codec.read_header calls dtype_from_code(code) without the key, so the message "
-    "does not name the key; pass key through (e.g. dtype_from_code(code, key))",
-)
 def test_unknown_dtype_code_names_the_key():
     rec = bytearray(_record())
     rec[5] = 200

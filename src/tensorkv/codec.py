@@ -57,12 +57,15 @@ def dtype_code(dtype: np.dtype | str) -> int:
     return code
 
 
-def dtype_from_code(code: int) -> np.dtype:
+def dtype_from_code(code: int, key: bytes | str | None = None) -> np.dtype:
     """Return the numpy dtype of a record code."""
     try:
         return _DTYPES[code]
     except KeyError:
-        raise CodecError(f"unknown dtype code {code} in record header") from None
+        raise CorruptRecordError(
+            f"unknown dtype code {code} in the record header{_where(key)}; the record is "
+            "corrupted or was written by a newer tensorkv"
+        ) from None
 
 
 def checksum(data: bytes | memoryview | np.ndarray) -> int:
@@ -91,7 +94,7 @@ def encode_parts(array: np.ndarray) -> tuple[bytes, memoryview]:
     code = dtype_code(array.dtype)
     if array.dtype.byteorder == ">":
         array = array.astype(array.dtype.newbyteorder("<"))
-    arr = np.ascontiguousarray(array)
+    arr = np.ascontiguousarray(array).reshape(array.shape)  # keeps 0-d arrays 0-d
     payload = memoryview(arr.reshape(-1).view(np.uint8)) if arr.size else memoryview(b"")
     head = _FIXED.pack(MAGIC, FORMAT_VERSION, code, arr.ndim, 0, checksum(payload))
     shape = struct.pack(f"<{arr.ndim}Q", *arr.shape)
@@ -151,7 +154,7 @@ def read_header(buf: bytes | memoryview, key: bytes | str | None = None) -> Reco
     if mv.nbytes < hsize:
         raise CorruptRecordError(f"record{_where(key)} is truncated inside its shape")
     shape = struct.unpack_from(f"<{ndim}Q", mv, FIXED_HEADER_BYTES)
-    return RecordHeader(dtype_from_code(code), tuple(int(s) for s in shape), digest, hsize)
+    return RecordHeader(dtype_from_code(code, key), tuple(int(s) for s in shape), digest, hsize)
 
 
 def decode(

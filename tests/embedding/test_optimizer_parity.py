@@ -32,6 +32,7 @@ from tensorkv.embedding.optimizers import (
 )
 
 torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.filterwarnings("ignore:Sparse invariant checks:UserWarning")
 
 N, DIM, DRAWS, STEPS = 50, 8, 200, 100
 RTOL, ATOL = 1e-6, 1e-7
@@ -70,8 +71,18 @@ def _init(rng: np.random.Generator, kind: str) -> np.ndarray:
 
 def _check_away(kind: str, values: np.ndarray) -> None:
     if kind == "away":  # the premise of the relative comparison held
-        print("min |value|", np.abs(values).min())
         assert np.abs(values).min() > 0.25
+
+
+def _check_slots(slots: np.ndarray, state: dict, keys: tuple[str, ...], rtol: float,
+                 atol: float) -> None:
+    """Slots against torch's state. Momentum-like slots swing through zero whatever the
+    values do, so their absolute tolerance is 1e-6 of the slot's largest magnitude."""
+    for k, key in enumerate(keys):
+        want = state[key].numpy()
+        np.testing.assert_allclose(slots[:, k * DIM:(k + 1) * DIM], want, rtol=rtol,
+                                   atol=max(atol, 1e-6 * float(np.abs(want).max())),
+                                   err_msg=f"slot {key} differs")
 
 
 def _summed(idx: np.ndarray, g: np.ndarray, rng: np.random.Generator):
@@ -106,10 +117,7 @@ def _run_sparse(ours: Optimizer, make_torch, slot_keys: tuple[str, ...], seed: i
         np.testing.assert_allclose(values, emb.weight.detach().numpy(), rtol=rtol, atol=atol,
                                    err_msg=f"values differ at step {step}")
     _check_away(kind, values)
-    state = topt.state[emb.weight]
-    for k, key in enumerate(slot_keys):
-        np.testing.assert_allclose(slots[:, k * DIM:(k + 1) * DIM], state[key].numpy(),
-                                   rtol=rtol, atol=atol, err_msg=f"slot {key} differs")
+    _check_slots(slots, topt.state[emb.weight], slot_keys, rtol, atol)
 
 
 KINDS = pytest.mark.parametrize("kind", ["away", "crossing"])
@@ -157,10 +165,7 @@ def _run_dense(ours: Optimizer, make_torch, slot_keys: tuple[str, ...], seed: in
         np.testing.assert_allclose(values, param.detach().numpy(), rtol=rtol, atol=atol,
                                    err_msg=f"values differ at step {step}")
     _check_away(kind, values)
-    state = topt.state[param]
-    for k, key in enumerate(slot_keys):
-        np.testing.assert_allclose(slots[:, k * DIM:(k + 1) * DIM], state[key].numpy(),
-                                   rtol=rtol, atol=atol, err_msg=f"slot {key} differs")
+    _check_slots(slots, topt.state[param], slot_keys, rtol, atol)
 
 
 @pytest.mark.parametrize("kw", [
@@ -175,9 +180,9 @@ def test_adamw_matches_torch_adamw_when_every_row_is_touched(kw, kind):
 
 @pytest.mark.parametrize("kw,keys", [
     ({"lr": 0.01}, ("square_avg",)),
-    ({"lr": 0.002, "momentum": 0.9}, ("square_avg", "momentum_buffer")),
+    ({"lr": 0.0005, "momentum": 0.9}, ("square_avg", "momentum_buffer")),
     ({"lr": 0.005, "centered": True, "alpha": 0.9}, ("square_avg", "grad_avg")),
-    ({"lr": 0.01, "momentum": 0.5, "centered": True, "weight_decay": 0.01, "eps": 1e-6},
+    ({"lr": 0.003, "momentum": 0.5, "centered": True, "weight_decay": 0.01, "eps": 1e-6},
      ("square_avg", "momentum_buffer", "grad_avg")),
 ])
 @KINDS

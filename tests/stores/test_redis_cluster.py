@@ -169,3 +169,28 @@ def test_hash_tag_batch_is_atomic_when_killed(redis_cluster, key_prefix):
             assert count in (0, n), f"partial batch: {count} of {n}"
             assert (count == n) == (marker == b"after")
             check.delete_prefix(b"{t}")
+
+
+def test_resharded_slot_is_followed(redis_cluster, key_prefix):
+    """A store whose slot map is stale gets MOVED replies and retries on the new owner."""
+    from redis.crc import key_slot
+
+    redis_cluster.flushall()
+    keys = [b"{moving}k%d" % i for i in range(50)]
+    other = [b"stay%d" % i for i in range(50)]
+    slot = key_slot(b"moving")
+    with open_store(redis_cluster.url, prefix=key_prefix, keys_sending_size=8) as s:
+        s.put_many({k: k for k in keys + other})
+        owner = redis_cluster.slot_owner(slot)
+        target = next(p for p in redis_cluster.nodes("master") if p != owner)
+        redis_cluster.move_slot(slot, target)
+        assert s.get_many(keys + other) == keys + other
+        s.put_many({k: b"new" for k in keys})
+        s.delete_many(keys[:10])
+        assert s.get_many(keys) == [None] * 10 + [b"new"] * 40
+        assert s.count(b"{moving}") == 40
+    c = _client(target)
+    try:
+        assert c.get(key_prefix.encode() + keys[-1]) == b"new"
+    finally:
+        c.close()

@@ -10,6 +10,7 @@ import pytest
 import tensorkv
 from tensorkv.errors import (
     ConfigError,
+    StoreError,
     StoreLockedError,
     StoreNotFoundError,
     StorePathError,
@@ -184,3 +185,35 @@ def test_bulk_load_through_flushes(tmp_path, compression):
     with tensorkv.open_store(url, readonly=True) as ro:
         assert ro.count(b"emb/") == len(rows)
         assert ro.get(keys[-1]) == rows[-1].tobytes()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_use_after_fork_is_refused(tmp_path):
+    s = tensorkv.open_store(f"rocksdb://{tmp_path}/db")
+    s.put(b"k", b"v")
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: must neither read, write nor close the parent's database
+        os.close(r)
+        try:
+            try:
+                s.put(b"k", b"child")
+                answer = b"no error"
+            except StoreError as exc:
+                answer = b"refused" if "fork" in str(exc) else str(exc).encode()
+            s.close()  # closing the inherited store is harmless
+            os.write(w, answer)
+        except BaseException as exc:  # noqa: BLE001
+            os.write(w, repr(exc).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        answer = f.read()
+    os.waitpid(pid, 0)
+    assert answer == b"refused"
+    assert s.get(b"k") == b"v"
+    s.put(b"k2", b"parent")
+    s.close()
+    with tensorkv.open_store(f"rocksdb://{tmp_path}/db") as again:
+        assert again.get(b"k2") == b"parent"

@@ -26,7 +26,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import cached_property
 from typing import Any
 
@@ -415,6 +415,8 @@ def run(
             _run_case(report, data, names, root, server, repeat, cold, read_note)
             del data
             gc.collect()
+        say("\n[kv] summary (x seq.: ratio to one sequential file; x files: to one file per key)")
+        say(summary_table([asdict(r) for r in report.results]))
     finally:
         if server is not None:
             server.stop()
@@ -544,3 +546,51 @@ def _verify(store: KVStore | None, data: Data) -> None:
     want = data.values[: len(keys)]
     if [None if g is None else bytes(g) for g in got] != want:
         raise RuntimeError(f"{store!r} returned different bytes than were written")
+
+
+def summary_table(results: Sequence[dict[str, Any]]) -> str:
+    """Pivot the figures of a run (``Report.to_dict()["results"]``) into one Markdown table.
+
+    One row per value size and backend: put_many and get_many throughput, each with its
+    ratio to the sequential-file baseline (MB/s) and to the one-file-per-key baseline
+    (ops/s); then the two baselines of that size.
+    """
+    fig: dict[tuple[str, str], dict[str, Any]] = {}
+    pairs: list[tuple[str, str]] = []  # (value size, backend) in run order
+    for r in results:
+        fig[(r["case"], r["metric"])] = r
+        parts = r["case"].rsplit(" ", 2)
+        ok = len(parts) == 3 and parts[2] in {"put_many", "get_many"}
+        if ok and (parts[1], parts[0]) not in pairs:
+            pairs.append((parts[1], parts[0]))
+    lines = [
+        "| values | backend | put MB/s | x seq. write | put ops/s | x files | "
+        "get MB/s | x seq. read | get ops/s | x files |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for label in dict.fromkeys(p[0] for p in pairs):
+        for _, name in (p for p in pairs if p[0] == label):
+            cells = [label, name]
+            for op in ("put_many", "get_many"):
+                for metric in ("MB/s", "ops/s"):
+                    r = fig.get((f"{name} {label} {op}", metric))
+                    cells += ["", ""] if r is None else [_num(r["value"]), f"{r['ratio']:.2f}"]
+            lines.append("| " + " | ".join(cells) + " |")
+        w = fig.get((f"files {label} write", "MB/s"))
+        r = fig.get((f"files {label} read", "MB/s"))
+        if w is not None and r is not None:
+            lines.append(
+                f"| {label} | *one file per key* | {_num(w['value'])} | {w['ratio']:.2f} | | | "
+                f"{_num(r['value'])} | {r['ratio']:.2f} | | |"
+            )
+            lines.append(
+                f"| {label} | *sequential file* | {_num(w['baseline_value'])} | 1.00 | | | "
+                f"{_num(r['baseline_value'])} | 1.00 | | |"
+            )
+    return "\n".join(lines)
+
+
+def _num(x: float) -> str:
+    if x >= 100:
+        return f"{x:,.0f}"
+    return f"{x:.3g}"

@@ -83,7 +83,7 @@ def _header(name: str, quick: bool) -> str:
 
 
 @click.command()
-@click.argument("name", metavar="NAME")
+@click.argument("name", metavar="NAME", required=False)
 @click.option("--quick", is_flag=True, help="Small sizes: a run takes about a minute.")
 @click.option(
     "--json",
@@ -99,7 +99,7 @@ def _header(name: str, quick: bool) -> str:
     metavar="NAME=VALUE",
     help="Keyword argument for the workload's run(), e.g. -p scale=0.01 (repeatable).",
 )
-def bench(name: str, quick: bool, json_path: str | None, params: tuple[str, ...]) -> None:
+def bench(name: str | None, quick: bool, json_path: str | None, params: tuple[str, ...]) -> None:
     """Run the benchmark workload NAME with its baselines and print the results table.
 
     The table's first column is the ratio tensorkv / baseline (for throughputs, higher is
@@ -108,12 +108,17 @@ def bench(name: str, quick: bool, json_path: str | None, params: tuple[str, ...]
     from tensorkv.bench.common import Report
 
     available = workloads()
+    if name is None:
+        raise click.UsageError(f"name a workload: tensorkv bench {{{','.join(available)}}}")
     if name not in available:
         raise click.BadParameter(
             f"no benchmark workload {name!r}; available: {', '.join(available) or 'none'}",
             param_hint="NAME",
         )
-    module = importlib.import_module(f"tensorkv.bench.{name}")
+    try:
+        module = importlib.import_module(f"tensorkv.bench.{name}")
+    except ImportError as exc:  # an optional dependency of the workload is missing
+        raise click.ClickException(f"bench {name} cannot run here: {exc}") from exc
     run_fn = getattr(module, "run", None)
     if run_fn is None:
         raise click.ClickException(f"tensorkv.bench.{name} has no run(quick, report) function")

@@ -15,7 +15,7 @@ The index doubles (full rehash, amortised O(1) per insert) when its load factor 
 rows stay under 25 % while growth stays cheap. Removed rows are reused through a free list.
 
 Memory per key beyond value + slot bytes: 33 bytes of row metadata (freq 8, version 8, seq 8,
-key 8, live 1) plus 16 bytes per index slot times ``slots / keys`` (2 to 4 at
+key 8, live 1) plus 16 bytes per index slot (key and row side by side) times ``slots / keys`` (2 to 4 at
 ``max_load = 0.5``), plus the unused share of the row capacity.
 """
 
@@ -85,7 +85,7 @@ class RowArena:
         self.row_key = np.zeros(cap, np.int64)
         self.live = np.zeros(cap, np.uint8)
         n_slots = _pow2_at_least(int(cap / self.max_load) + 1)
-        self.slot_keys, self.slot_rows = hk.new_index(n_slots)
+        self.index = hk.new_index(n_slots)
         self.state = np.array([0, 0, -1, 0], np.int64)
 
     @property
@@ -96,7 +96,7 @@ class RowArena:
     @property
     def n_slots(self) -> int:
         """Hash index slots."""
-        return int(self.slot_keys.shape[0])
+        return int(self.index.shape[0])
 
     @property
     def high_water(self) -> int:
@@ -110,7 +110,7 @@ class RowArena:
     def nbytes(self) -> int:
         """Bytes held by every array of the arena and index."""
         arrays = (self.values, self.slots, self.freq, self.version, self.seq, self.row_key,
-                  self.live, self.slot_keys, self.slot_rows, self.state)
+                  self.live, self.index, self.state)
         return int(sum(a.nbytes for a in arrays))
 
     def _grow_rows(self, need: int) -> None:
@@ -130,9 +130,9 @@ class RowArena:
             n_slots *= 2
         if n_slots == self.n_slots:
             return
-        new_keys, new_rows = hk.new_index(n_slots)
-        hk.index_rehash(self.slot_keys, self.slot_rows, new_keys, new_rows)
-        self.slot_keys, self.slot_rows = new_keys, new_rows
+        new = hk.new_index(n_slots)
+        hk.index_rehash(self.index, new)
+        self.index = new
 
     def reserve(self, n_keys: int) -> None:
         """Make room for ``n_keys`` keys in total without further growth."""
@@ -155,13 +155,13 @@ class RowArena:
     def find(self, keys: np.ndarray) -> np.ndarray:
         """Row of each key, ``-1`` where absent."""
         rows = np.empty(keys.shape[0], np.int64)
-        hk.index_find(self.slot_keys, self.slot_rows, keys, rows)
+        hk.index_find(self.index, keys, rows)
         return rows
 
     def find_gather(self, keys: np.ndarray, out: np.ndarray) -> tuple[np.ndarray, int]:
         """Rows of ``keys`` and their values copied into ``out``; returns (rows, misses)."""
         rows = np.empty(keys.shape[0], np.int64)
-        misses = ak.find_gather(self.slot_keys, self.slot_rows, keys, self.values, out, rows)
+        misses = ak.find_gather(self.index, keys, self.values, out, rows)
         return rows, int(misses)
 
     def insert(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -177,7 +177,7 @@ class RowArena:
         while True:
             max_size = int(self.n_slots * self.max_load)
             pos = hk.index_insert(
-                self.slot_keys, self.slot_rows, keys, pos, rows, is_new, self.state,
+                self.index, keys, pos, rows, is_new, self.state,
                 self.row_key, self.live, max_size, self.capacity,
             )
             if pos >= n:
@@ -202,7 +202,7 @@ class RowArena:
     def remove(self, keys: np.ndarray) -> np.ndarray:
         """Remove keys; returns the freed row of each key (``-1`` where it was absent)."""
         rows = np.empty(keys.shape[0], np.int64)
-        hk.index_remove(self.slot_keys, self.slot_rows, keys, rows, self.state, self.row_key,
+        hk.index_remove(self.index, keys, rows, self.state, self.row_key,
                         self.live)
         return rows
 
@@ -265,5 +265,5 @@ class RowArena:
 
     def probe_stats(self) -> tuple[float, int]:
         """(mean, max) probe length of stored keys."""
-        mean, worst = hk.index_probe_stats(self.slot_keys, self.slot_rows)
+        mean, worst = hk.index_probe_stats(self.index)
         return float(mean), int(worst)

@@ -107,24 +107,22 @@ class CounterFilter(AdmissionFilter):
         self.clear()
 
     def clear(self) -> None:  # noqa: D102
-        self._keys = np.zeros(1024, np.int64)
-        self._counts = np.full(1024, -1, np.int64)
+        self._index = hk.new_index(1024)
         self._state = np.zeros(4, np.int64)
 
     def __len__(self) -> int:
         return int(self._state[0])
 
     def _grow(self) -> None:
-        n = self._keys.shape[0] * 2
-        nk, nc = hk.new_index(n)
-        hk.index_rehash(self._keys, self._counts, nk, nc)
-        self._keys, self._counts = nk, nc
+        new = hk.new_index(self._index.shape[0] * 2)
+        hk.index_rehash(self._index, new)
+        self._index = new
 
     def observe(self, keys):  # noqa: D102
         counts = np.zeros(keys.shape[0], np.int64)
         while True:
-            max_size = self._keys.shape[0] // 2
-            pos = hk.count_map_add(self._keys, self._counts, keys, counts, self._state, max_size)
+            max_size = self._index.shape[0] // 2
+            pos = hk.count_map_add(self._index, keys, counts, self._state, max_size)
             if pos >= keys.shape[0]:
                 break
             self._grow()
@@ -132,15 +130,15 @@ class CounterFilter(AdmissionFilter):
 
     def peek(self, keys):  # noqa: D102
         out = np.zeros(keys.shape[0], np.int64)
-        hk.count_map_get(self._keys, self._counts, keys, out)
+        hk.count_map_get(self._index, keys, out)
         return out
 
     def forget(self, keys):  # noqa: D102
-        hk.count_map_remove(self._keys, self._counts, keys, self._state)
+        hk.count_map_remove(self._index, keys, self._state)
 
     @property
     def nbytes(self):  # noqa: D102
-        return int(self._keys.nbytes + self._counts.nbytes)
+        return int(self._index.nbytes)
 
     def config(self):  # noqa: D102
         return {"name": self.name, "min_count": self.min_count}

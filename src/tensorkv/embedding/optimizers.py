@@ -52,7 +52,7 @@ __all__ = [
     "Adagrad",
     "Adam",
     "AdamW",
-    "Constant",
+    "ConstantLR",
     "ExponentialDecay",
     "Optimizer",
     "RMSProp",
@@ -140,7 +140,7 @@ class Schedule:
         return hash(tuple(sorted(self.config().items())))
 
 
-class Constant(Schedule):
+class ConstantLR(Schedule):
     """The same learning rate at every step."""
 
     kind = "constant"
@@ -218,13 +218,13 @@ class WarmupCosine(Schedule):
 
 
 _SCHEDULES: dict[str, type[Schedule]] = {
-    cls.kind: cls for cls in (Constant, ExponentialDecay, WarmupCosine)
+    cls.kind: cls for cls in (ConstantLR, ExponentialDecay, WarmupCosine)
 }
 
 
-def constant(lr: float) -> Constant:
+def constant(lr: float) -> ConstantLR:
     """Return a schedule giving ``lr`` at every step."""
-    return Constant(lr)
+    return ConstantLR(lr)
 
 
 def exponential_decay(lr: float, decay_rate: float, decay_steps: int,

@@ -150,9 +150,7 @@ class KVTier(LowerTierSpec):
         return _KVTier(self.url, layout, **{**self.options, **overrides})
 
 
-_SPEC_CLASSES: dict[str, type[TierSpec]] = {
-    c.kind: c for c in (HBM, DRAM, PMEM, SSDHash, KVTier)
-}
+_SPEC_CLASSES: dict[str, type[TierSpec]] = {c.kind: c for c in (HBM, DRAM, PMEM, SSDHash, KVTier)}
 
 
 def spec_from_dict(d: dict[str, Any]) -> TierSpec:

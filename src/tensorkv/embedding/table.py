@@ -315,11 +315,15 @@ class EmbeddingTable:
                 out[pos] = self._initial(k[pos])
             return out
         with self._lock.write():
-            self._insert_missing(k, out)
+            self._insert_missing(k, out, np.flatnonzero(rows < 0))
         return out
 
-    def _insert_missing(self, k: np.ndarray, out: np.ndarray) -> None:
-        """Write-locked slow path of :meth:`lookup`: insert/admit the missing keys."""
+    def _insert_missing(self, k: np.ndarray, out: np.ndarray, missed: np.ndarray) -> None:
+        """Write-locked slow path of :meth:`lookup`: insert/admit the missing keys.
+
+        ``missed``: positions not found by the shared-lock pass; another writer may have
+        inserted some of them since, so they are all read again here.
+        """
         a = self._arena
         rows = a.find(k)
         miss = np.flatnonzero(rows < 0)
@@ -345,11 +349,11 @@ class EmbeddingTable:
             ak.set_meta(a.version, a.seq, fresh, self._step, self._mseq)
             self._stats["inserts"] += fresh.size
             rows[miss] = new_rows
-            out[miss] = a.gather(new_rows)
             if prior is not None:
                 uk, first = np.unique(mk, return_index=True)
                 a.freq[new_rows[first]] += prior[first]
                 self.admission.forget(uk)
+        out[missed] = a.gather(rows[missed])
         if rejected.size:
             out[rejected] = self._initial(k[rejected])
         with self._meta_lock:

@@ -24,21 +24,21 @@ def gather_rows(values, rows, out):  # pragma: no cover - compiled
 
 
 @njit(nogil=True, cache=True)
-def find_gather(slot_keys, slot_rows, keys, values, out, rows_out):  # pragma: no cover
+def find_gather(index, keys, values, out, rows_out):  # pragma: no cover
     """Fused index lookup + gather; returns the number of keys not found (rows ``-1``).
 
     Runs in two passes (all probes, then all copies) so independent cache misses overlap.
     """
-    mask = np.int64(slot_keys.shape[0] - 1)
+    mask = np.int64(index.shape[0] - 1)
     n = keys.shape[0]
     misses = 0
     for i in range(n):
         k = keys[i]
         h = home_slot(k, mask)
-        r = slot_rows[h]
-        while r >= 0 and slot_keys[h] != k:
+        r = index[h, 1]
+        while r >= 0 and index[h, 0] != k:
             h = (h + 1) & mask
-            r = slot_rows[h]
+            r = index[h, 1]
         rows_out[i] = r
         if r < 0:
             misses += 1

@@ -2,10 +2,11 @@
 
 Layout
 ------
-Two parallel arrays of ``2**b`` slots: ``slot_keys`` (int64) and ``slot_rows`` (int64). A slot is
-empty when ``slot_rows[s] < 0``; ``slot_keys`` is then meaningless. Occupancy lives in the row
-field, so every int64 value -- negatives, ``INT64_MIN``, ``INT64_MAX`` -- is a valid key and no
-key value is reserved as a sentinel. That costs 16 bytes per slot and nothing else.
+One int64 array ``index[2**b, 2]``: slot ``s`` holds its key in ``index[s, 0]`` and its row in
+``index[s, 1]`` side by side, so a probe touches one cache line, not two. A slot is empty when
+``index[s, 1] < 0`` (its key is then meaningless). Occupancy lives in the row field, so every
+int64 value -- negatives, ``INT64_MIN``, ``INT64_MAX`` -- is a valid key and no key value is
+reserved as a sentinel. That costs 16 bytes per slot and nothing else.
 
 Probing is linear from ``mix64(key) & mask`` where ``mix64`` is the splitmix64 finaliser (a
 bijection on 64 bits with full avalanche, so sequential ids spread evenly). Deletion uses
@@ -47,25 +48,28 @@ def home_slot(key: np.int64, mask: np.int64) -> np.int64:  # pragma: no cover - 
     return np.int64(mix64(np.uint64(key)) & np.uint64(mask))
 
 
-def new_index(n_slots: int) -> tuple[np.ndarray, np.ndarray]:
-    """Allocate an empty index of ``n_slots`` slots (a power of two)."""
+def new_index(n_slots: int) -> np.ndarray:
+    """Allocate an empty index of ``n_slots`` slots (a power of two): int64 ``[n_slots, 2]``."""
     if n_slots <= 0 or n_slots & (n_slots - 1):
         raise ValueError(f"n_slots={n_slots} must be a positive power of two")
-    return np.zeros(n_slots, np.int64), np.full(n_slots, -1, np.int64)
+    index = np.empty((n_slots, 2), np.int64)
+    index[:, 0] = 0
+    index[:, 1] = -1
+    return index
 
 
 @njit(nogil=True, cache=True)
-def index_find(slot_keys, slot_rows, keys, rows_out):  # pragma: no cover - compiled
+def index_find(index, keys, rows_out):  # pragma: no cover - compiled
     """Row of each key into ``rows_out`` (``-1`` when absent); returns the number of misses."""
-    mask = np.int64(slot_keys.shape[0] - 1)
+    mask = np.int64(index.shape[0] - 1)
     misses = 0
     for i in range(keys.shape[0]):
         k = keys[i]
         h = home_slot(k, mask)
-        r = slot_rows[h]
-        while r >= 0 and slot_keys[h] != k:
+        r = index[h, 1]
+        while r >= 0 and index[h, 0] != k:
             h = (h + 1) & mask
-            r = slot_rows[h]
+            r = index[h, 1]
         rows_out[i] = r
         if r < 0:
             misses += 1
@@ -74,7 +78,7 @@ def index_find(slot_keys, slot_rows, keys, rows_out):  # pragma: no cover - comp
 
 @njit(nogil=True, cache=True)
 def index_insert(
-    slot_keys, slot_rows, keys, start, rows_out, is_new, state, row_key, live, max_size, max_rows
+    index, keys, start, rows_out, is_new, state, row_key, live, max_size, max_rows
 ):  # pragma: no cover - compiled
     """Find-or-insert ``keys[start:]``; new keys get a row from the free list or ``next_row``.
 
@@ -82,13 +86,13 @@ def index_insert(
     ``>= max_rows``; returns the position reached (``len(keys)`` when done) so the caller can
     grow and resume. ``is_new[i]`` says whether key ``i`` got a fresh row.
     """
-    mask = np.int64(slot_keys.shape[0] - 1)
+    mask = np.int64(index.shape[0] - 1)
     n = keys.shape[0]
     for i in range(start, n):
         k = keys[i]
         h = home_slot(k, mask)
         while True:
-            r = slot_rows[h]
+            r = index[h, 1]
             if r < 0:
                 if state[SIZE] >= max_size:
                     return i
@@ -101,15 +105,15 @@ def index_insert(
                         return i
                     row = state[NEXT_ROW]
                     state[NEXT_ROW] += 1
-                slot_keys[h] = k
-                slot_rows[h] = row
+                index[h, 0] = k
+                index[h, 1] = row
                 row_key[row] = k
                 live[row] = 1
                 state[SIZE] += 1
                 rows_out[i] = row
                 is_new[i] = True
                 break
-            if slot_keys[h] == k:
+            if index[h, 0] == k:
                 rows_out[i] = r
                 is_new[i] = False
                 break
@@ -118,21 +122,21 @@ def index_insert(
 
 
 @njit(nogil=True, cache=True)
-def index_remove(slot_keys, slot_rows, keys, rows_out, state, row_key, live):  # pragma: no cover
+def index_remove(index, keys, rows_out, state, row_key, live):  # pragma: no cover
     """Remove keys (backward-shift deletion); freed rows go on the free list.
 
     ``rows_out[i]`` is the freed row of key ``i`` or ``-1`` when it was absent (or a duplicate
     already removed in this call). Returns the number of keys removed.
     """
-    mask = np.int64(slot_keys.shape[0] - 1)
+    mask = np.int64(index.shape[0] - 1)
     removed = 0
     for i in range(keys.shape[0]):
         k = keys[i]
         h = home_slot(k, mask)
-        r = slot_rows[h]
-        while r >= 0 and slot_keys[h] != k:
+        r = index[h, 1]
+        while r >= 0 and index[h, 0] != k:
             h = (h + 1) & mask
-            r = slot_rows[h]
+            r = index[h, 1]
         rows_out[i] = r
         if r < 0:
             continue
@@ -148,49 +152,49 @@ def index_remove(slot_keys, slot_rows, keys, rows_out, state, row_key, live):  #
         j = h
         while True:
             j = (j + 1) & mask
-            if slot_rows[j] < 0:
+            if index[j, 1] < 0:
                 break
-            home = home_slot(slot_keys[j], mask)
+            home = home_slot(index[j, 0], mask)
             # the entry at j may move to `hole` iff its home is not cyclically in (hole, j]
             if hole <= j:
                 stays = hole < home <= j
             else:
                 stays = home > hole or home <= j
             if not stays:
-                slot_keys[hole] = slot_keys[j]
-                slot_rows[hole] = slot_rows[j]
+                index[hole, 0] = index[j, 0]
+                index[hole, 1] = index[j, 1]
                 hole = j
-        slot_rows[hole] = -1
+        index[hole, 1] = -1
     return removed
 
 
 @njit(nogil=True, cache=True)
-def index_rehash(old_keys, old_rows, new_keys, new_rows):  # pragma: no cover - compiled
+def index_rehash(old, new):  # pragma: no cover - compiled
     """Insert every occupied slot of the old index into an empty new one."""
-    mask = np.int64(new_keys.shape[0] - 1)
-    for s in range(old_keys.shape[0]):
-        r = old_rows[s]
+    mask = np.int64(new.shape[0] - 1)
+    for s in range(old.shape[0]):
+        r = old[s, 1]
         if r < 0:
             continue
-        k = old_keys[s]
+        k = old[s, 0]
         h = home_slot(k, mask)
-        while new_rows[h] >= 0:
+        while new[h, 1] >= 0:
             h = (h + 1) & mask
-        new_keys[h] = k
-        new_rows[h] = r
+        new[h, 0] = k
+        new[h, 1] = r
 
 
 @njit(nogil=True, cache=True)
-def index_probe_stats(slot_keys, slot_rows):  # pragma: no cover - compiled
+def index_probe_stats(index):  # pragma: no cover - compiled
     """Mean and max probe length (1 = found in its home slot) over the stored keys."""
-    mask = np.int64(slot_keys.shape[0] - 1)
+    mask = np.int64(index.shape[0] - 1)
     total = 0
     worst = 0
     count = 0
-    for s in range(slot_keys.shape[0]):
-        if slot_rows[s] < 0:
+    for s in range(index.shape[0]):
+        if index[s, 1] < 0:
             continue
-        d = ((s - home_slot(slot_keys[s], mask)) & mask) + 1
+        d = ((s - home_slot(index[s, 0], mask)) & mask) + 1
         total += d
         count += 1
         if d > worst:
@@ -200,13 +204,13 @@ def index_probe_stats(slot_keys, slot_rows):  # pragma: no cover - compiled
 
 # --- a small counting map (key -> count), used by the admission counter filter ----------------
 @njit(nogil=True, cache=True)
-def count_map_add(slot_keys, slot_counts, keys, counts_out, state, max_size):  # pragma: no cover
+def count_map_add(index, keys, counts_out, state, max_size):  # pragma: no cover
     """Add one sighting per key occurrence; ``counts_out[i]`` = count after occurrence ``i``.
 
-    Empty slots hold ``slot_counts < 0``. Returns the position reached (stops before a new key
+    Empty slots hold a count ``< 0``. Returns the position reached (stops before a new key
     would exceed ``max_size``) so the caller can grow and resume.
     """
-    mask = np.int64(slot_keys.shape[0] - 1)
+    mask = np.int64(index.shape[0] - 1)
     n = keys.shape[0]
     for i in range(n):
         if counts_out[i] > 0:  # already counted in an earlier partial pass
@@ -214,17 +218,17 @@ def count_map_add(slot_keys, slot_counts, keys, counts_out, state, max_size):  #
         k = keys[i]
         h = home_slot(k, mask)
         while True:
-            c = slot_counts[h]
+            c = index[h, 1]
             if c < 0:
                 if state[SIZE] >= max_size:
                     return i
-                slot_keys[h] = k
-                slot_counts[h] = 1
+                index[h, 0] = k
+                index[h, 1] = 1
                 state[SIZE] += 1
                 counts_out[i] = 1
                 break
-            if slot_keys[h] == k:
-                slot_counts[h] = c + 1
+            if index[h, 0] == k:
+                index[h, 1] = c + 1
                 counts_out[i] = c + 1
                 break
             h = (h + 1) & mask
@@ -232,17 +236,17 @@ def count_map_add(slot_keys, slot_counts, keys, counts_out, state, max_size):  #
 
 
 @njit(nogil=True, cache=True)
-def count_map_remove(slot_keys, slot_counts, keys, state):  # pragma: no cover - compiled
+def count_map_remove(index, keys, state):  # pragma: no cover - compiled
     """Remove keys from a counting map (backward shift); returns how many were present."""
-    mask = np.int64(slot_keys.shape[0] - 1)
+    mask = np.int64(index.shape[0] - 1)
     removed = 0
     for i in range(keys.shape[0]):
         k = keys[i]
         h = home_slot(k, mask)
-        c = slot_counts[h]
-        while c >= 0 and slot_keys[h] != k:
+        c = index[h, 1]
+        while c >= 0 and index[h, 0] != k:
             h = (h + 1) & mask
-            c = slot_counts[h]
+            c = index[h, 1]
         if c < 0:
             continue
         removed += 1
@@ -251,30 +255,30 @@ def count_map_remove(slot_keys, slot_counts, keys, state):  # pragma: no cover -
         j = h
         while True:
             j = (j + 1) & mask
-            if slot_counts[j] < 0:
+            if index[j, 1] < 0:
                 break
-            home = home_slot(slot_keys[j], mask)
+            home = home_slot(index[j, 0], mask)
             if hole <= j:
                 stays = hole < home <= j
             else:
                 stays = home > hole or home <= j
             if not stays:
-                slot_keys[hole] = slot_keys[j]
-                slot_counts[hole] = slot_counts[j]
+                index[hole, 0] = index[j, 0]
+                index[hole, 1] = index[j, 1]
                 hole = j
-        slot_counts[hole] = -1
+        index[hole, 1] = -1
     return removed
 
 
 @njit(nogil=True, cache=True)
-def count_map_get(slot_keys, slot_counts, keys, out):  # pragma: no cover - compiled
+def count_map_get(index, keys, out):  # pragma: no cover - compiled
     """Current count of each key (0 when absent)."""
-    mask = np.int64(slot_keys.shape[0] - 1)
+    mask = np.int64(index.shape[0] - 1)
     for i in range(keys.shape[0]):
         k = keys[i]
         h = home_slot(k, mask)
-        c = slot_counts[h]
-        while c >= 0 and slot_keys[h] != k:
+        c = index[h, 1]
+        while c >= 0 and index[h, 0] != k:
             h = (h + 1) & mask
-            c = slot_counts[h]
+            c = index[h, 1]
         out[i] = c if c > 0 else 0

@@ -1,5 +1,7 @@
-"""Numba kernels for the lower tiers: an int64 -> int64 open-addressing index, record
-checksums, and gathers from memory-mapped record files.
+"""Numba kernels for the lower tiers: hash index, record checksums, mmap gathers.
+
+The index maps int64 keys to int64 values by open addressing with linear probing; records
+carry checksums; gathers copy rows out of memory-mapped record files.
 
 Index tables are two arrays of a power-of-two size: ``tkeys int64[cap]`` and
 ``tvals int64[cap]``. A value >= 0 marks a live entry; ``EMPTY`` (-1) an unused slot and
@@ -316,7 +318,9 @@ class HashIndex:
         index_lookup(self._keys, self._vals, keys, out)
         return out
 
-    def apply(self, keys: np.ndarray, vals: np.ndarray, tomb: np.ndarray | None = None) -> np.ndarray:
+    def apply(
+        self, keys: np.ndarray, vals: np.ndarray, tomb: np.ndarray | None = None
+    ) -> np.ndarray:
         """Apply puts/deletes in order; return the previous values (-1 where absent)."""
         n = keys.size
         if tomb is None:

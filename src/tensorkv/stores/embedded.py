@@ -16,6 +16,7 @@ from tensorkv import config
 from tensorkv.errors import (
     ConfigError,
     InvalidURLError,
+    StoreError,
     StoreLockedError,
     StoreNotFoundError,
     StorePathError,
@@ -214,7 +215,9 @@ def release_path(key: str) -> None:
         _OPEN_PATHS.discard(key)
 
 
-def _close_and_release(close: Callable[[], None], claim: str | None) -> None:
+def _close_and_release(close: Callable[[], None], claim: str | None, pid: int) -> None:
+    if os.getpid() != pid:
+        return  # a forked child never closes (and so never flushes) its parent's database
     try:
         close()
     finally:
@@ -227,9 +230,18 @@ def close_on_collect(owner: object, close: Callable[[], None], claim: str | None
 
     A store dropped without ``close()`` then frees its database and its claim on the path,
     so the path can be opened again. Returns the finalizer; calling it closes now (once).
-    ``close`` must not reference ``owner``.
+    ``close`` must not reference ``owner``. In a child created by ``fork`` it does nothing.
     """
-    return weakref.finalize(owner, _close_and_release, close, claim)
+    return weakref.finalize(owner, _close_and_release, close, claim, os.getpid())
+
+
+def check_same_process(pid: int, url: str) -> None:
+    """Refuse to use a store in a child created by ``fork`` from the process that opened it."""
+    if os.getpid() != pid:
+        raise StoreError(
+            f"store {url!r} was opened in process {pid} and cannot be used after fork (two "
+            "processes would write one database); open the URL again in the child process"
+        )
 
 
 def locked_error(scheme: str, path: str, exc: BaseException) -> StoreLockedError:

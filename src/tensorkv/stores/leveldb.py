@@ -8,6 +8,7 @@ even if the process is killed. The log is not fsynced per write unless ``sync=tr
 from __future__ import annotations
 
 import errno
+import os
 from collections.abc import Iterator
 from dataclasses import replace
 from itertools import islice, repeat
@@ -22,6 +23,7 @@ from tensorkv.stores.embedded import (
     as_bool,
     as_int,
     as_size,
+    check_same_process,
     chunked_scan,
     claim_path,
     close_on_collect,
@@ -121,6 +123,7 @@ class LevelDBStore(KVStore):
             release_path(self._claim)
             raise self._open_error(exc) from exc
         self._finalizer = close_on_collect(self, self._db.close, self._claim)
+        self._pid = os.getpid()
 
     def _open_error(self, exc: BaseException) -> Exception:
         text = str(exc)
@@ -144,6 +147,7 @@ class LevelDBStore(KVStore):
         return exc
 
     def _get_many(self, keys: list[bytes]) -> list[bytes | None]:
+        check_same_process(self._pid, self.url)
         try:
             snap = self._db.snapshot()  # one consistent view for the whole batch
         except RuntimeError as exc:
@@ -155,6 +159,7 @@ class LevelDBStore(KVStore):
             snap.close()
 
     def _write(self, ops: list[WriteOp], *, atomic: bool) -> None:
+        check_same_process(self._pid, self.url)
         try:
             wb = self._db.write_batch(transaction=True, sync=self.sync)
         except RuntimeError as exc:
@@ -185,6 +190,7 @@ class LevelDBStore(KVStore):
     def _read_chunk(
         self, start: bytes | None, n: int, stop: bytes | None, keys_only: bool
     ) -> list[tuple[bytes, bytes | None]]:
+        check_same_process(self._pid, self.url)
         try:
             it = self._db.iterator(start=start, stop=stop, include_value=not keys_only)
         except RuntimeError as exc:
@@ -205,6 +211,8 @@ class LevelDBStore(KVStore):
         return chunked_scan(read, start, limit, self._check_open)
 
     def _flush(self) -> None:
+        if os.getpid() != self._pid:
+            return
         # LevelDB has no call to sync the log on its own; an empty synced batch does it.
         if not self.sync:
             self._db.write_batch(sync=True).write()

@@ -52,6 +52,7 @@ _OPTIONS = {
 }
 
 _first = itemgetter(0)
+_value = itemgetter(1)
 
 
 def _is_delete(op: WriteOp) -> bool:
@@ -312,22 +313,17 @@ class LMDBStore(KVStore):
         finally:
             self._gate.leave_exclusive()
 
-    def _check_key_sizes(self, keys: list[bytes]) -> None:
-        longest = max(map(len, keys))
-        if longest > self._max_key:
-            bad = next(k for k in keys if len(k) > self._max_key)
-            raise KeyTooLargeError(
-                f"key {bad[:40]!r}... is {len(bad)} bytes; LMDB keys are at most "
-                f"{self._max_key} bytes: hash or shorten long keys"
-            )
+    def _key_too_large(self, keys: list[bytes]) -> KeyTooLargeError | None:
+        bad = next((k for k in keys if len(k) > self._max_key), None)
+        if bad is None:
+            return None
+        return KeyTooLargeError(
+            f"key {bad[:40]!r}... is {len(bad)} bytes; LMDB keys are at most "
+            f"{self._max_key} bytes: hash or shorten long keys"
+        )
 
     # ----------------------------------------------------------------- primitives
     def _get_many(self, keys: list[bytes]) -> list[bytes | None]:
-        limit = self._max_key
-        if max(map(len, keys)) > limit:  # keys LMDB cannot hold are absent by definition
-            short = [k for k in keys if len(k) <= limit]
-            found = iter(self._get_many(short) if short else [])
-            return [next(found) if len(k) <= limit else None for k in keys]
         while True:
             self._enter()
             try:
@@ -336,14 +332,21 @@ class LMDBStore(KVStore):
                     return [get(k) for k in keys]
             except lmdb.MapResizedError:
                 pass
+            except lmdb.BadValsizeError:
+                break  # a key longer than LMDB allows: handled below, outside the gate
             finally:
                 self._gate.leave()
             self._adopt_map_size()
+        # keys LMDB cannot hold are absent by definition
+        limit = self._max_key
+        short = [k for k in keys if len(k) <= limit]
+        found = iter(self._get_many(short) if short else [])
+        return [next(found) if len(k) <= limit else None for k in keys]
 
     @staticmethod
     def _apply(txn: lmdb.Transaction, ops: list[WriteOp]) -> None:
         cursor = txn.cursor()
-        if not any(map(_is_delete, ops)):
+        if None not in map(_value, ops):  # only puts: one C call
             cursor.putmulti(ops)
             return
         delete = txn.delete
@@ -355,7 +358,6 @@ class LMDBStore(KVStore):
                 cursor.putmulti(run)
 
     def _write(self, ops: list[WriteOp], *, atomic: bool) -> None:
-        self._check_key_sizes([k for k, _ in ops])
         with self._write_lock:
             while True:
                 self._enter()
@@ -365,6 +367,12 @@ class LMDBStore(KVStore):
                     return
                 except (lmdb.MapFullError, lmdb.MapResizedError) as exc:
                     retry: BaseException = exc
+                except lmdb.BadValsizeError as exc:
+                    # the transaction was aborted, so nothing of the batch was written
+                    err = self._key_too_large([k for k, _ in ops])
+                    if err is None:
+                        raise
+                    raise err from exc
                 except lmdb.Error as exc:
                     if "No space left" in str(exc):
                         raise StoreFullError(

@@ -504,11 +504,15 @@ class RedisStore(KVStore):
             slots = key_slots(full)
             order = np.argsort(slots, kind="stable")
             sorted_keys = _take(full, order)
-            cuts = _bounds(n, ks, groups=slots[order])
-            pipe = self._reader.pipeline(transaction=False)
-            for a, b in zip(cuts[:-1].tolist(), cuts[1:].tolist(), strict=True):
-                pipe.execute_command("MGET", *sorted_keys[a:b])
-            flat = np.fromiter(chain.from_iterable(pipe.execute()), dtype=object, count=n)
+            sorted_slots = slots[order]
+            cuts = _bounds(n, ks, groups=sorted_slots).tolist()
+            cmds = [
+                (slot, ("MGET", *sorted_keys[a:b]))
+                for slot, a, b in zip(sorted_slots[cuts[:-1]].tolist(), cuts[:-1], cuts[1:],
+                                      strict=True)
+            ]
+            res = self._cluster_run(cmds, read=True)
+            flat = np.fromiter(chain.from_iterable(res), dtype=object, count=n)
             out = np.empty(n, dtype=object)
             out[order] = flat
             return out.tolist()
@@ -519,6 +523,57 @@ class RedisStore(KVStore):
             pipe.execute_command("MGET", *full[i : i + ks])
         return list(chain.from_iterable(pipe.execute()))
 
+    def _cluster_run(self, cmds: list[tuple[int, tuple[Any, ...]]], *, read: bool) -> list[Any]:
+        """Run per-slot commands on a cluster; return their replies in order.
+
+        Commands are grouped by the node serving their slot and sent as one plain pipeline
+        per node, which costs far less per command than redis-py's cluster pipeline. Any
+        command that a node redirects (MOVED/ASK, resharding) or that hits a connection error
+        is sent again through the cluster pipeline, which refreshes the slot map and retries.
+        """
+        client = self._client
+        nm = client.nodes_manager
+        strategy = client.load_balancing_strategy if read else None
+        node_of: dict[int, Any] = {}
+        groups: dict[str, tuple[Any, list[int]]] = {}
+        for i, (slot, _) in enumerate(cmds):
+            node = node_of.get(slot)
+            if node is None:
+                node = node_of[slot] = nm.get_node_from_slot(
+                    slot, load_balancing_strategy=strategy
+                )
+            entry = groups.get(node.name)
+            if entry is None:
+                entry = groups[node.name] = (node, [])
+            entry[1].append(i)
+        results: list[Any] = [None] * len(cmds)
+        retry: list[int] = []
+        for node, idx in groups.values():
+            pipe = client.get_redis_connection(node).pipeline(transaction=False)
+            for i in idx:
+                pipe.execute_command(*cmds[i][1])
+            try:
+                replies = pipe.execute(raise_on_error=False)
+            except (rex.ConnectionError, rex.TimeoutError, OSError):
+                retry.extend(idx)
+                continue
+            for i, r in zip(idx, replies, strict=True):
+                if isinstance(r, Exception):
+                    if not isinstance(r, (rex.AskError, rex.TryAgainError, rex.ClusterDownError,
+                                          rex.ConnectionError, rex.TimeoutError)):
+                        raise r
+                    retry.append(i)
+                else:
+                    results[i] = r
+        if retry:
+            retry.sort()
+            pipe = client.pipeline(transaction=False)
+            for i in retry:
+                pipe.execute_command(*cmds[i][1])
+            for i, r in zip(retry, pipe.execute(), strict=True):
+                results[i] = r
+        return results
+
     # ------------------------------------------------------------------ writes
     def _write(self, ops: list[WriteOp], *, atomic: bool) -> None:
         keys, values = zip(*ops, strict=True)
@@ -527,13 +582,13 @@ class RedisStore(KVStore):
         with self._errors():
             self._apply(full, list(values), is_del, atomic=atomic)
 
-    def _queue(self, pipe: Any, full: list[bytes], values: list[Any], is_del: np.ndarray,
-               slots: np.ndarray | None) -> int:
-        """Queue MSET/UNLINK commands for consecutive runs of puts and deletes; return count."""
+    def _commands(self, full: list[bytes], values: list[Any], is_del: np.ndarray,
+                  slots: np.ndarray | None) -> list[tuple[int, tuple[Any, ...]]]:
+        """MSET/UNLINK commands, with their slot, for consecutive runs of puts and deletes."""
         n = len(full)
         change = np.flatnonzero(is_del[1:] != is_del[:-1]) + 1
         runs = np.concatenate(([0], change, [n])).tolist()
-        queued = 0
+        cmds: list[tuple[int, tuple[Any, ...]]] = []
         for a, b in zip(runs[:-1], runs[1:], strict=True):
             rkeys = full[a:b]
             deleting = bool(is_del[a])
@@ -548,24 +603,30 @@ class RedisStore(KVStore):
                 groups = None
             sizes = None if rvals is None else _value_sizes(rvals)
             cuts = _bounds(b - a, self._ks, sizes, config.REDIS_MAX_COMMAND_BYTES, groups)
-            for c0, c1 in zip(cuts[:-1].tolist(), cuts[1:].tolist(), strict=True):
+            starts = cuts[:-1]
+            cslots = [0] * len(starts) if groups is None else groups[starts].tolist()
+            for slot, c0, c1 in zip(cslots, starts.tolist(), cuts[1:].tolist(), strict=True):
                 if deleting:
-                    pipe.execute_command("UNLINK", *rkeys[c0:c1])
+                    cmds.append((slot, ("UNLINK", *rkeys[c0:c1])))
                 else:
                     args: list[Any] = [None] * (2 * (c1 - c0))
                     args[0::2] = rkeys[c0:c1]
                     args[1::2] = rvals[c0:c1]  # type: ignore[index]
-                    pipe.execute_command("MSET", *args)
-                queued += 1
-        return queued
+                    cmds.append((slot, ("MSET", *args)))
+        return cmds
 
     def _apply(self, full: list[bytes], values: list[Any], is_del: np.ndarray, *,
                atomic: bool) -> list[Any]:
         slots = key_slots(full) if self.mode == "cluster" else None
+        cmds = self._commands(full, values, is_del, slots)
         if slots is not None:
-            atomic = atomic and bool(np.all(slots == slots[0]))
+            if not (atomic and bool(np.all(slots == slots[0]))):
+                return self._cluster_run(cmds, read=False)
+        elif len(cmds) == 1:
+            return [self._client.execute_command(*cmds[0][1])]  # one command is atomic
         pipe = self._client.pipeline(transaction=atomic)
-        self._queue(pipe, full, values, is_del, slots)
+        for _, args in cmds:
+            pipe.execute_command(*args)
         return pipe.execute()
 
     def _unlink(self, full: list[bytes]) -> int:

@@ -24,6 +24,7 @@ from tensorkv.stores.embedded import (
     as_bool,
     as_int,
     as_size,
+    check_same_process,
     chunked_scan,
     claim_path,
     close_on_collect,
@@ -152,6 +153,7 @@ class RocksDBStore(KVStore):
                 release_path(self._claim)
             raise self._open_error(exc) from exc
         self._finalizer = close_on_collect(self, self._db.close, self._claim)
+        self._pid = os.getpid()
         self._wopt = rocksdict.WriteOptions()
         self._wopt.sync = self.sync
         self._db.set_write_options(self._wopt)
@@ -180,9 +182,11 @@ class RocksDBStore(KVStore):
             raise StoreClosedError(f"store {self.url!r} is closed") from None
 
     def _get_many(self, keys: list[bytes]) -> list[bytes | None]:
+        check_same_process(self._pid, self.url)
         return self._call(self._db.get, keys)
 
     def _write(self, ops: list[WriteOp], *, atomic: bool) -> None:
+        check_same_process(self._pid, self.url)
         wb = rocksdict.WriteBatch(raw_mode=True)
         put, delete = wb.put, wb.delete
         for k, v in ops:
@@ -206,6 +210,7 @@ class RocksDBStore(KVStore):
     def _read_chunk(
         self, start: bytes | None, n: int, stop: bytes | None, keys_only: bool
     ) -> list[tuple[bytes, bytes | None]]:
+        check_same_process(self._pid, self.url)
         ropt = rocksdict.ReadOptions()
         if stop is not None:
             ropt.set_iterate_upper_bound(stop)
@@ -224,6 +229,8 @@ class RocksDBStore(KVStore):
         return chunked_scan(read, start, limit, self._check_open)
 
     def _flush(self) -> None:
+        if os.getpid() != self._pid:
+            return
         self._db.flush_wal(True)
 
     def _close(self) -> None:

@@ -12,7 +12,14 @@ with :func:`tensorkv.open_store` and closes it afterwards::
             return f"lmdb://{tmp_path}/db"
 
 Class attributes tune the suite: ``persistent`` (data survives close and reopen),
-``supports_subprocess`` (the URL can be opened by another process) and ``large_value_bytes``.
+``supports_subprocess`` (the URL can be opened by another process), ``large_value_bytes``
+and ``open_options`` (keyword options passed to every ``open_store`` call, in this process
+and in child processes, e.g. ``{"sync": False}`` to run the suite on a second configuration).
+
+The suite checks each :class:`~tensorkv.stores.Capabilities` claim the store makes: ordered
+scans, atomic batches (a child process is SIGKILLed while committing a large batch),
+process-crash survival of a write that returned, and sharing between processes.
+:func:`unwritable_directory` helps backends test their permission errors.
 """
 
 from __future__ import annotations

@@ -17,7 +17,15 @@ from typing import Any
 
 from tensorkv.embedding.tiers.base import LowerTier, RecordFields, RecordLayout, as_keys
 
-__all__ = ["KVTier", "LowerTier", "PMEMTier", "RecordFields", "RecordLayout", "SSDHashTier", "as_keys"]
+__all__ = [
+    "KVTier",
+    "LowerTier",
+    "PMEMTier",
+    "RecordFields",
+    "RecordLayout",
+    "SSDHashTier",
+    "as_keys",
+]
 
 _LAZY = {
     "SSDHashTier": "tensorkv.embedding.tiers.ssdhash",

@@ -105,7 +105,11 @@ class RecordLayout:
     num_slots: int = 0
 
     def __post_init__(self) -> None:
-        if isinstance(self.dim, bool) or not isinstance(self.dim, (int, np.integer)) or self.dim < 1:
+        if (
+            isinstance(self.dim, bool)
+            or not isinstance(self.dim, (int, np.integer))
+            or self.dim < 1
+        ):
             raise ConfigError(f"dim={self.dim!r} must be a positive integer")
         if (
             isinstance(self.num_slots, bool)
@@ -411,6 +415,10 @@ class LowerTier(ABC):
 
 def check_chunk_rows(chunk_rows: object) -> int:
     """Validate a scan chunk size."""
-    if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, (int, np.integer)) or chunk_rows < 1:
+    if (
+        isinstance(chunk_rows, bool)
+        or not isinstance(chunk_rows, (int, np.integer))
+        or chunk_rows < 1
+    ):
         raise ConfigError(f"chunk_rows={chunk_rows!r} must be a positive integer")
     return int(chunk_rows)

@@ -1,4 +1,4 @@
-"""KV tier: any :class:`~tensorkv.stores.KVStore` (LevelDB, RocksDB, LMDB, Redis...) as a tier.
+r"""KV tier: any :class:`~tensorkv.stores.KVStore` (LevelDB, RocksDB, LMDB, Redis...) as a tier.
 
 Rows are stored under ``prefix + 8 bytes``: the int64 key, big-endian, with its sign bit
 flipped, so byte order equals numeric order. Values are the fixed-width records. Keys and
@@ -46,7 +46,7 @@ def decode_keys(prefix_len: int, raw: list[bytes]) -> np.ndarray:
 
 
 class KVTier(LowerTier):
-    """Rows stored in a key-value store as fixed-width records.
+    r"""Rows stored in a key-value store as fixed-width records.
 
     Parameters
     ----------
@@ -79,7 +79,8 @@ class KVTier(LowerTier):
             prefix = prefix.encode()
         if not isinstance(prefix, bytes) or not prefix or prefix.startswith(b"\x00"):
             raise ConfigError(
-                f"prefix={prefix!r} must be non-empty bytes not starting with b'\\x00', e.g. b'emb/'"
+                f"prefix={prefix!r} must be non-empty bytes not starting with a zero byte, "
+                "e.g. b'emb/'"
             )
         if isinstance(batch_rows, bool) or not isinstance(batch_rows, int) or batch_rows < 1:
             raise ConfigError(f"batch_rows={batch_rows!r} must be a positive integer")
@@ -251,7 +252,9 @@ class KVTier(LowerTier):
                 rk = self.layout.record_keys(recs)
                 wrong = np.flatnonzero(rk != keys)
                 if wrong.size:
-                    problems.append(f"{wrong.size} records hold another key (keys {keys[wrong[:5]].tolist()})")
+                    problems.append(
+                        f"{wrong.size} records hold another key (keys {keys[wrong[:5]].tolist()})"
+                    )
         return problems
 
     def stats(self) -> dict[str, Any]:
@@ -275,4 +278,3 @@ class KVTier(LowerTier):
             self.store.close()
         elif not self.store.closed:
             self.store.flush()
-

@@ -26,7 +26,13 @@ import numpy as np
 
 from tensorkv import config
 from tensorkv.embedding.tiers.base import LowerTier, RecordLayout, as_keys, check_chunk_rows
-from tensorkv.errors import CapacityError, CorruptRecordError, ShapeError, StoreLockedError, StorePathError
+from tensorkv.errors import (
+    CapacityError,
+    CorruptRecordError,
+    ShapeError,
+    StoreLockedError,
+    StorePathError,
+)
 from tensorkv.kernels import ssdhash as K
 
 MAGIC = b"TKVPMEM1"
@@ -66,7 +72,9 @@ class PMEMTier(LowerTier):
         self.path = os.path.abspath(os.fspath(path))
         self.words = self.record_bytes // 8 + 2  # record, write seq, trailer
         self.slot_bytes = self.words * 8
-        self.max_bytes = None if max_bytes is None else config.parse_size(max_bytes, what="max_bytes")
+        self.max_bytes = (
+            None if max_bytes is None else config.parse_size(max_bytes, what="max_bytes")
+        )
         self._counters = {"reads": 0, "writes": 0, "deletes": 0, "grows": 0, "dropped_slots": 0}
         parent = os.path.dirname(self.path)
         if not os.path.isdir(parent):
@@ -78,7 +86,9 @@ class PMEMTier(LowerTier):
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(self._fd)
-            raise StoreLockedError(f"PMEM tier file {self.path!r} is open elsewhere; close it first") from None
+            raise StoreLockedError(
+                f"PMEM tier file {self.path!r} is open elsewhere; close it first"
+            ) from None
         try:
             self._load(max(int(capacity), 16))
         except BaseException:
@@ -229,7 +239,7 @@ class PMEMTier(LowerTier):
             return int(gone.size)
 
     def flush(self) -> None:
-        """msync the mapping."""
+        """Msync the mapping."""
         with self._lock:
             self._check_open()
             self._mm.flush()
@@ -291,12 +301,18 @@ class PMEMTier(LowerTier):
             for code, what in ((1, "key mismatch"), (2, "slot marked free"), (3, "bad checksum")):
                 hit = np.flatnonzero(bad == code)
                 if hit.size:
-                    problems.append(f"{self.path}: {hit.size} slots with {what} (keys {keys[hit[:5]].tolist()})")
+                    problems.append(
+                        f"{self.path}: {hit.size} slots with {what} (keys {keys[hit[:5]].tolist()})"
+                    )
             used = int(((self._arr[:, -1] & _LOW32) == K.FLAG_PUT).sum())
             if used != keys.size:
-                problems.append(f"{self.path}: {used} slots marked used but {keys.size} rows indexed")
+                problems.append(
+                    f"{self.path}: {used} slots marked used but {keys.size} rows indexed"
+                )
             if self._nfree != self.capacity - keys.size:
-                problems.append(f"free list holds {self._nfree}, expected {self.capacity - keys.size}")
+                problems.append(
+                    f"free list holds {self._nfree}, expected {self.capacity - keys.size}"
+                )
         return problems
 
     def stats(self) -> dict[str, Any]:

@@ -104,7 +104,9 @@ class SSDHashTier(LowerTier):
             )
         self.compaction_threshold = float(compaction_threshold)
         self.async_compaction = (
-            config.ssdhash_async_compaction() if async_compaction is None else bool(async_compaction)
+            config.ssdhash_async_compaction()
+            if async_compaction is None
+            else bool(async_compaction)
         )
         self.snapshot_min_bytes = config.parse_size(snapshot_min_bytes, what="snapshot_min_bytes")
         self._buf = np.empty((self.buffer_rows, self.words), np.uint64)
@@ -133,7 +135,9 @@ class SSDHashTier(LowerTier):
             self._wake.set()
 
     def __repr__(self) -> str:
-        return f"<SSDHashTier {self.path!r} rows={len(self.index) if hasattr(self, 'index') else 0}>"
+        return (
+            f"<SSDHashTier {self.path!r} rows={len(self.index) if hasattr(self, 'index') else 0}>"
+        )
 
     # ================================================================= open / recovery
     def _open(self, repair: bool) -> None:
@@ -143,7 +147,9 @@ class SSDHashTier(LowerTier):
             raise StorePathError(f"cannot create SSDHASH directory {self.path!r}: {exc}") from exc
         if not os.path.isdir(self.path):
             raise StorePathError(f"SSDHASH path {self.path!r} is not a directory")
-        self._lock_fd = os.open(os.path.join(self.path, sf.LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o644)
+        self._lock_fd = os.open(
+            os.path.join(self.path, sf.LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o644
+        )
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -587,7 +593,11 @@ class SSDHashTier(LowerTier):
                     b = np.zeros(int((~in_file).sum()), np.uint8)
                     K.verify_rows(self._buf, rows[~in_file] - seg.written, keys[sel][~in_file], b)
                     bad[~in_file] = b
-                for code, what in ((1, "key mismatch"), (2, "not a put record"), (3, "bad checksum")):
+                for code, what in (
+                    (1, "key mismatch"),
+                    (2, "not a put record"),
+                    (3, "bad checksum"),
+                ):
                     hit = np.flatnonzero(bad == code)
                     if hit.size:
                         ex = keys[sel][hit[:5]].tolist()

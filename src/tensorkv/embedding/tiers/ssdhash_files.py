@@ -61,7 +61,7 @@ def list_segments(path: str) -> list[int]:
 
 
 def fsync_dir(path: str) -> None:
-    """fsync a directory so renames and new files in it are durable."""
+    """Fsync a directory so renames and new files in it are durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -149,9 +149,7 @@ class Segment:
         return self.rows - self.live
 
 
-def write_snapshot(
-    path: str, header: dict[str, Any], keys: np.ndarray, locs: np.ndarray
-) -> int:
+def write_snapshot(path: str, header: dict[str, Any], keys: np.ndarray, locs: np.ndarray) -> int:
     """Atomically write an index snapshot; return its size in bytes."""
     hj = json.dumps(header, sort_keys=True).encode()
     hj += b" " * (-len(hj) % 8)
