@@ -315,6 +315,28 @@ class RedisServer(_Base):
         _, self.port = self._start_node("node", self._conf, ready=ready)
         return self
 
+    def kill(self) -> None:
+        """SIGKILL the server (its port stays reserved for :meth:`restart`)."""
+        self.procs[-1].stop(sig=signal.SIGKILL)
+
+    def restart(self) -> None:
+        """Start the server again on the same port and config (empty: no persistence)."""
+        old = self.procs[-1]
+        old.stop()
+        new = _Process(old.dir, old.conf_path.read_text())
+        new.port = self.port  # type: ignore[attr-defined]
+        self.procs[-1] = new
+        kw = self.client_kwargs()
+
+        def ready() -> bool:
+            c = _client(self.port, **kw)
+            try:
+                return bool(c.ping())
+            finally:
+                c.close()
+
+        _wait(ready, 15, f"restarted redis-server on port {self.port}", new)
+
     @property
     def url(self) -> str:
         """``redis://`` / ``rediss://`` URL with credentials and, for TLS, the cert options."""
@@ -385,10 +407,6 @@ class RedisCluster(_Base):
                     if "cluster_state:ok" not in info or f"cluster_known_nodes:{n}" not in info:
                         return False
                     if self.replicas:
-                        # every node must already advertise each range's replica
-                        ranges = c.execute_command("CLUSTER", "SLOTS")
-                        if any(len(r) < 3 + self.replicas for r in ranges):
-                            return False
                         rep = c.info("replication")
                         if rep["role"] == "slave" and rep.get("master_link_status") != "up":
                             return False
@@ -424,6 +442,25 @@ class RedisCluster(_Base):
                 c.flushall()
             finally:
                 c.close()
+
+    def wait_replicas_advertised(self, timeout: float = 60) -> None:
+        """Wait until every node lists each slot range's replica in CLUSTER SLOTS.
+
+        Nodes learn replica roles by gossip, some seconds after the cluster is ok; clients
+        that read from replicas discover them through CLUSTER SLOTS.
+        """
+        def advertised() -> bool:
+            for p in self.ports:
+                c = _client(p)
+                try:
+                    ranges = c.execute_command("CLUSTER", "SLOTS")
+                finally:
+                    c.close()
+                if any(len(r) < 3 + self.replicas for r in ranges):
+                    return False
+            return True
+
+        _wait(advertised, timeout, "every node to advertise the replicas")
 
     def slot_owner(self, slot: int) -> int:
         """Port of the master serving ``slot``."""

@@ -7,6 +7,7 @@ Environment variable                   Default     Meaning
 ``TENSORKV_SSDHASH_ASYNC_COMPACTION``  0           1: SSDHASH compacts on its own thread
 ``TENSORKV_REDIS_CONFIG_PATH``         (unset)     JSON file with Redis connection options
 ``TENSORKV_PROGRESS``                  auto        ``0`` disables progress bars everywhere
+``TENSORKV_PARALLEL_KERNELS``          1           ``0``: optimizer kernels always run serial
 =====================================  ==========  =========================================
 """
 

@@ -451,3 +451,24 @@ def test_env_var_forces_serial_kernels():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          check=True, timeout=120).stdout.split()
     assert out == ["False", "_sgd_serial"]
+
+
+def test_kernels_run_concurrently_from_threads():
+    """The table calls kernels from several threads with the GIL released."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    rng = np.random.default_rng(8)
+    grads = rng.standard_normal((2048, 64)).astype(F32)
+    rows = rng.choice(4096, 2048, replace=False)
+
+    def run(_: int) -> np.ndarray:
+        opt = Adam(lr=0.01)
+        values, slots = _arena(opt, 4096, 64, seed=9)
+        for step in range(5):
+            opt.apply(values, slots, rows, grads, step)
+        return values
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(run, range(8)))
+    for r in results[1:]:
+        assert np.array_equal(r, results[0])

@@ -35,12 +35,18 @@ class TestRedisTLS(StoreTests):
         redis_tls_server.flushall()
         return with_options(redis_tls_server.url, prefix=key_prefix)
 
+    def test_killed_mid_batch_is_all_or_nothing(self) -> None:
+        pytest.skip("same MULTI/EXEC path as TestRedisStandalone; only the transport differs")
+
 
 class TestRedisACLUser(StoreTests):
     @pytest.fixture
     def store_url(self, redis_acl_server, key_prefix):
         redis_acl_server.flushall()
         return with_options(redis_acl_server.url, prefix=key_prefix)
+
+    def test_killed_mid_batch_is_all_or_nothing(self) -> None:
+        pytest.skip("same MULTI/EXEC path as TestRedisStandalone; only the transport differs")
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -181,6 +187,27 @@ def test_unreachable_server_fails_fast():
         open_store(f"redis://127.0.0.1:{port}/0", connect_timeout=0.5)
 
 
+def test_reconnects_after_server_restart_and_fails_when_down(key_prefix):
+    from servers import RedisServer
+
+    with RedisServer() as srv:
+        srv.start()
+        with open_store(srv.url, prefix=key_prefix, retries=3, retry_backoff=0.05,
+                        connect_timeout=0.5) as s:
+            s.put(b"k", b"before")
+            srv.restart()  # the pooled connection is now dead; a retry reconnects
+            assert s.get(b"k") is None  # no persistence: the restarted server is empty
+            s.put(b"k", b"after")
+            assert s.get(b"k") == b"after"
+            srv.kill()
+            with pytest.raises(StoreUnavailableError, match=f"127.0.0.1:{srv.port}"):
+                s.get(b"k")
+            with pytest.raises(StoreUnavailableError):
+                s.put(b"k", b"v")
+            srv.restart()
+            assert s.get(b"k") is None  # usable again once the server is back
+
+
 def test_wrong_password(redis_acl_server):
     good = redis_acl_server.url
     bad = good.replace(":s3cret@", ":wrong@")
@@ -192,6 +219,10 @@ def test_wrong_password(redis_acl_server):
     with open_store(bad, password="s3cret") as s:
         s.put(b"k", b"v")
         assert s.get(b"k") == b"v"
+    # passwords never show in repr, url or stats
+    with open_store(good) as s:
+        assert "s3cret" not in repr(s) and "s3cret" not in str(s.stats())
+        assert s.url.startswith("redis://app:***@")
 
 
 def test_tls_needs_the_right_ca_and_client_cert(redis_tls_server, tmp_path):

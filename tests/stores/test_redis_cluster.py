@@ -125,6 +125,7 @@ def test_read_from_replicas(redis_cluster, key_prefix):
     with open_store(redis_cluster.url, prefix=key_prefix) as w:
         w.put_many(items)
     redis_cluster.wait_replication()
+    redis_cluster.wait_replicas_advertised()
     replicas = redis_cluster.nodes("slave")
     _reset_stats(replicas)
     with open_store(redis_cluster.url, prefix=key_prefix, read_from_replicas=True) as r:

@@ -106,14 +106,17 @@ def test_torn_tail_truncated_on_reopen(tmp_path):
     last = os.path.join(str(tmp_path), sf.seg_name(segfiles(tmp_path)[-1]))
     t._release_files()
     t._closed = True
-    with open(last, "ab") as f:  # half a record of garbage, as after a kill mid-write
+    end = sf.SEG_HEADER + 20 * t.stored_bytes
+    with open(last, "r+b") as f:  # half a record of garbage, as after a kill mid-write
+        f.seek(end)
         f.write(b"\x07" * (t.stored_bytes // 2))
     t = open_tier(tmp_path)
     assert len(t) == 20 and t.check() == []
     # a complete record with a wrong checksum is cut too
     t._release_files()
     t._closed = True
-    with open(last, "ab") as f:
+    with open(last, "r+b") as f:
+        f.seek(end)
         f.write(b"\x01" * t.stored_bytes)
     t = open_tier(tmp_path)
     assert t.stats()["truncated_records"] == 1
@@ -199,4 +202,47 @@ def test_compaction_survives_reopen_and_deletes_stay_deleted(tmp_path):
     _, got = t.get(keys[50:])
     np.testing.assert_array_equal(got, make_records(LAY, keys[50:], 5))
     assert t.check() == []
+    t.close()
+
+
+@pytest.mark.parametrize("async_c", [False, True])
+def test_concurrent_readers_and_writer(tmp_path, async_c):
+    import threading
+
+    t = open_tier(tmp_path, segment_bytes=4096, async_compaction=async_c)
+    keys = np.arange(300, dtype=np.int64)
+    t.put(keys, make_records(LAY, keys, 0))
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    versions = {v: make_records(LAY, keys, v) for v in range(12)}
+
+    def reader():
+        try:
+            while not stop.is_set():
+                found, got = t.get(keys)
+                assert found.all()
+                v = LAY.unpack(got).version
+                for i in (0, 150, 299):  # each row is exactly one written version
+                    match = [x for x, r in versions.items() if (r[i] == got[i]).all()]
+                    assert match, (i, v[i])
+                t.scan(100)
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    readers = [threading.Thread(target=reader) for _ in range(2)]
+    for r in readers:
+        r.start()
+    try:
+        for v in range(1, 12):
+            t.put(keys, versions[v])
+            t.compact()
+            t.flush()
+    finally:
+        stop.set()
+        for r in readers:
+            r.join()
+    assert not errors, errors
+    assert t.check() == []
+    _, got = t.get(keys)
+    np.testing.assert_array_equal(got, versions[11])
     t.close()

@@ -11,13 +11,29 @@ from tensorkv.stores.base import KVStore
 
 @contextmanager
 def using_store(url: str | KVStore, **options: Any) -> Iterator[KVStore]:
-    """Yield an open store; close it afterwards only if it was opened here."""
+    """Yield an open store; close it afterwards only if it was opened here.
+
+    LMDB stores opened here skip the fsync of every transaction (``sync=false``) unless the
+    URL sets ``sync``: the checkpoint code flushes before writing a manifest and the store is
+    flushed on close, so data is durable before the tag is, and the tag when the call returns.
+    """
     if isinstance(url, KVStore):
         yield url
         return
+    from tensorkv.errors import ConfigError
     from tensorkv.stores import open_store
+    from tensorkv.stores.registry import parse_url
 
-    store = open_store(url, **options)
+    store = None
+    if parse_url(url).scheme == "lmdb" and "sync" not in parse_url(url).options | options:
+        # Group commit: checkpoint code flushes (fsyncs) explicitly before each manifest
+        # and the store flushes on close, so per-transaction fsyncs would only cost time.
+        try:
+            store = open_store(url, sync=False, **options)
+        except ConfigError:  # already open in this process with another sync setting
+            store = None
+    if store is None:
+        store = open_store(url, **options)
     try:
         yield store
     finally:

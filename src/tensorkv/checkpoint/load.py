@@ -99,6 +99,18 @@ def _stage_table(
     return rows, removed, is_chain
 
 
+def _import(table: Any, pending: list[_tables.Rows]) -> None:
+    """Import rows in one call, so the table grows once instead of once per block."""
+    reserve = getattr(table, "reserve", None)
+    if reserve is not None:
+        reserve(len(table) + sum(r.keys.shape[0] for r in pending))
+        table.import_(pending)
+    elif len(pending) > 1:
+        table.import_([_tables.Rows(*(np.concatenate(f) for f in zip(*pending, strict=True)))])
+    elif pending:
+        table.import_(pending)
+
+
 def _apply_rows(table: Any, rows: list[_tables.Rows], removed: list[np.ndarray]) -> None:
     """Import staged rows into ``table`` in order, applying removals at their markers."""
     pending: list[_tables.Rows] = []
@@ -106,7 +118,7 @@ def _apply_rows(table: Any, rows: list[_tables.Rows], removed: list[np.ndarray])
     for r in rows:
         if r.keys is None:
             if pending:
-                table.import_(pending)
+                _import(table, pending)
                 pending = []
             rk = next(it)
             if len(rk):
@@ -114,7 +126,7 @@ def _apply_rows(table: Any, rows: list[_tables.Rows], removed: list[np.ndarray])
         else:
             pending.append(r)
     if pending:
-        table.import_(pending)
+        _import(table, pending)
 
 
 def _table_class() -> Any:

@@ -293,6 +293,9 @@ def save(
                 if not ent["full"]:
                     doc["incremental"] = True
             store.flush()
+            doc["created"] = time.time()  # the tag's life starts when it becomes visible
+            if ttl is not None:
+                doc["expires"] = doc["created"] + float(ttl)
             if nshards == 1:
                 store.put(layout.manifest_key(tag), _manifest.encode_manifest(doc))
             else:

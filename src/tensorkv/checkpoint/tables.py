@@ -26,7 +26,7 @@ from tensorkv.stores.base import KVStore
 BLOCK_MAGIC = b"TKVB"
 BLOCK_VERSION = 1
 FIELDS = ("keys", "values", "slots", "freq", "version")
-_BHEAD = struct.Struct("<4sBBHI")  # magic, version, n arrays, reserved, reserved
+_BHEAD = struct.Struct("<4sBBH")  # magic, version, n arrays, reserved
 DEFAULT_BLOCK_ROWS = 16384  # rows per block (see the block-size measurements in format.md)
 DEFAULT_BUCKET_BITS = 4  # 16 hash buckets per exported chunk
 KEYS_PER_PIECE = 512 * 1024  # int64 keys per key-list record (4 MiB)
@@ -56,17 +56,55 @@ def take(rows: Rows, sel: Any) -> Rows:
 
 
 # ----------------------------------------------------------------------------- records
-def encode_block(rows: Rows) -> bytes:
-    """One block record: a small header, then one tensor record per field."""
-    parts: list[Any] = []
-    lengths = []
-    for arr in rows:
-        head, payload = encode_parts(np.ascontiguousarray(arr))
-        parts += [head, payload]
-        lengths.append(len(head) + payload.nbytes)
-    head = _BHEAD.pack(BLOCK_MAGIC, BLOCK_VERSION, len(lengths), 0, 0)
-    head += struct.pack(f"<{len(lengths)}Q", *lengths)
-    return b"".join([head, *parts])
+def _pad8(n: int) -> int:
+    return (n + 7) & ~7
+
+
+def encode_block(
+    rows: Rows, index: np.ndarray | slice | None = None, alloc: Any = None
+) -> np.ndarray:
+    """One block record: a small header, then one tensor record per field (8-aligned).
+
+    With ``index``, the rows ``field[index]`` are gathered straight into the record, so a
+    block costs one copy of its bytes. ``alloc(nbytes)`` may supply the uint8 buffer.
+    """
+    from tensorkv.codec import header_size
+
+    arrays = list(rows)
+    if index is None:
+        index = slice(None)
+    if isinstance(index, slice):
+        parts = [np.ascontiguousarray(a[index]) for a in arrays]
+        m = parts[0].shape[0]
+    else:
+        parts = None
+        m = int(index.shape[0])
+    shapes = [(m, *a.shape[1:]) for a in arrays]
+    dtypes = [a.dtype for a in arrays]
+    lengths = [
+        header_size(len(sh)) + int(np.prod(sh, dtype=np.int64)) * dt.itemsize
+        for sh, dt in zip(shapes, dtypes, strict=True)
+    ]
+    head_len = _BHEAD.size + 8 * len(arrays)
+    size = head_len + sum(_pad8(n) for n in lengths)
+    buf = np.empty(size, dtype=np.uint8) if alloc is None else alloc(size)
+    buf[: _BHEAD.size] = np.frombuffer(
+        _BHEAD.pack(BLOCK_MAGIC, BLOCK_VERSION, len(arrays), 0), dtype=np.uint8
+    )
+    buf[_BHEAD.size : head_len] = np.asarray(lengths, dtype="<u8").view(np.uint8)
+    off = head_len
+    for i, (a, sh, dt, ln) in enumerate(zip(arrays, shapes, dtypes, lengths, strict=True)):
+        hs = header_size(len(sh))
+        payload = buf[off + hs : off + ln].view(dt).reshape(sh)
+        if parts is not None:
+            payload[...] = parts[i]
+        elif payload.size:
+            np.take(a, index, axis=0, out=payload)
+        head, _ = encode_parts(payload)
+        buf[off : off + hs] = np.frombuffer(head, dtype=np.uint8)
+        buf[off + ln : off + _pad8(ln)] = 0
+        off += _pad8(ln)
+    return buf
 
 
 def decode_block(buf: bytes | memoryview, what: str) -> Rows:
@@ -74,12 +112,14 @@ def decode_block(buf: bytes | memoryview, what: str) -> Rows:
     mv = memoryview(buf)
     if mv.nbytes < _BHEAD.size:
         raise CorruptRecordError(f"{what} is truncated ({mv.nbytes} bytes)")
-    magic, version, n, _, _ = _BHEAD.unpack_from(mv, 0)
+    magic, version, n, _ = _BHEAD.unpack_from(mv, 0)
     if magic != BLOCK_MAGIC or n != len(FIELDS):
         raise CorruptRecordError(f"{what} is not a table block record (or is corrupted)")
     if version != BLOCK_VERSION:
         raise CheckpointError(f"{what} has block version {version}; upgrade tensorkv")
     off = _BHEAD.size + 8 * n
+    if mv.nbytes < off:
+        raise CorruptRecordError(f"{what} is truncated ({mv.nbytes} bytes)")
     lengths = struct.unpack_from(f"<{n}Q", mv, _BHEAD.size)
     arrays = []
     for field, ln in zip(FIELDS, lengths, strict=True):
@@ -87,9 +127,9 @@ def decode_block(buf: bytes | memoryview, what: str) -> Rows:
             arrays.append(decode(mv[off : off + ln], key=f"{what} field {field}"))
         except CorruptRecordError as exc:
             raise CorruptRecordError(f"{what}: field {field!r} is corrupted ({exc})") from None
-        off += ln
+        off += _pad8(ln)
     if off != mv.nbytes:
-        raise CorruptRecordError(f"{what} has {mv.nbytes - off} trailing bytes")
+        raise CorruptRecordError(f"{what} has {mv.nbytes - off} bytes more than its fields")
     rows = Rows(*arrays)
     m = rows.keys.shape[0]
     if any(a.shape[0] != m for a in rows):
@@ -131,12 +171,25 @@ class BlockWriter:
         self.prefix = prefix
         self.hash_tag = hash_tag
         self.on_bytes = on_bytes
-        self._batch: list[tuple[bytes, bytes]] = []
+        self._batch: list[tuple[bytes, Any]] = []
         self._bytes = 0
         self.written = 0
+        self._pool: list[np.ndarray] = []  # buffers the store has copied, for reuse
+        self._lent: list[np.ndarray] = []
 
-    def put(self, key: bytes, value: bytes) -> None:
-        """Queue one record."""
+    def alloc(self, nbytes: int) -> np.ndarray:
+        """A uint8 buffer of ``nbytes`` (reused after the batch holding it was written)."""
+        for i, b in enumerate(self._pool):
+            if nbytes <= b.nbytes <= 2 * nbytes:
+                base = self._pool.pop(i)
+                break
+        else:
+            base = np.empty(nbytes, dtype=np.uint8)
+        self._lent.append(base)
+        return base[:nbytes]
+
+    def put(self, key: bytes, value: Any) -> None:
+        """Queue one record (bytes or a uint8 array)."""
         self._batch.append((key, value))
         self._bytes += len(value)
         if self._bytes >= WRITE_BATCH_BYTES:
@@ -145,11 +198,13 @@ class BlockWriter:
     def flush(self) -> None:
         """Write what is queued."""
         if self._batch:
-            self.store.put_many(self._batch)
+            self.store.put_many(self._batch)  # every backend copies the values
             self.written += self._bytes
             if self.on_bytes:
                 self.on_bytes(self._bytes)
             self._batch, self._bytes = [], 0
+            self._pool = (self._pool + self._lent)[-32:]
+            self._lent = []
 
 
 def write_blocks(
@@ -174,10 +229,10 @@ def write_blocks(
             continue
         all_keys.append(np.asarray(rows.keys, dtype=np.int64))
         h = layout.splitmix64(rows.keys)
+        order: np.ndarray | None = None
         if bucket_bits:
             b = layout.bucket_of_hash(h, bucket_bits)
             order = np.argsort(b, kind="stable")
-            rows = take(rows, order)
             h = h[order]
             bounds = np.searchsorted(b[order], np.arange(nb + 1))
         else:
@@ -186,9 +241,10 @@ def write_blocks(
             lo, hi = int(bounds[bucket]), int(bounds[bucket + 1])
             if hi == lo:
                 continue
-            part = take(rows, slice(lo, hi))
+            idx: np.ndarray | slice = slice(lo, hi) if order is None else order[lo:hi]
             hs = h[lo:hi]
-            w.put(layout.block_key(w.prefix, n, bucket, w.hash_tag), encode_block(part))
+            record = encode_block(rows, idx, w.alloc)
+            w.put(layout.block_key(w.prefix, n, bucket, w.hash_tag), record)
             blocks.append([bucket, n, hi - lo, int(hs.min()), int(hs.max())])
             n += 1
     return blocks, all_keys

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import struct
 import time
 import uuid
@@ -299,7 +300,8 @@ def dump_tag(url: str | KVStore, tag: str, path: str) -> int:
         else:
             new, src = doc, store
         written = 0
-        with open(path, "wb") as f:
+        part = path + ".partial"
+        with open(part, "wb") as f:
             f.write(DUMP_MAGIC + struct.pack("<I", DUMP_VERSION))
             keys = [layout.chunk_key(d) for d in
                     sorted({d for e in new["dense"].values() for d in e["chunks"]})]
@@ -318,6 +320,8 @@ def dump_tag(url: str | KVStore, tag: str, path: str) -> int:
             f.write(_REC.pack(len(mk), len(m), checksum(m)) + mk + m)
             f.write(_REC.pack(0, 0, 0))
             f.flush()
+            os.fsync(f.fileno())
+        os.replace(part, path)  # the file appears complete or not at all
         tmp.close()
     return written
 

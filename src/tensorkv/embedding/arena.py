@@ -15,8 +15,8 @@ The index doubles (full rehash, amortised O(1) per insert) when its load factor 
 rows stay under 25 % while growth stays cheap. Removed rows are reused through a free list.
 
 Memory per key beyond value + slot bytes: 33 bytes of row metadata (freq 8, version 8, seq 8,
-key 8, live 1) plus 16 bytes per index slot (key and row side by side) times ``slots / keys`` (2 to 4 at
-``max_load = 0.5``), plus the unused share of the row capacity.
+key 8, live 1) plus 16 bytes per index slot (key and row side by side) times
+``slots / keys`` (2 to 4 at ``max_load = 0.5``), plus the unused share of the row capacity.
 """
 
 from __future__ import annotations

@@ -364,7 +364,7 @@ class EmbeddingTable:
         return self.lookup(keys, insert=False)
 
     def contains(self, keys: Any) -> np.ndarray:
-        """Boolean array: does each key have a row?"""
+        """Boolean array saying whether each key has a row."""
         k = self._as_keys(keys)
         with self._lock.read():
             return self._arena.find(k) >= 0
@@ -433,49 +433,51 @@ class EmbeddingTable:
         g = self._as_grads(grads, k.shape[0])
         if step is not None and (isinstance(step, bool) or not isinstance(step, (int, np.integer))):
             raise ConfigError(f"step={step!r} must be an integer or None")
-        bad = ak.nonfinite_positions(g)
+        n = k.shape[0]
+        uniq = np.empty(n, np.int64)
+        sums = np.empty((n, self.dim), np.float32)
+        bad = np.empty(n, np.bool_)
+        u = ak.dedup_sum(k, g, uniq, sums, bad)  # pure: runs outside the lock
+        uniq, sums, bad = uniq[:u], sums[:u], bad[:u]
         n_skip = 0
         if bad.any():
-            bad_keys = np.unique(k[bad])
+            bad_keys = uniq[bad]
             if self.nan_policy == "raise":
                 raise NonFiniteGradientError(
-                    f"{int(bad.sum())} gradient rows for {bad_keys.size} keys hold NaN or Inf "
-                    f"(keys {bad_keys[:8].tolist()}{' ...' if bad_keys.size > 8 else ''}); the "
-                    "table is unchanged. Fix the loss, clip gradients, or create the table "
+                    f"gradients for {bad_keys.size} keys hold NaN or Inf (keys "
+                    f"{np.sort(bad_keys)[:8].tolist()}{' ...' if bad_keys.size > 8 else ''}); "
+                    "the table is unchanged. Fix the loss, clip gradients, or create the table "
                     "with nan_policy='skip' to skip such keys"
                 )
-            keep = ~np.isin(k, bad_keys)
-            k, g = k[keep], np.ascontiguousarray(g[keep])
+            keep = ~bad
+            uniq, sums = uniq[keep], np.ascontiguousarray(sums[keep])
             n_skip = bad_keys.size
         a = self._arena
         with self._lock.write():
-            rows = a.find(k)
+            rows = a.find(uniq)
             miss = np.flatnonzero(rows < 0)
             if miss.size:
                 if self.admission is not None:
                     self._stats["gradients_dropped"] += miss.size
+                    keep = rows >= 0
+                    rows, sums = rows[keep], np.ascontiguousarray(sums[keep])
                 else:
-                    mk = k[miss]
-                    if not self.growth:
-                        a.check_room(np.unique(mk).size)
+                    mk = uniq[miss]
+                    a.check_room(mk.size)
                     new_rows, is_new = a.insert(mk)
-                    self._init_rows(new_rows[is_new], mk[is_new])
-                    self._stats["inserts"] += int(is_new.sum())
+                    self._init_rows(new_rows, mk)
+                    self._stats["inserts"] += mk.size
                     rows[miss] = new_rows
             self._step = self._step + 1 if step is None else int(step)
-            uniq = np.empty(rows.shape[0], np.int64)
-            sums = np.empty((rows.shape[0], self.dim), np.float32)
-            u = ak.dedup_sum(rows, g, uniq, sums)
-            uniq, sums = uniq[:u], sums[:u]
             self._stats["nonfinite_skipped"] += n_skip
-            if u:
-                self.optimizer.apply(a.values, a.slots, uniq, sums, self._step)
+            if rows.size:
+                self.optimizer.apply(a.values, a.slots, rows, sums, self._step)
             self._mseq += 1
-            ak.set_meta(a.version, a.seq, uniq, self._step, self._mseq)
+            ak.set_meta(a.version, a.seq, rows, self._step, self._mseq)
             ev = self.eviction
             if ev is not None and ev.every_n_steps and self._step % ev.every_n_steps == 0:
                 self._evict_locked()
-        return int(u)
+        return int(rows.size)
 
     def upsert(self, keys: Any, values: Any) -> None:
         """Set the values of ``keys`` (inserting absent ones; a later duplicate wins).
@@ -490,6 +492,8 @@ class EmbeddingTable:
                 f"float array of shape ({k.shape[0]}, {self.dim})"
             )
         v = np.ascontiguousarray(v, dtype=np.float32)
+        if k.shape[0] == 0:
+            return
         a = self._arena
         with self._lock.write():
             if not self.growth:

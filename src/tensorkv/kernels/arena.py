@@ -9,14 +9,29 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from tensorkv.kernels.hashindex import home_slot
+from tensorkv.kernels.hashindex import home_slot, prefetch, prefetch1
+
+#: How many keys ahead the lookup kernels prefetch (index slots, then value rows).
+PREFETCH_DISTANCE = 16
+
+
+@njit(nogil=True, cache=True, inline="always")
+def prefetch_row(values, r):  # pragma: no cover - compiled
+    """Prefetch every 64-byte line of row ``r`` of a float32 2-D array."""
+    for c in range(0, values.shape[1], 16):
+        prefetch(values, r, c)
 
 
 @njit(nogil=True, cache=True)
 def gather_rows(values, rows, out):  # pragma: no cover - compiled
     """``out[i] = values[rows[i]]`` for ``rows[i] >= 0``; other rows of ``out`` are untouched."""
+    n = rows.shape[0]
     dim = values.shape[1]
-    for i in range(rows.shape[0]):
+    for i in range(n):
+        if i + PREFETCH_DISTANCE < n:
+            ra = rows[i + PREFETCH_DISTANCE]
+            if ra >= 0:
+                prefetch_row(values, ra)
         r = rows[i]
         if r >= 0:
             for c in range(dim):
@@ -27,12 +42,16 @@ def gather_rows(values, rows, out):  # pragma: no cover - compiled
 def find_gather(index, keys, values, out, rows_out):  # pragma: no cover
     """Fused index lookup + gather; returns the number of keys not found (rows ``-1``).
 
-    Runs in two passes (all probes, then all copies) so independent cache misses overlap.
+    Two passes with software prefetch: all probes (prefetching the home slot of the key
+    ``PREFETCH_DISTANCE`` ahead), then all copies (prefetching the value row ahead), so
+    independent cache misses overlap instead of stalling one by one.
     """
     mask = np.int64(index.shape[0] - 1)
     n = keys.shape[0]
     misses = 0
     for i in range(n):
+        if i + PREFETCH_DISTANCE < n:
+            prefetch(index, home_slot(keys[i + PREFETCH_DISTANCE], mask), 0)
         k = keys[i]
         h = home_slot(k, mask)
         r = index[h, 1]
@@ -42,12 +61,7 @@ def find_gather(index, keys, values, out, rows_out):  # pragma: no cover
         rows_out[i] = r
         if r < 0:
             misses += 1
-    dim = values.shape[1]
-    for i in range(n):
-        r = rows_out[i]
-        if r >= 0:
-            for c in range(dim):
-                out[i, c] = values[r, c]
+    gather_rows(values, rows_out, out)
     return misses
 
 
@@ -76,45 +90,63 @@ def fill_slots(slots, rows, init, dim):  # pragma: no cover - compiled
 
 
 @njit(nogil=True, cache=True)
-def dedup_sum(rows, grads, uniq_out, sums_out):  # pragma: no cover - compiled
-    """Sum gradients of duplicate rows in order of first occurrence (IndexedSlices semantics).
+def dedup_sum(ids, grads, uniq_out, sums_out, bad_out):  # pragma: no cover - compiled
+    """Sum gradients of duplicate ids in order of first occurrence (IndexedSlices semantics).
 
-    Rows ``< 0`` are dropped. Sums accumulate in input order, matching ``np.add.at``.
-    Returns the number of unique rows written to ``uniq_out``/``sums_out``.
+    ``ids`` are keys or rows (any int64; with ``skip_negative`` semantics left to callers).
+    Sums accumulate in input order, matching ``np.add.at``. ``bad_out[u]`` says whether the
+    sum of unique id ``u`` holds a NaN or Inf (true iff some summand did, or it overflowed).
+    Returns the number of unique ids written to ``uniq_out``/``sums_out``/``bad_out``.
     """
-    n = rows.shape[0]
+    n = ids.shape[0]
     dim = grads.shape[1]
     size = 16
     while size < 2 * n:
         size *= 2
     mask = np.int64(size - 1)
-    tab_row = np.full(size, -1, np.int64)
-    tab_pos = np.empty(size, np.int64)
+    tab = np.empty((size, 2), np.int64)  # (id, unique position); position -1 = empty
+    for h in range(size):
+        tab[h, 1] = -1
+    pos = np.empty(n, np.int64)
     u = 0
+    ndup = 0
     for i in range(n):
-        r = rows[i]
-        if r < 0:
-            continue
-        h = home_slot(r, mask)
-        while tab_row[h] >= 0 and tab_row[h] != r:
+        key = ids[i]
+        h = home_slot(key, mask)
+        while tab[h, 1] >= 0 and tab[h, 0] != key:
             h = (h + 1) & mask
-        if tab_row[h] < 0:
-            tab_row[h] = r
-            tab_pos[h] = u
-            uniq_out[u] = r
-            for c in range(dim):
-                sums_out[u, c] = grads[i, c]
+        if tab[h, 1] < 0:
+            tab[h, 0] = key
+            tab[h, 1] = u
+            uniq_out[u] = key
+            pos[i] = u
             u += 1
         else:
-            p = tab_pos[h]
+            pos[i] = -1 - tab[h, 1]
+            ndup += 1
+    for i in range(n):  # first occurrences: straight copies, in order
+        p = pos[i]
+        if p >= 0:
             for c in range(dim):
-                sums_out[p, c] += grads[i, c]
+                sums_out[p, c] = grads[i, c]
+    if ndup:
+        for i in range(n):  # later occurrences, added in input order
+            p = pos[i]
+            if p < 0:
+                p = -1 - p
+                for c in range(dim):
+                    sums_out[p, c] += grads[i, c]
+    for p in range(u):
+        s = np.float32(0.0)
+        for c in range(dim):
+            s += sums_out[p, c] * np.float32(0.0)
+        bad_out[p] = s != s
     return u
 
 
 @njit(nogil=True, cache=True)
 def nonfinite_positions(grads):  # pragma: no cover - compiled
-    """Boolean per row of ``grads``: does it hold a NaN or an Inf?
+    """Boolean per row of ``grads``: True where it holds a NaN or an Inf.
 
     ``v * 0`` is 0 for finite ``v`` and NaN for NaN/Inf, so one vectorisable sum per row
     tells (a NaN sum is the only value not equal to itself).
@@ -132,7 +164,10 @@ def nonfinite_positions(grads):  # pragma: no cover - compiled
 @njit(nogil=True, cache=True)
 def bump_freq(freq, rows):  # pragma: no cover - compiled
     """``freq[rows[i]] += 1`` per occurrence; ``-1`` rows skipped."""
-    for i in range(rows.shape[0]):
+    n = rows.shape[0]
+    for i in range(n):
+        if i + PREFETCH_DISTANCE < n and rows[i + PREFETCH_DISTANCE] >= 0:
+            prefetch1(freq, rows[i + PREFETCH_DISTANCE])
         r = rows[i]
         if r >= 0:
             freq[r] += 1
@@ -141,7 +176,11 @@ def bump_freq(freq, rows):  # pragma: no cover - compiled
 @njit(nogil=True, cache=True)
 def set_meta(version, seq, rows, step, mseq):  # pragma: no cover - compiled
     """Record the last-update step and change sequence of the given rows."""
-    for i in range(rows.shape[0]):
+    n = rows.shape[0]
+    for i in range(n):
+        if i + PREFETCH_DISTANCE < n and rows[i + PREFETCH_DISTANCE] >= 0:
+            prefetch1(version, rows[i + PREFETCH_DISTANCE])
+            prefetch1(seq, rows[i + PREFETCH_DISTANCE])
         r = rows[i]
         if r >= 0:
             version[r] = step

@@ -24,13 +24,59 @@ insert kernel returns early because the load factor or the row capacity would be
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 # state[] fields
 SIZE = 0
 NEXT_ROW = 1
 FREE_HEAD = 2
 N_FREE = 3
+
+
+@intrinsic
+def prefetch(typingctx, arr, r, c):  # pragma: no cover - compiled
+    """Hint the CPU to load the cache line of ``arr[r, c]`` (LLVM ``llvm.prefetch``, read).
+
+    A pure hint: no effect on results, never faults, even for an out-of-range address.
+    """
+    sig = types.void(arr, r, c)
+
+    def codegen(context, builder, signature, args):
+        arr_t = signature.args[0]
+        ary = context.make_array(arr_t)(context, builder, args[0])
+        ptr = cgutils.get_item_pointer(context, builder, arr_t, ary, [args[1], args[2]],
+                                       wraparound=False)
+        i8p = ir.IntType(8).as_pointer()
+        i32 = ir.IntType(32)
+        fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
+        builder.call(fn, [builder.bitcast(ptr, i8p), i32(0), i32(3), i32(1)])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def prefetch1(typingctx, arr, i):  # pragma: no cover - compiled
+    """Hint the CPU to load the cache line of ``arr[i]`` of a 1-D array."""
+    sig = types.void(arr, i)
+
+    def codegen(context, builder, signature, args):
+        arr_t = signature.args[0]
+        ary = context.make_array(arr_t)(context, builder, args[0])
+        ptr = cgutils.get_item_pointer(context, builder, arr_t, ary, [args[1]],
+                                       wraparound=False)
+        i8p = ir.IntType(8).as_pointer()
+        i32 = ir.IntType(32)
+        fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
+        builder.call(fn, [builder.bitcast(ptr, i8p), i32(0), i32(3), i32(1)])
+        return context.get_dummy_value()
+
+    return sig, codegen
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -63,7 +109,10 @@ def index_find(index, keys, rows_out):  # pragma: no cover - compiled
     """Row of each key into ``rows_out`` (``-1`` when absent); returns the number of misses."""
     mask = np.int64(index.shape[0] - 1)
     misses = 0
-    for i in range(keys.shape[0]):
+    n = keys.shape[0]
+    for i in range(n):
+        if i + 16 < n:
+            prefetch(index, home_slot(keys[i + 16], mask), 0)
         k = keys[i]
         h = home_slot(k, mask)
         r = index[h, 1]
@@ -89,6 +138,8 @@ def index_insert(
     mask = np.int64(index.shape[0] - 1)
     n = keys.shape[0]
     for i in range(start, n):
+        if i + 16 < n:
+            prefetch(index, home_slot(keys[i + 16], mask), 0)
         k = keys[i]
         h = home_slot(k, mask)
         while True:
@@ -156,10 +207,7 @@ def index_remove(index, keys, rows_out, state, row_key, live):  # pragma: no cov
                 break
             home = home_slot(index[j, 0], mask)
             # the entry at j may move to `hole` iff its home is not cyclically in (hole, j]
-            if hole <= j:
-                stays = hole < home <= j
-            else:
-                stays = home > hole or home <= j
+            stays = (hole < home <= j) if hole <= j else (home > hole or home <= j)
             if not stays:
                 index[hole, 0] = index[j, 0]
                 index[hole, 1] = index[j, 1]
@@ -258,10 +306,7 @@ def count_map_remove(index, keys, state):  # pragma: no cover - compiled
             if index[j, 1] < 0:
                 break
             home = home_slot(index[j, 0], mask)
-            if hole <= j:
-                stays = hole < home <= j
-            else:
-                stays = home > hole or home <= j
+            stays = (hole < home <= j) if hole <= j else (home > hole or home <= j)
             if not stays:
                 index[hole, 0] = index[j, 0]
                 index[hole, 1] = index[j, 1]

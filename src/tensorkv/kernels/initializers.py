@@ -96,7 +96,7 @@ def _poly(c, x):  # pragma: no cover - compiled
             + c[1]) * x + c[0]
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, error_model="numpy")
 def norm_ppf(p):  # pragma: no cover - compiled
     """Standard normal quantile of ``p`` in (0, 1) (AS 241, as ``statistics.NormalDist``)."""
     q = p - 0.5
@@ -114,13 +114,14 @@ def norm_ppf(p):  # pragma: no cover - compiled
     return -z if q < 0.0 else z
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, error_model="numpy")
 def init_normal(out, rows, keys, seed, mean, std, truncated):  # pragma: no cover - compiled
     """Normal (or two-sigma truncated normal) draws from (seed, keys[i], c) by inverse CDF.
 
-    Per row: a branch-free (vectorisable) pass evaluates the central AS 241 branch for every
-    column, then the few columns with ``|p - 0.5| > 0.425`` are redone with the tail branch.
-    The result equals :func:`norm_ppf` column by column.
+    Per row: a branch-free pass evaluates the central AS 241 branch for every column (it
+    vectorises: ``error_model="numpy"`` drops the zero-division check that would block SIMD),
+    then the few columns with ``|p - 0.5| > 0.425`` are redone with the tail branch. The
+    result equals :func:`norm_ppf` column by column.
     """
     dim = out.shape[1]
     lo = PHI_MINUS_2 if truncated else 0.0

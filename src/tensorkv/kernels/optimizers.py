@@ -292,6 +292,8 @@ def _threadsafe_layer() -> bool:
         if layer == "workqueue":
             return False
         try:
+            if layer == "tbb":
+                npp._check_tbb_version_compatible()  # numba's own test before it picks TBB
             importlib.import_module(f"numba.np.ufunc.{layer}pool")
             return True
         except Exception:  # noqa: BLE001 - numba reports any load failure as unavailable

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
+import re
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -37,7 +38,7 @@ from tensorkv.errors import (
 from tensorkv.stores.base import Capabilities, KVStore, WriteOp, prefix_upper_bound
 from tensorkv.stores.redis_config import RedisOptions, resolve_options
 
-__all__ = ["RedisStore", "glob_escape", "key_slots"]
+__all__ = ["RedisStore", "glob_escape", "key_slots", "redact_url"]
 
 _STANDALONE_CAPS = Capabilities(
     ordered_scans=False, atomic_batches=True, durable_on_return=False, multi_process=True
@@ -136,6 +137,15 @@ def glob_escape(prefix: bytes) -> bytes:
     return bytes(out)
 
 
+_PASSWORD_IN_NETLOC = re.compile(r"(://[^/@?]*?:)[^/@?]*@")
+_PASSWORD_IN_QUERY = re.compile(r"([?&]password=)[^&]*")
+
+
+def redact_url(url: str) -> str:
+    """``url`` with any password replaced by ``***`` (for messages, ``repr`` and stats)."""
+    return _PASSWORD_IN_QUERY.sub(r"\1***", _PASSWORD_IN_NETLOC.sub(r"\1***@", url))
+
+
 def _range_prefix(lo: bytes | None, hi: bytes | None) -> bytes:
     """Longest P such that every key in ``[lo, hi)`` starts with P."""
     if lo is None:
@@ -217,6 +227,8 @@ class RedisStore(KVStore):
         Validated :class:`~tensorkv.stores.redis_config.RedisOptions`.
     scheme
         The URL scheme (reported by :meth:`stats`).
+    config_file
+        The JSON config file the options came from, if any (reported by :meth:`stats`).
 
     Notes
     -----
@@ -277,11 +289,12 @@ class RedisStore(KVStore):
     def from_url(cls, parsed: Any, **options: Any) -> RedisStore:
         """Open from a parsed URL (see :func:`tensorkv.stores.registry.parse_url`)."""
         scheme = parsed.scheme
+        url = redact_url(parsed.url)
         tls = scheme.startswith("rediss")
         base = scheme.replace("rediss", "redis", 1)
         if base not in _MODES:
             raise InvalidURLError(
-                f"{parsed.url!r}: scheme {scheme!r} is not a Redis scheme; use redis://, "
+                f"{url!r}: scheme {scheme!r} is not a Redis scheme; use redis://, "
                 "rediss://, redis+cluster:// or redis+sentinel://"
             )
         mode = _MODES[base]
@@ -294,24 +307,24 @@ class RedisStore(KVStore):
         if mode == "sentinel":
             if not parts or len(parts) > 2:
                 raise InvalidURLError(
-                    f"{parsed.url!r}: a sentinel URL names the master after the hosts, "
+                    f"{url!r}: a sentinel URL names the master after the hosts, "
                     "e.g. redis+sentinel://s1:26379,s2:26379/mymaster or .../mymaster/0"
                 )
             master = parts[0]
             parts = parts[1:]
         if len(parts) > 1 or (parts and not parts[0].isdigit()):
             raise InvalidURLError(
-                f"{parsed.url!r}: the path must be a database number such as /0, not "
+                f"{url!r}: the path must be a database number such as /0, not "
                 f"{parsed.path!r}"
             )
         db = int(parts[0]) if parts else 0
         if mode == "cluster" and db != 0:
             raise InvalidURLError(
-                f"{parsed.url!r}: Redis Cluster has only database 0; drop /{db} from the URL"
+                f"{url!r}: Redis Cluster has only database 0; drop /{db} from the URL"
             )
         if mode == "standalone" and len(hosts) > 1:
             raise InvalidURLError(
-                f"{parsed.url!r} lists {len(hosts)} hosts; a standalone server takes one "
+                f"{url!r} lists {len(hosts)} hosts; a standalone server takes one "
                 "(use redis+cluster:// or redis+sentinel:// for several)"
             )
         # Query values were converted to int/float/bool; string options keep their raw text.
@@ -325,9 +338,9 @@ class RedisStore(KVStore):
             options,
             url_username=parsed.username,
             url_password=parsed.password,
-            where=f"options of {parsed.url!r}",
+            where=f"options of {url!r}",
         )
-        return cls(parsed.url, mode=mode, hosts=hosts, db=db, master_name=master, tls=tls,
+        return cls(url, mode=mode, hosts=hosts, db=db, master_name=master, tls=tls,
                    options=opts, scheme=scheme, config_file=config_file)
 
     def _conn_kwargs(self) -> dict[str, Any]:
@@ -576,11 +589,12 @@ class RedisStore(KVStore):
 
     # ------------------------------------------------------------------ writes
     def _write(self, ops: list[WriteOp], *, atomic: bool) -> None:
-        keys, values = zip(*ops, strict=True)
+        keys = list(map(operator.itemgetter(0), ops))
+        values = list(map(operator.itemgetter(1), ops))
         full = self._full(keys)
         is_del = np.fromiter(map(operator.is_, values, repeat(None)), dtype=bool, count=len(ops))
         with self._errors():
-            self._apply(full, list(values), is_del, atomic=atomic)
+            self._apply(full, values, is_del, atomic=atomic)
 
     def _commands(self, full: list[bytes], values: list[Any], is_del: np.ndarray,
                   slots: np.ndarray | None) -> list[tuple[int, tuple[Any, ...]]]:

@@ -237,7 +237,9 @@ class SSDHashTier(LowerTier):
                         f"{seg.path}: record {good} of {n} fails its checksum in a sealed "
                         "segment; reopen with repair=True to truncate it there"
                     )
-                self._counters["truncated_records"] += n - good
+                tail = arr[good:n, -1]
+                self._counters["truncated_records"] += int(np.count_nonzero(tail))
+                del tail
                 seg.unmap()
                 del arr
                 os.truncate(seg.path, SEG_HEADER + good * self.stored_bytes)
@@ -268,25 +270,32 @@ class SSDHashTier(LowerTier):
             self._segs[sid].live = c
 
     def _activate(self, seg: Segment) -> None:
-        seg.fd = os.open(seg.path, os.O_WRONLY | os.O_APPEND)
+        seg.fd = os.open(seg.path, os.O_WRONLY)
+        seg.unmap()
+        # Preallocate (sparse) so the head is mapped once; the tail past ``written`` is zeros,
+        # which fail the checksum, so a reopen finds the end by validation.
+        os.ftruncate(seg.fd, SEG_HEADER + self.segment_rows * self.stored_bytes)
         self._active = seg
 
     def _new_segment(self) -> None:
         sid = self._next_id
         self._next_id += 1
         p = os.path.join(self.path, sf.seg_name(sid))
-        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
-        sf.write_all(fd, sf.segment_header(sid, self.record_bytes, self.stored_bytes))
-        seg = Segment(sid, p, fd=fd)
+        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            sf.pwrite_all(fd, sf.segment_header(sid, self.record_bytes, self.stored_bytes), 0)
+        finally:
+            os.close(fd)
+        seg = Segment(sid, p)
         self._segs[sid] = seg
-        self._active = seg
+        self._activate(seg)
         sf.fsync_dir(self.path)
 
     # ================================================================= writing
     def _write_buffer(self) -> None:
         if self._buf_n:
             seg = self._active
-            sf.write_all(seg.fd, self._buf[: self._buf_n])
+            sf.pwrite_all(seg.fd, self._buf[: self._buf_n], self._offset(seg.written))
             seg.written += self._buf_n
             self._buf_n = 0
             self._counters["write_calls"] += 1
@@ -294,11 +303,16 @@ class SSDHashTier(LowerTier):
     def _roll(self) -> None:
         self._write_buffer()
         seg = self._active
+        os.ftruncate(seg.fd, self._offset(seg.written))  # drop the preallocated tail
         os.fsync(seg.fd)
         os.close(seg.fd)
         seg.fd = None
+        seg.unmap()  # remapped at its final size when next read
         self._counters["fsyncs"] += 1
         self._new_segment()
+
+    def _offset(self, row: int) -> int:
+        return SEG_HEADER + row * self.stored_bytes
 
     def _append(self, stored: np.ndarray) -> np.ndarray:
         """Append sealed records (uint64[m, words]); return their locations."""
@@ -322,7 +336,7 @@ class SSDHashTier(LowerTier):
             else:
                 self._write_buffer()
                 if take >= self.buffer_rows:
-                    sf.write_all(seg.fd, np.ascontiguousarray(chunk))
+                    sf.pwrite_all(seg.fd, np.ascontiguousarray(chunk), self._offset(seg.written))
                     seg.written += take
                     self._counters["write_calls"] += 1
                 else:
@@ -500,6 +514,8 @@ class SSDHashTier(LowerTier):
 
     def _copy_live(self, seg: Segment) -> None:
         """Append the live records of ``seg`` to the head and point the index at them."""
+        if self._segs.get(seg.seg_id) is not seg:  # already retired by another compaction
+            return
         arr = seg.mapped(self.words, seg.written)
         n = arr.shape[0]
         rkeys = np.ascontiguousarray(arr[:, 0]).view(np.int64)
@@ -514,6 +530,7 @@ class SSDHashTier(LowerTier):
 
     def _retire(self, victims: list[Segment]) -> None:
         """Make the copies durable, snapshot, then delete the victims' files."""
+        victims = [v for v in victims if self._segs.get(v.seg_id) is v]
         self._flush(force_snapshot=True)
         for seg in victims:
             seg.unmap()
@@ -605,7 +622,8 @@ class SSDHashTier(LowerTier):
                 if seg.live != sel.size:
                     problems.append(f"{seg.path}: live count {seg.live} but index has {sel.size}")
                 size = os.path.getsize(seg.path)
-                if size != SEG_HEADER + seg.written * self.stored_bytes:
+                rows = self.segment_rows if seg is self._active else seg.written
+                if size != self._offset(rows):
                     problems.append(f"{seg.path}: size {size} does not match {seg.written} records")
         return problems
 

@@ -77,6 +77,15 @@ def write_all(fd: int, data: memoryview | bytes) -> None:
         mv = mv[n:]
 
 
+def pwrite_all(fd: int, data: memoryview | bytes | np.ndarray, offset: int) -> None:
+    """``os.pwrite`` at ``offset`` until every byte is written."""
+    mv = memoryview(data).cast("B")
+    while mv.nbytes:
+        n = os.pwrite(fd, mv, offset)
+        mv = mv[n:]
+        offset += n
+
+
 def atomic_write(path: str, chunks: list[Any]) -> None:
     """Write ``chunks`` to ``path`` via a temporary file, fsync, rename and directory fsync."""
     tmp = path + ".tmp"
@@ -123,20 +132,23 @@ class Segment:
     mm: mmap.mmap | None = None
 
     def mapped(self, words: int, need: int) -> np.ndarray:
-        """A uint64 view covering at least the first ``need`` written rows (remapped as needed)."""
-        if self.arr is not None and self.arr.shape[0] >= need:
-            return self.arr
-        n = self.written
-        if n == 0:
-            return np.empty((0, words), np.uint64)
-        length = SEG_HEADER + n * words * 8
-        with open(self.path, "rb") as f:
-            mm = mmap.mmap(f.fileno(), length, access=mmap.ACCESS_READ)
-        self.mm = mm
-        self.arr = np.frombuffer(mm, np.uint64, count=n * words, offset=SEG_HEADER).reshape(
-            n, words
-        )
-        return self.arr
+        """A uint64 view of the first ``need`` rows (the whole file is mapped, once).
+
+        The head segment is preallocated to its full size, so it is mapped once and later
+        appends show through the shared mapping; a sealed segment is mapped at its final size.
+        """
+        if self.arr is None or self.arr.shape[0] < need:
+            size = os.path.getsize(self.path)
+            n = (size - SEG_HEADER) // (words * 8)
+            if n <= 0:
+                return np.empty((0, words), np.uint64)
+            with open(self.path, "rb") as f:
+                mm = mmap.mmap(f.fileno(), SEG_HEADER + n * words * 8, access=mmap.ACCESS_READ)
+            self.mm = mm
+            self.arr = np.frombuffer(mm, np.uint64, count=n * words, offset=SEG_HEADER).reshape(
+                n, words
+            )
+        return self.arr[:need]
 
     def unmap(self) -> None:
         """Drop the mapping (it closes when no array refers to it)."""
