@@ -54,7 +54,7 @@ def pending_markers(store: KVStore) -> list[dict[str, Any]]:
     """Pending-save markers: tag, shard, start time, age in seconds."""
     out = []
     now = time.time()
-    for k, v in store.scan(layout.PENDING):
+    for k, v in _manifest.scan_items(store, layout.PENDING):
         rest = bytes(k[len(layout.PENDING) :]).decode()
         tag, _, shard = rest.rpartition("/")
         try:
@@ -74,7 +74,7 @@ def live_pending(store: KVStore, grace: float | None = None) -> list[dict[str, A
 
 def _all_docs(store: KVStore) -> list[dict[str, Any]]:
     docs = list(_manifest.read_all(store, include_expired=True).values())
-    for k, v in store.scan(layout.SHARD_MANIFEST):
+    for k, v in _manifest.scan_items(store, layout.SHARD_MANIFEST):
         docs.append(_manifest.decode_manifest(v, bytes(k).decode()))
     return docs
 

@@ -100,15 +100,11 @@ def _stage_table(
 
 
 def _import(table: Any, pending: list[_tables.Rows]) -> None:
-    """Import rows in one call, so the table grows once instead of once per block."""
+    """Import staged rows, reserving room first where the table offers ``reserve``."""
     reserve = getattr(table, "reserve", None)
     if reserve is not None:
         reserve(len(table) + sum(r.keys.shape[0] for r in pending))
-        table.import_(pending)
-    elif len(pending) > 1:
-        table.import_([_tables.Rows(*(np.concatenate(f) for f in zip(*pending, strict=True)))])
-    elif pending:
-        table.import_(pending)
+    table.import_(pending)
 
 
 def _apply_rows(table: Any, rows: list[_tables.Rows], removed: list[np.ndarray]) -> None:

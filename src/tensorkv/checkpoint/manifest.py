@@ -86,11 +86,25 @@ def is_expired(doc: dict[str, Any], now: float | None = None) -> bool:
     return exp is not None and (time.time() if now is None else now) >= float(exp)
 
 
+def scan_items(store: KVStore, prefix: bytes) -> list[tuple[bytes, bytes]]:
+    """(key, value) of every key under ``prefix``: keys first, then one batched read.
+
+    Scanning keys only keeps backends that read ahead in chunks (LMDB, LevelDB) from copying
+    the large values stored after the prefix.
+    """
+    keys = [bytes(k) for k in store.scan(prefix, keys_only=True)]
+    out = []
+    for lo in range(0, len(keys), 256):
+        group = keys[lo : lo + 256]
+        out += [(k, v) for k, v in zip(group, store.get_many(group), strict=True) if v is not None]
+    return out
+
+
 def read_all(store: KVStore, *, include_expired: bool = False) -> dict[str, dict[str, Any]]:
     """Every complete tag's manifest, by tag name (expired ones only if asked)."""
     out: dict[str, dict[str, Any]] = {}
     now = time.time()
-    for k, v in store.scan(layout.MANIFEST):
+    for k, v in scan_items(store, layout.MANIFEST):
         tag = bytes(k[len(layout.MANIFEST) :]).decode()
         doc = decode_manifest(v, f"tag {tag!r}")
         if include_expired or not is_expired(doc, now):

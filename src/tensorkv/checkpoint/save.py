@@ -49,7 +49,7 @@ def referenced_chunks(store: KVStore) -> set[str]:
     """Digests of the dense chunks referenced by every manifest (complete or per shard)."""
     out: set[str] = set()
     for prefix in (layout.MANIFEST, layout.SHARD_MANIFEST):
-        for k, v in store.scan(prefix):
+        for k, v in _manifest.scan_items(store, prefix):
             doc = _manifest.decode_manifest(v, bytes(k).decode())
             for ent in doc.get("dense", {}).values():
                 out.update(ent["chunks"])

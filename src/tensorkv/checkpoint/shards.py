@@ -16,7 +16,7 @@ def shard_manifests(store: KVStore, tag: str) -> dict[int, dict[str, Any]]:
     """The manifests of the finished shards of ``tag``, by shard index."""
     prefix = layout.SHARD_MANIFEST + tag.encode() + b"/"
     out = {}
-    for k, v in store.scan(prefix):
+    for k, v in _manifest.scan_items(store, prefix):
         i = int(bytes(k[len(prefix) :]))
         out[i] = _manifest.decode_manifest(v, f"shard {i} of tag {tag!r}")
     return out

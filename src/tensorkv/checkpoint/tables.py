@@ -176,6 +176,8 @@ class BlockWriter:
         self.written = 0
         self._pool: list[np.ndarray] = []  # buffers the store has copied, for reuse
         self._lent: list[np.ndarray] = []
+        self._future: Any = None
+        self._executor: Any = None
 
     def alloc(self, nbytes: int) -> np.ndarray:
         """A uint8 buffer of ``nbytes`` (reused after the batch holding it was written)."""
@@ -193,18 +195,46 @@ class BlockWriter:
         self._batch.append((key, value))
         self._bytes += len(value)
         if self._bytes >= WRITE_BATCH_BYTES:
-            self.flush()
+            self._submit()
+
+    def _wait(self) -> None:
+        """Wait for the batch in flight; its buffers become reusable."""
+        if self._future is not None:
+            fut, self._future = self._future, None
+            nbytes, lent = fut.result()  # re-raises the store's error here
+            self.written += nbytes
+            if self.on_bytes:
+                self.on_bytes(nbytes)
+            self._pool = (self._pool + lent)[-32:]
+
+    def _submit(self) -> None:
+        """Hand the queued batch to the writer thread (one batch in flight at a time), so
+        encoding the next batch overlaps the store's write of this one."""
+        self._wait()
+        if not self._batch:
+            return
+        batch, nbytes, lent = self._batch, self._bytes, self._lent
+        self._batch, self._bytes, self._lent = [], 0, []
+
+        def write() -> tuple[int, list[np.ndarray]]:
+            self.store.put_many(batch)  # every backend copies the values
+            return nbytes, lent
+
+        if self._executor is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="tensorkv-ckpt-write")
+        self._future = self._executor.submit(write)
 
     def flush(self) -> None:
-        """Write what is queued."""
-        if self._batch:
-            self.store.put_many(self._batch)  # every backend copies the values
-            self.written += self._bytes
-            if self.on_bytes:
-                self.on_bytes(self._bytes)
-            self._batch, self._bytes = [], 0
-            self._pool = (self._pool + self._lent)[-32:]
-            self._lent = []
+        """Write everything queued and wait until the store has it."""
+        try:
+            self._submit()
+            self._wait()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None
 
 
 def write_blocks(

@@ -82,7 +82,7 @@ def _header(name: str, quick: bool) -> str:
     return f"tensorkv bench {name} ({mode})\n  " + " | ".join(str(p) for p in parts)
 
 
-@click.command()
+@click.command(short_help="Run a benchmark workload and its baselines.")
 @click.argument("name", metavar="NAME", required=False)
 @click.option("--quick", is_flag=True, help="Small sizes: a run takes about a minute.")
 @click.option(

@@ -259,7 +259,7 @@ def run_demo(url: str, *, echo: Callable[[str], Any] = click.echo) -> DemoState:
     return state
 
 
-@click.command()
+@click.command(short_help="Write tensors into a store, read back, list.")
 @click.option(
     "--path",
     default="./tensorkv-data",

@@ -73,7 +73,7 @@ def backend_rows() -> list[dict[str, object]]:
     return rows
 
 
-@click.command()
+@click.command(short_help="List store URL schemes and their guarantees.")
 def stores() -> None:
     """List the store URL schemes, whether each backend can load, and what it guarantees.
 

@@ -87,6 +87,29 @@ class RWLock:
                 self._cond.notify_all()
 
 
+class _Scratch(threading.local):
+    """Per-thread scratch arrays for :meth:`EmbeddingTable.apply_gradients`.
+
+    The summed-gradient buffers are reused across calls; each thread has its own set.
+    """
+
+    def __init__(self) -> None:
+        self.n = -1
+        self.dim = -1
+
+    def dedup_buffers(self, n: int, dim: int) -> tuple[np.ndarray, ...]:
+        if n > self.n or dim != self.dim:
+            cap = max(n, 1024)
+            self.uniq = np.empty(cap, np.int64)
+            self.sums = np.empty((cap, dim), np.float32)
+            self.bad = np.empty(cap, np.bool_)
+            self.tab = np.empty((ak.dedup_table_size(cap), 2), np.int64)
+            self.pos = np.empty(cap, np.int64)
+            self.n, self.dim = cap, dim
+        size = ak.dedup_table_size(n)
+        return (self.uniq[:n], self.sums[:n], self.bad[:n], self.tab[:size], self.pos[:n])
+
+
 _STAT_NAMES = ("hits", "misses", "inserts", "collisions", "evictions", "admissions_rejected",
                "gradients_dropped", "nonfinite_skipped", "removed")
 
@@ -174,6 +197,7 @@ class EmbeddingTable:
         self._step = 0
         self._mseq = 0
         self._stats = dict.fromkeys(_STAT_NAMES, 0)
+        self._scratch = _Scratch()
 
     # --- input normalisation ------------------------------------------------------------------
     def _check_default(self, default):
@@ -433,11 +457,8 @@ class EmbeddingTable:
         g = self._as_grads(grads, k.shape[0])
         if step is not None and (isinstance(step, bool) or not isinstance(step, (int, np.integer))):
             raise ConfigError(f"step={step!r} must be an integer or None")
-        n = k.shape[0]
-        uniq = np.empty(n, np.int64)
-        sums = np.empty((n, self.dim), np.float32)
-        bad = np.empty(n, np.bool_)
-        u = ak.dedup_sum(k, g, uniq, sums, bad)  # pure: runs outside the lock
+        uniq, sums, bad, tab, pos = self._scratch.dedup_buffers(k.shape[0], self.dim)
+        u = ak.dedup_sum(k, g, uniq, sums, bad, tab, pos)  # pure: runs outside the lock
         uniq, sums, bad = uniq[:u], sums[:u], bad[:u]
         n_skip = 0
         if bad.any():

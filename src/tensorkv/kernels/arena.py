@@ -90,24 +90,31 @@ def fill_slots(slots, rows, init, dim):  # pragma: no cover - compiled
 
 
 @njit(nogil=True, cache=True)
-def dedup_sum(ids, grads, uniq_out, sums_out, bad_out):  # pragma: no cover - compiled
+def dedup_table_size(n):  # pragma: no cover - compiled
+    """Slots of the scratch hash table :func:`dedup_sum` uses for ``n`` ids."""
+    size = 16
+    while size < 2 * n:
+        size *= 2
+    return size
+
+
+@njit(nogil=True, cache=True)
+def dedup_sum(ids, grads, uniq_out, sums_out, bad_out, tab, pos):  # pragma: no cover
     """Sum gradients of duplicate ids in order of first occurrence (IndexedSlices semantics).
 
     ``ids`` are keys or rows (any int64; with ``skip_negative`` semantics left to callers).
     Sums accumulate in input order, matching ``np.add.at``. ``bad_out[u]`` says whether the
     sum of unique id ``u`` holds a NaN or Inf (true iff some summand did, or it overflowed).
     Returns the number of unique ids written to ``uniq_out``/``sums_out``/``bad_out``.
+    ``tab`` (int64 ``[2**b, 2]``, ``2**b >= 2 n``, see :func:`dedup_table_size`) and ``pos``
+    (int64 ``[>= n]``) are scratch space, so repeated calls allocate nothing.
     """
     n = ids.shape[0]
     dim = grads.shape[1]
-    size = 16
-    while size < 2 * n:
-        size *= 2
+    size = dedup_table_size(n)
     mask = np.int64(size - 1)
-    tab = np.empty((size, 2), np.int64)  # (id, unique position); position -1 = empty
-    for h in range(size):
+    for h in range(size):  # (id, unique position); position -1 = empty
         tab[h, 1] = -1
-    pos = np.empty(n, np.int64)
     u = 0
     ndup = 0
     for i in range(n):

@@ -1,9 +1,10 @@
-"""SSDHASH crash safety: child processes killed with SIGKILL at random moments.
+"""Crash safety of the persistent tiers: child processes killed with SIGKILL at random moments.
 
 Each child reopens the same directory, applies deterministic batches of puts and deletes
 (heavy overwrites on a small key space, so segments roll and compaction runs all the time),
-and reports every acknowledged ``flush()`` on stdout. The parent kills it at a random moment,
-reopens the directory and checks that every row is either its state at the last acknowledged
+and reports every acknowledged ``flush()`` on stdout. SSDHASH runs with synchronous and
+asynchronous compaction; the PMEM tier with copy-on-write puts, slot reuse and file growth.
+The parent kills the child at a random moment, reopens the directory and checks that every row is either its state at the last acknowledged
 flush or a state written after it, that ``check()`` is clean, and carries on from there.
 """
 
@@ -21,12 +22,20 @@ import numpy as np
 import pytest
 
 from tensorkv.embedding.tiers.base import RecordLayout
+from tensorkv.embedding.tiers.pmem import PMEMTier
 from tensorkv.embedding.tiers.ssdhash import SSDHashTier
 
 LAY = RecordLayout(8, num_slots=1)
 KEYSPACE = 3000
 HORIZON = 8  # batches a child can start after its last acknowledged flush
 OPTS = {"segment_bytes": 16384, "buffer_bytes": 4096, "snapshot_min_bytes": 32768}
+
+
+def open_tier(path: str, mode: str):
+    """Open the tier under test: ``sync`` / ``async`` SSDHASH or ``pmem``."""
+    if mode == "pmem":
+        return PMEMTier(path, LAY, capacity=64)
+    return SSDHashTier(path, LAY, async_compaction=mode == "async", **OPTS)
 
 
 def batch_ops(seed: int, b: int) -> tuple[str, np.ndarray]:
@@ -46,11 +55,10 @@ CHILD = textwrap.dedent(
     """
     import sys
     sys.path.insert(0, {here!r})
-    from test_ssdhash_crash import LAY, OPTS, batch_ops, records
-    from tensorkv.embedding.tiers.ssdhash import SSDHashTier
+    from test_crash import batch_ops, open_tier, records
 
-    path, seed, start, async_c = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
-    t = SSDHashTier(path, LAY, async_compaction=async_c, **OPTS)
+    path, seed, start, mode = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    t = open_tier(path, mode)
     print("READY", flush=True)
     b = start
     while True:
@@ -61,15 +69,16 @@ CHILD = textwrap.dedent(
             t.delete(keys)
         if b % 2 == 0:
             t.flush()
-            print("F", b, t.stats()["compactions"], flush=True)
+            st = t.stats()
+            print("F", b, st["compactions"] + st.get("grows", 0), flush=True)
         b += 1
     """
 ).format(here=os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_child(path: str, seed: int, start: int, async_c: bool, rng: np.random.Generator):
+def run_child(path: str, seed: int, start: int, mode: str, rng: np.random.Generator):
     proc = subprocess.Popen(
-        [sys.executable, "-c", CHILD, path, str(seed), str(start), "1" if async_c else "0"],
+        [sys.executable, "-c", CHILD, path, str(seed), str(start), mode],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -117,7 +126,9 @@ def expected_after(state: dict[int, int], seed: int, start: int, stop: int) -> d
     return s
 
 
-def verify(path: str, state: dict[int, int], seed: int, start: int, acked: int) -> dict[int, int]:
+def verify(
+    path: str, mode: str, state: dict[int, int], seed: int, start: int, acked: int
+) -> dict[int, int]:
     """Reopen, check against the model, and return the recovered key -> version map."""
     model = expected_after(state, seed, start, acked)
     later_puts: dict[int, set[int]] = {}
@@ -129,7 +140,7 @@ def verify(path: str, state: dict[int, int], seed: int, start: int, acked: int) 
                 later_puts.setdefault(k, set()).add(b)
             else:
                 later_dels.add(k)
-    t = SSDHashTier(path, LAY, **OPTS)
+    t = open_tier(path, mode)
     try:
         assert t.check() == []
         space = np.arange(-KEYSPACE // 2, KEYSPACE // 2, dtype=np.int64)
@@ -156,23 +167,25 @@ def verify(path: str, state: dict[int, int], seed: int, start: int, acked: int) 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("async_c", [False, True], ids=["sync-compaction", "async-compaction"])
-def test_sigkill_during_writes_and_compaction(tmp_path, async_c):
+@pytest.mark.parametrize("mode", ["sync", "async", "pmem"])
+def test_sigkill_during_writes_and_compaction(tmp_path, mode):
+    """SSDHASH: kills land in puts, deletes, flushes, snapshots and compactions; PMEM: in
+    copy-on-write puts, frees and file growth."""
     path = str(tmp_path / "tier")
-    rng = np.random.default_rng(1234 + async_c)
+    rng = np.random.default_rng(1234 + len(mode))
     state: dict[int, int] = {}
     start = 0
-    total_compactions = 0
-    iterations = 6
-    for it in range(iterations):
+    total_events = 0
+    for it in range(6):
         seed = 100 + it
-        acked, comps = run_child(path, seed, start, async_c, rng)
-        total_compactions += comps
-        state = verify(path, state, seed, start, acked)
-        # Versions must keep growing across iterations: start after everything written.
+        acked, events = run_child(path, seed, start, mode, rng)
+        total_events += events
+        state = verify(path, mode, state, seed, start, acked)
+        # Versions keep growing across iterations: start after everything written.
         start = acked + HORIZON + 1 + 1000 * (it + 1)
         start += start % 2
-    assert total_compactions > 0, "no compaction ran while the children were being killed"
-    t = SSDHashTier(path, LAY, **OPTS)
+    # compactions (SSDHASH) / file growths (PMEM) happened in the children that were killed
+    assert total_events > 0
+    t = open_tier(path, mode)
     assert t.check() == []
     t.close()
