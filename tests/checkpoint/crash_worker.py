@@ -14,8 +14,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-import tensorkv  # noqa: E402
 from tests.checkpoint.helpers import make_table  # noqa: E402
+
+import tensorkv  # noqa: E402
 
 
 def dense(i: int) -> dict[str, np.ndarray]:

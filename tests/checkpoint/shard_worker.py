@@ -12,9 +12,10 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+from tests.checkpoint.helpers import make_table, rows_of  # noqa: E402
+
 import tensorkv  # noqa: E402
 from tensorkv.embedding.table import EmbeddingTable  # noqa: E402
-from tests.checkpoint.helpers import make_table, rows_of  # noqa: E402
 
 
 def shard_table(shard: int, num_shards: int) -> EmbeddingTable:

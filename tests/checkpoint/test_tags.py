@@ -85,7 +85,8 @@ def test_dump_and_restore(url, tmp_path):
     got = tensorkv.load(None, dst, "b-restored")
     assert_tables_equal(got["emb"], t)
     assert np.array_equal(got["w"], np.arange(50000.0))
-    raw = bytearray(open(path, "rb").read())
+    with open(path, "rb") as f:
+        raw = bytearray(f.read())
     raw[5000] ^= 0xFF
     bad = tmp_path / "bad.tkv"
     bad.write_bytes(bytes(raw))

@@ -153,3 +153,23 @@ def test_str_hashes_as_utf8_and_is_stable():
 def test_hash_rejects_non_strings():
     with pytest.raises(TypeError, match="neither str nor bytes"):
         hash_keys(["a", 3])
+
+
+def test_backward_shift_deletion_across_the_wrap_around():
+    a = RowArena(1, 0, capacity=4)  # 16 index slots
+    assert a.n_slots == 16
+    mask = np.int64(a.n_slots - 1)
+    at_end = [k for k in range(5000) if hk.home_slot(np.int64(k), mask) == 15][:3]
+    at_zero = [k for k in range(5000) if hk.home_slot(np.int64(k), mask) == 0][:1]
+    keys = np.array(at_end + at_zero, np.int64)  # cluster 15, 0, 1, 2 wraps around
+    rows, _ = a.insert(keys)
+    for victim in range(4):
+        b = RowArena(1, 0, capacity=4)
+        rows, _ = b.insert(keys)
+        b.remove(keys[victim:victim + 1])
+        rest = np.delete(np.arange(4), victim)
+        np.testing.assert_array_equal(b.find(keys[rest]), rows[rest])
+        assert b.find(keys[victim:victim + 1])[0] == -1
+        # every remaining key sits no further from home than before
+        mean, worst = b.probe_stats()
+        assert worst <= 3

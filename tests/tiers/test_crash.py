@@ -4,8 +4,9 @@ Each child reopens the same directory, applies deterministic batches of puts and
 (heavy overwrites on a small key space, so segments roll and compaction runs all the time),
 and reports every acknowledged ``flush()`` on stdout. SSDHASH runs with synchronous and
 asynchronous compaction; the PMEM tier with copy-on-write puts, slot reuse and file growth.
-The parent kills the child at a random moment, reopens the directory and checks that every row is either its state at the last acknowledged
-flush or a state written after it, that ``check()`` is clean, and carries on from there.
+The parent kills the child at a random moment, reopens the tier and checks that every row is
+either its state at the last acknowledged flush or a state written after it, that ``check()``
+is clean, and carries on from there.
 """
 
 from __future__ import annotations

@@ -46,6 +46,23 @@ def _best_time(fn, repeat: int) -> float:
     return measure(fn, repeat=repeat, warmup=1).median
 
 
+def _paired(fns: list, repeat: int) -> list[float]:
+    """Median seconds of each function, timed in alternation (A B C A B C ...).
+
+    On a shared machine the load changes over seconds; alternating the runs gives every
+    contender the same conditions, so the ratios are fair even when absolute figures move.
+    """
+    for fn in fns:
+        fn()  # warm-up
+    samples: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeat):
+        for i, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            fn()
+            samples[i].append(time.perf_counter() - t0)
+    return [float(np.median(s)) for s in samples]
+
+
 def run(
     quick: bool,
     report: Report,
@@ -103,31 +120,35 @@ def _run_size(report: Report, rng: np.random.Generator, n: int, batch: int, dim:
     for dist in ("uniform", "zipf1.1"):
         q = keys[_draws(rng, n, batch, dist)]
         rows = a.find(q)
-        t_lookup = _best_time(lambda q=q: table.lookup(q), repeat)
-        t_take = _best_time(lambda rows=rows: np.take(dense, rows, axis=0), repeat)
+        t_lookup, t_take = _paired([lambda q=q: table.lookup(q),
+                                    lambda rows=rows: np.take(dense, rows, axis=0)], 2 * repeat)
 
         def dict_lookup(q=q):
             r = np.fromiter(map(d.__getitem__, q.tolist()), np.int64, q.shape[0])
             return np.take(dense, r, axis=0)
 
-        t_dict_l = _best_time(dict_lookup, max(3, repeat // 2))
+        t_lookup2, t_dict_l = _paired([lambda q=q: table.lookup(q), dict_lookup],
+                                      max(3, repeat // 2))
         report.add(f"lookup {label} {dist}", "Mkeys/s", mk / t_lookup, "np.take by row",
                    mk / t_take, note="goal >= 0.6 at 10M uniform")
-        report.add(f"lookup {label} {dist}", "Mkeys/s", mk / t_lookup, "dict + np.take",
+        report.add(f"lookup {label} {dist}", "Mkeys/s", mk / t_lookup2, "dict + np.take",
                    mk / t_dict_l, note="goal >= 5x")
 
         g = np.random.default_rng(1).standard_normal((batch, dim)).astype(np.float32)
-        t_apply = _best_time(lambda q=q, g=g: table.apply_gradients(q, g), repeat)
+        apply = (lambda q=q, g=g: table.apply_gradients(q, g))
         if torch_baseline:
-            for threads, tlabel in ((1, "1 thread"), (os.cpu_count() or 1, "all cores")):
-                t_torch = _torch_adagrad(n, dim, rows, g, repeat, threads)
+            one, many = _torch_adagrad_steps(n, dim, rows, g)
+            t_apply, t_one, t_many = _paired([apply, one, many], repeat)
+            for tlabel, t_torch in (("1 thread", t_one), ("all cores", t_many)):
                 report.add(f"apply_gradients {label} {dist}", "Mkeys/s", mk / t_apply,
                            f"torch sparse Adagrad {tlabel}", mk / t_torch, note="goal >= 1.5x")
+            del one, many
+            gc.collect()
     threads = os.cpu_count() or 1
     if threads > 1:
         qs = [keys[_draws(rng, n, batch, "uniform")] for _ in range(threads)]
-        t_one = _best_time(lambda: [table.lookup(q) for q in qs], max(3, repeat // 2))
-        t_par = _best_time(lambda: _in_threads(table.lookup, qs), max(3, repeat // 2))
+        t_one, t_par = _paired([lambda: [table.lookup(q) for q in qs],
+                                lambda: _in_threads(table.lookup, qs)], max(3, repeat // 2))
         report.add(f"lookup {label} uniform, {threads} threads", "Mkeys/s",
                    threads * mk / t_par, "same batches on 1 thread", threads * mk / t_one,
                    note="kernels release the GIL; shared lock for present keys")
@@ -150,22 +171,22 @@ def _in_threads(fn, args: list) -> None:
         w.join()
 
 
-def _torch_adagrad(n: int, dim: int, rows: np.ndarray, g: np.ndarray, repeat: int,
-                   threads: int) -> float:
+def _torch_adagrad_steps(n: int, dim: int, rows: np.ndarray, g: np.ndarray):
+    """Two step functions over one torch Embedding + Adagrad: on 1 thread and on all cores."""
     import torch
 
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        emb = torch.nn.Embedding(n, dim, sparse=True)
-        opt = torch.optim.Adagrad(emb.parameters(), lr=0.01)
-        idx = torch.from_numpy(rows).unsqueeze(0)
-        gt = torch.from_numpy(g)
+    emb = torch.nn.Embedding(n, dim, sparse=True)
+    opt = torch.optim.Adagrad(emb.parameters(), lr=0.01)
+    idx = torch.from_numpy(rows).unsqueeze(0)
+    gt = torch.from_numpy(g)
+    default = torch.get_num_threads()
 
-        def step():
+    def step(threads: int) -> None:
+        torch.set_num_threads(threads)
+        try:
             emb.weight.grad = torch.sparse_coo_tensor(idx, gt, (n, dim))
             opt.step()
+        finally:
+            torch.set_num_threads(default)
 
-        return _best_time(step, repeat)
-    finally:
-        torch.set_num_threads(old)
+    return (lambda: step(1)), (lambda: step(os.cpu_count() or 1))

@@ -92,68 +92,73 @@ def _save_table(
         "full": True,
         "shards": {},
     }
-    info: dict[str, Any] = {}
-    since = None
-    parent_info = None
-    if parent_doc is not None:
-        pent = parent_doc["tables"].get(name)
-        pinfo = None if pent is None else pent["shards"].get(str(shard))
-        known = _tables.known_states(table)
-        if pinfo is not None and pinfo.get("state") in known and pent.get("hash_tag") == hash_tag:
-            since = known[pinfo["state"]]
-            parent_info = pinfo
-        else:
-            why = (
-                "the parent tag has no such table shard"
-                if pinfo is None
-                else "this table object did not write or load the parent tag"
+    try:
+        info: dict[str, Any] = {}
+        since = None
+        parent_info = None
+        if parent_doc is not None:
+            pent = parent_doc["tables"].get(name)
+            pinfo = None if pent is None else pent["shards"].get(str(shard))
+            known = _tables.known_states(table)
+            same_layout = pent is not None and pent.get("hash_tag") == hash_tag
+            if pinfo is not None and pinfo.get("state") in known and same_layout:
+                since = known[pinfo["state"]]
+                parent_info = pinfo
+            else:
+                why = (
+                    "the parent tag has no such table shard"
+                    if pinfo is None
+                    else "this table object did not write or load the parent tag"
+                )
+                warnings.warn(
+                    f"incremental save of table {name!r} to tag {tag!r}: {why} "
+                    f"({parent_doc['tag']!r}); saving it in full",
+                    stacklevel=4,
+                )
+                info["note"] = f"full save: {why}"
+        if since is None:
+            blocks, key_parts = _tables.write_blocks(
+                w, table.export(chunk_rows=chunk_rows), bucket_bits
             )
-            warnings.warn(
-                f"incremental save of table {name!r} to tag {tag!r}: {why} "
-                f"({parent_doc['tag']!r}); saving it in full",
-                stacklevel=4,
-            )
-            info["note"] = f"full save: {why}"
-    if since is None:
-        blocks, key_parts = _tables.write_blocks(
-            w, table.export(chunk_rows=chunk_rows), bucket_bits
-        )
-        keys = np.sort(np.concatenate(key_parts)) if key_parts else np.empty(0, np.int64)
-        removed = np.empty(0, np.int64)
-    else:
-        assert parent_doc is not None and parent_info is not None
-        entry["full"] = False
-        blocks, key_parts = _tables.write_blocks(
-            w, table.export(chunk_rows=chunk_rows, since=since), bucket_bits
-        )
-        pdata = parent_doc["tables"][name].get("data_tag", parent_doc["tag"])
-        ppref = layout.table_prefix(pdata, name, shard, hash_tag)
-        pkeys = _tables.read_key_list(
-            store, ppref, parent_info["key_pieces"], f"table {name!r} of {parent_doc['tag']!r}"
-        )
-        changed = np.concatenate(key_parts) if key_parts else np.empty(0, np.int64)
-        new = changed[~_tables.sorted_member(pkeys, changed)]
-        if len(table) == len(pkeys) + len(new):
+            keys = np.sort(np.concatenate(key_parts)) if key_parts else np.empty(0, np.int64)
             removed = np.empty(0, np.int64)
-            keys = pkeys
-            if len(new):
-                new = np.sort(new)
-                keys = np.insert(pkeys, np.searchsorted(pkeys, new), new)
-        else:  # some keys were removed since the parent: diff the key sets
-            keys = np.sort(np.asarray(table.keys(), dtype=np.int64))
-            removed = pkeys[~_tables.sorted_member(keys, pkeys)]
-    info.update(
-        {
-            "blocks": blocks,
-            "rows": int(sum(b[2] for b in blocks)),
-            "num_keys": int(len(keys)),
-            "key_pieces": _tables.write_key_list(w, keys, b"k"),
-            "removed": int(len(removed)),
-            "removed_pieces": _tables.write_key_list(w, removed, b"r") if len(removed) else 0,
-            "seq": seq,
-        }
-    )
-    w.flush()
+        else:
+            assert parent_doc is not None and parent_info is not None
+            entry["full"] = False
+            blocks, key_parts = _tables.write_blocks(
+                w, table.export(chunk_rows=chunk_rows, since=since), bucket_bits
+            )
+            pdata = parent_doc["tables"][name].get("data_tag", parent_doc["tag"])
+            ppref = layout.table_prefix(pdata, name, shard, hash_tag)
+            pkeys = _tables.read_key_list(
+                store, ppref, parent_info["key_pieces"], f"table {name!r} of {parent_doc['tag']!r}"
+            )
+            changed = np.concatenate(key_parts) if key_parts else np.empty(0, np.int64)
+            new = changed[~_tables.sorted_member(pkeys, changed)]
+            if len(table) == len(pkeys) + len(new):
+                removed = np.empty(0, np.int64)
+                keys = pkeys
+                if len(new):
+                    new = np.sort(new)
+                    keys = np.insert(pkeys, np.searchsorted(pkeys, new), new)
+            else:  # some keys were removed since the parent: diff the key sets
+                keys = np.sort(np.asarray(table.keys(), dtype=np.int64))
+                removed = pkeys[~_tables.sorted_member(keys, pkeys)]
+        info.update(
+            {
+                "blocks": blocks,
+                "rows": int(sum(b[2] for b in blocks)),
+                "num_keys": int(len(keys)),
+                "key_pieces": _tables.write_key_list(w, keys, b"k"),
+                "removed": int(len(removed)),
+                "removed_pieces": _tables.write_key_list(w, removed, b"r") if len(removed) else 0,
+                "seq": seq,
+            }
+        )
+        w.flush()
+    except BaseException:
+        w.abort()
+        raise
     info["full"] = since is None
     info["state"] = _tables.remember_state(table, seq)
     entry["shards"][str(shard)] = info

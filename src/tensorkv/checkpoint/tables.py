@@ -208,8 +208,10 @@ class BlockWriter:
             self._pool = (self._pool + lent)[-32:]
 
     def _submit(self) -> None:
-        """Hand the queued batch to the writer thread (one batch in flight at a time), so
-        encoding the next batch overlaps the store's write of this one."""
+        """Hand the queued batch to the writer thread (one batch in flight at a time).
+
+        Encoding the next batch overlaps the store's write of this one.
+        """
         self._wait()
         if not self._batch:
             return
@@ -225,6 +227,18 @@ class BlockWriter:
 
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="tensorkv-ckpt-write")
         self._future = self._executor.submit(write)
+
+    def abort(self) -> None:
+        """Drop what is queued and wait for the batch in flight (its error is ignored)."""
+        self._batch, self._bytes = [], 0
+        try:
+            if self._future is not None:
+                self._future.exception()
+                self._future = None
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None
 
     def flush(self) -> None:
         """Write everything queued and wait until the store has it."""

@@ -351,9 +351,10 @@ class EmbeddingTable:
         a = self._arena
         rows = a.find(k)
         miss = np.flatnonzero(rows < 0)
-        self._stats["hits"] += k.shape[0] - miss.size
-        self._stats["misses"] += miss.size
+        n_hits, n_misses = k.shape[0] - miss.size, miss.size
         mk = k[miss]
+        if not self.growth and self.admission is None:
+            a.check_room(np.unique(mk).size)  # before anything changes
         prior = None
         if self.admission is not None:
             prior = self.admission.peek(mk)
@@ -382,6 +383,8 @@ class EmbeddingTable:
             out[rejected] = self._initial(k[rejected])
         with self._meta_lock:
             ak.bump_freq(a.freq, rows)
+            self._stats["hits"] += n_hits
+            self._stats["misses"] += n_misses
 
     def __getitem__(self, keys: Any) -> np.ndarray:
         """``table[keys]`` is ``lookup(keys, insert=False)``."""

@@ -15,6 +15,7 @@ the copies and a snapshot referencing them are on disk. See ``docs/tiers.md``.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -32,6 +33,8 @@ from tensorkv.errors import (
     ConfigError,
     CorruptRecordError,
     ShapeError,
+    StoreError,
+    StoreFullError,
     StoreLockedError,
     StorePathError,
 )
@@ -367,7 +370,15 @@ class SSDHashTier(LowerTier):
         K.seal(records.view(np.uint64), K.FLAG_PUT, stored)
         with self._lock:
             self._check_open()
-            locs = self._append(stored)
+            try:
+                locs = self._append(stored)
+            except OSError as exc:
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise StoreFullError(
+                        f"no space left for SSDHASH {self.path!r}: {exc}; free disk space. Rows "
+                        "of this put written before the error may reappear after reopening"
+                    ) from exc
+                raise
             old = self.index.upsert(keys, locs)
             self._account(old, locs)
             self._counters["writes"] += n
@@ -504,7 +515,11 @@ class SSDHashTier(LowerTier):
         if self.async_compaction:
             if self._compaction_error is not None:
                 err, self._compaction_error = self._compaction_error, None
-                raise CorruptRecordError(f"background compaction of {self.path!r} failed: {err}")
+                raise StoreError(
+                    f"background compaction of {self.path!r} failed: {err!r}; the tier's data is "
+                    "intact (old segments are kept until their copies are durable); fix the cause "
+                    "(e.g. free disk space) and reopen it"
+                ) from err
             if self._candidates():
                 self._wake.set()
         else:

@@ -1,0 +1,19 @@
+"""The checkpoint benchmark runs end to end at tiny sizes (structure only, never timings)."""
+
+from __future__ import annotations
+
+from tensorkv.bench import checkpoint
+from tensorkv.bench.common import Report
+
+
+def test_checkpoint_bench_smoke(tmp_path):
+    report = Report("checkpoint", quick=True, echo=False)
+    checkpoint.run(True, report, rows=3000, dim=8, dense_mb=0.5, backends=["lmdb"],
+                   block_sizes=(256, 1024), repeat=1, root=str(tmp_path))
+    cases = {r.case for r in report.results}
+    assert {"save lmdb", "restore lmdb", "incremental save, 1% rows changed (lmdb)",
+            "save lmdb, block_rows=256", "restore lmdb, block_rows=1024"} <= cases
+    baselines = {r.baseline for r in report.results if r.case == "save lmdb"}
+    assert {"torch.save", "safetensors", "np.save", "raw write+fsync"} <= baselines
+    assert all(r.value > 0 and r.baseline_value > 0 for r in report.results)
+    assert report.params["rows"] == 3000 and report.params["model_bytes"] > 0
