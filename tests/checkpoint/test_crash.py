@@ -60,3 +60,34 @@ def test_sigkill_during_saves(shared_url):
         assert store.count(layout.PENDING) == 0
     for tag in tensorkv.list_tags(shared_url):  # gc kept everything the tags need
         tensorkv.load(None, shared_url, tag)
+
+
+@pytest.fixture(params=["lmdb", "redis"])
+def multi_url(request, tmp_path):
+    from .conftest import make_url
+
+    return make_url(request.param, tmp_path, request)
+
+
+@pytest.mark.timeout(300)
+def test_gc_and_loads_beside_a_running_save(multi_url):
+    proc = subprocess.Popen([sys.executable, WORKER, multi_url, "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 8
+        loads = 0
+        while time.time() < deadline:
+            tensorkv.checkpoint.gc(multi_url)  # default grace: the running save is protected
+            for tag in tensorkv.list_tags(multi_url)[-2:]:
+                got = tensorkv.load(None, multi_url, tag)
+                assert np.array_equal(got["w"], dense(int(tag[1:]))["w"])
+                loads += 1
+            time.sleep(0.1)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        _, err = proc.communicate(timeout=60)
+    tags = tensorkv.list_tags(multi_url)
+    assert tags, err
+    for tag in tags:
+        got = tensorkv.load(None, multi_url, tag)
+        assert np.array_equal(got["b"], dense(int(tag[1:]))["b"]) and len(got["emb"]) == 40000

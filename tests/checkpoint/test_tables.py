@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import tensorkv
 from tensorkv.checkpoint import layout
@@ -112,9 +114,9 @@ def test_incremental_chain_and_compact(url):
         states.append(rows_of(t))
         info = tensorkv.checkpoint.tag_info(url, f"s{i}")["tables"]["emb"]["shards"]["0"]
         assert not info["full"] and info["rows"] == 110 and info["removed"] == 20
-    for i, st in enumerate(states):
+    for i, state in enumerate(states):
         got = rows_of(tensorkv.load(None, url, f"s{i}")["emb"])
-        assert all(np.array_equal(a, b) for a, b in zip(st, got, strict=True)), i
+        assert all(np.array_equal(a, b) for a, b in zip(state, got, strict=True)), i
     # load the chain into an existing table, then continue incrementally from it
     t2 = EmbeddingTable(8, optimizer="adagrad")
     tensorkv.load({"emb": t2}, url, "s3")
@@ -171,3 +173,58 @@ def test_splitmix64_reference_values():
     s = tensorkv.checkpoint.shard_of_keys(np.arange(100000), 7)
     assert s.min() == 0 and s.max() == 6
     assert abs(np.bincount(s).min() - 100000 / 7) < 600
+
+
+def test_sharded_incremental_chain_reshards(mem_url):
+    full = make_table(6000, 4, "adagrad")
+    keys, vals, slots, freq, ver = rows_of(full)
+    owner = tensorkv.checkpoint.shard_of_keys(keys, 2)
+    parts = []
+    for s in range(2):
+        part = EmbeddingTable(4, optimizer="adagrad")
+        m = owner == s
+        part.import_([(keys[m], vals[m], slots[m], freq[m], ver[m])])
+        tensorkv.save({"emb": part}, mem_url, "s0", shard=s, num_shards=2, block_rows=128)
+        parts.append(part)
+    for s, part in enumerate(parts):  # each shard trains, then saves its delta
+        k = part.keys()[:30]
+        part.apply_gradients(k, np.ones((30, 4), np.float32), step=5)
+        part.remove(part.keys()[-7:])
+        tensorkv.save({"emb": part}, mem_url, "s1", shard=s, num_shards=2, incremental=True)
+    info = tensorkv.checkpoint.tag_info(mem_url, "s1")["tables"]["emb"]["shards"]
+    assert [(i["full"], i["rows"], i["removed"]) for i in info.values()] == [(False, 30, 7)] * 2
+    want = [rows_of(p) for p in parts]
+    want = [np.concatenate([w[i] for w in want]) for i in range(5)]
+    order = np.argsort(want[0])
+    for m in (1, 3):
+        got = [rows_of(tensorkv.load(None, mem_url, "s1", shard=j, num_shards=m)["emb"])
+               for j in range(m)]
+        cat = [np.concatenate([g[i] for g in got]) for i in range(5)]
+        o2 = np.argsort(cat[0])
+        assert all(a[order].tobytes() == b[o2].tobytes() for a, b in zip(want, cat, strict=True))
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["insert", "update", "remove", "save"]),
+                          st.integers(1, 40), st.integers(0, 10**6)), min_size=1, max_size=12))
+def test_incremental_random_histories(ops):
+    url = f"memory://ckpt-hyp-{abs(hash(tuple(ops)))}"
+    t = make_table(200, 4, "adagrad")
+    tensorkv.save({"e": t}, url, "t0")
+    expected = {"t0": rows_of(t)}
+    rng = np.random.default_rng(0)
+    for i, (op, n, seed) in enumerate(ops, 1):
+        keys = t.keys()
+        if op == "insert":
+            t.lookup(np.arange(seed, seed + n, dtype=np.int64))
+        elif op == "update" and len(keys):
+            k = rng.choice(keys, min(n, len(keys)), replace=False)
+            t.apply_gradients(k, rng.standard_normal((len(k), 4)).astype(np.float32), step=i)
+        elif op == "remove" and len(keys):
+            t.remove(rng.choice(keys, min(n, len(keys)), replace=False))
+        tag = f"t{i}"
+        tensorkv.save({"e": t}, url, tag, incremental=True, block_rows=16)
+        expected[tag] = rows_of(t)
+    for tag, want in expected.items():
+        got = rows_of(tensorkv.load(None, url, tag)["e"])
+        assert all(a.tobytes() == b.tobytes() for a, b in zip(want, got, strict=True)), tag

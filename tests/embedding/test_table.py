@@ -222,3 +222,118 @@ def test_end_to_end_adagrad_matches_torch():
 
 def test_package_exports():
     assert tensorkv.EmbeddingTable is EmbeddingTable
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_16bit_storage(dtype):
+    import ml_dtypes
+
+    np_dtype = np.float16 if dtype == "float16" else ml_dtypes.bfloat16
+    t = EmbeddingTable(8, dtype=dtype, optimizer=Adagrad(lr=0.1), initializer="normal", seed=2)
+    ref = EmbeddingTable(8, optimizer=Adagrad(lr=0.1), initializer="normal", seed=2)
+    keys = np.arange(-50, 50, dtype=np.int64)
+    a = t.lookup(keys)
+    assert a.dtype == np.float32
+    exact = ref.lookup(keys)
+    # the initial value rounded to the storage dtype, and reads agree before/after insert
+    np.testing.assert_array_equal(a, exact.astype(np_dtype).astype(np.float32))
+    np.testing.assert_array_equal(t.lookup([1000], insert=False),
+                                  t.lookup([1000]))
+    # an update is computed in float32 from the stored value, then rounded
+    g = np.random.default_rng(0).standard_normal((100, 8)).astype(np.float32)
+    t.apply_gradients(keys, g)
+    shadow = EmbeddingTable(8, optimizer=Adagrad(lr=0.1))
+    shadow.upsert(keys, a)
+    shadow.apply_gradients(keys, g)
+    np.testing.assert_array_equal(
+        t.lookup(keys, insert=False),
+        shadow.lookup(keys, insert=False).astype(np_dtype).astype(np.float32))
+    # export in the storage dtype, bit-identical round trip
+    ch = list(t.export())
+    assert ch[0].values.dtype == np_dtype
+    t2 = EmbeddingTable.from_meta(t.state_dict_meta())
+    assert t2.dtype == dtype
+    t2.import_(ch)
+    np.testing.assert_array_equal(t2.lookup(keys, insert=False), t.lookup(keys, insert=False))
+    s = t.stats()
+    assert s["row_bytes"] == 8 * 2 + 8 * 4
+    # eviction by norm works on 16-bit rows
+    from tensorkv.embedding.filters import Eviction
+
+    t3 = EmbeddingTable(2, dtype=dtype, eviction=Eviction(l2_threshold=1.0))
+    t3.upsert([1, 2], np.array([[0.1, 0.1], [3, 0]], np.float32))
+    assert t3.evict() == 1 and t3.keys().tolist() == [2]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_lookup_into_out_buffer(dtype):
+    t = EmbeddingTable(4, dtype=dtype, seed=1)
+    keys = np.arange(10)
+    want = t.lookup(keys)
+    buf = np.full((10, 4), 7.0, np.float32)
+    got = t.lookup(keys, out=buf)
+    assert got is buf
+    np.testing.assert_array_equal(buf, want)
+    t.lookup(np.arange(10, 20), out=buf)  # new keys via the insert path
+    np.testing.assert_array_equal(buf, t.lookup(np.arange(10, 20), insert=False))
+    t.lookup(np.arange(30, 40), insert=False, out=buf)
+    np.testing.assert_array_equal(buf, t.lookup(np.arange(30, 40), insert=False))
+    from tensorkv.errors import ShapeError
+
+    for bad in (np.zeros((10, 4)), np.zeros((9, 4), np.float32),
+                np.zeros((4, 10), np.float32).T):
+        with pytest.raises(ShapeError, match="out must be"):
+            t.lookup(keys, out=bad)
+
+
+def test_random_operations_match_a_reference_model():
+    """lookup / apply_gradients / upsert / remove against a dict-of-rows model (SGD)."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    dim = 3
+    op = st.tuples(st.sampled_from(["lookup", "apply", "upsert", "remove"]),
+                   st.lists(st.integers(-20, 20), min_size=0, max_size=12))
+
+    @settings(max_examples=40, deadline=None)
+    @given(st.lists(op, min_size=1, max_size=25), st.integers(0, 2**31))
+    def run(ops, seed):
+        t = EmbeddingTable(dim, optimizer=SGD(lr=0.5), initializer="uniform", seed=seed,
+                           capacity=4)
+        init = t.initializer
+        ref: dict[int, np.ndarray] = {}
+        rng = np.random.default_rng(seed)
+        for name, ks in ops:
+            k = np.array(ks, np.int64)
+            if name == "lookup":
+                got = t.lookup(k)
+                for key in ks:
+                    ref.setdefault(key, init.values(np.array([key]), dim, seed)[0])
+                want = np.array([ref[key] for key in ks], np.float32).reshape(-1, dim)
+                np.testing.assert_array_equal(got, want)
+            elif name == "apply":
+                g = rng.standard_normal((len(ks), dim)).astype(np.float32)
+                t.apply_gradients(k, g)
+                sums: dict[int, np.ndarray] = {}
+                for key, gi in zip(ks, g, strict=True):
+                    sums[key] = sums[key] + gi if key in sums else gi.copy()
+                for key, s in sums.items():
+                    row = ref.setdefault(key, init.values(np.array([key]), dim, seed)[0])
+                    ref[key] = (row - np.float32(0.5) * s).astype(np.float32)
+            elif name == "upsert":
+                v = rng.standard_normal((len(ks), dim)).astype(np.float32)
+                t.upsert(k, v)
+                for key, vi in zip(ks, v, strict=True):
+                    ref[key] = vi
+            else:
+                assert t.remove(k) == len(set(ks) & set(ref))
+                for key in ks:
+                    ref.pop(key, None)
+            assert len(t) == len(ref)
+            assert sorted(t.keys().tolist()) == sorted(ref)
+        keys = np.array(sorted(ref), np.int64)
+        if keys.size:
+            want = np.array([ref[key] for key in keys.tolist()], np.float32)
+            np.testing.assert_array_equal(t.lookup(keys, insert=False), want)
+
+    run()

@@ -114,11 +114,19 @@ def _run_size(report: Report, rng: np.random.Generator, n: int, batch: int, dim:
     report.add(f"insert {label} new keys (init+slots)", "Mkeys/s", n / t_insert / 1e6,
                "dict insert", n / t_dict / 1e6, note="table from empty, truncated normal")
 
+    if report_memory:
+        st = table.stats()
+        raw = 4 * dim * 2  # value + Adagrad accumulator
+        report.add(f"memory {label} keys", "bytes/key", st["bytes_per_key"],
+                   "raw row+slot bytes", raw,
+                   note=f"lower is better; goal <= 1.3; index slots {st['index_slots']}, "
+                        f"row capacity {st['capacity']}")
+
     a = table._arena
     dense = a.values  # the same rows, addressed by precomputed row numbers
     mk = batch / 1e6
-    for dist in ("uniform", "zipf1.1"):
-        q = keys[_draws(rng, n, batch, dist)]
+    draws = {dist: keys[_draws(rng, n, batch, dist)] for dist in ("uniform", "zipf1.1")}
+    for dist, q in draws.items():
         rows = a.find(q)
         t_lookup, t_take = _paired([lambda q=q: table.lookup(q),
                                     lambda rows=rows: np.take(dense, rows, axis=0)], 2 * repeat)
@@ -133,17 +141,6 @@ def _run_size(report: Report, rng: np.random.Generator, n: int, batch: int, dim:
                    mk / t_take, note="goal >= 0.6 at 10M uniform")
         report.add(f"lookup {label} {dist}", "Mkeys/s", mk / t_lookup2, "dict + np.take",
                    mk / t_dict_l, note="goal >= 5x")
-
-        g = np.random.default_rng(1).standard_normal((batch, dim)).astype(np.float32)
-        apply = (lambda q=q, g=g: table.apply_gradients(q, g))
-        if torch_baseline:
-            one, many = _torch_adagrad_steps(n, dim, rows, g)
-            t_apply, t_one, t_many = _paired([apply, one, many], repeat)
-            for tlabel, t_torch in (("1 thread", t_one), ("all cores", t_many)):
-                report.add(f"apply_gradients {label} {dist}", "Mkeys/s", mk / t_apply,
-                           f"torch sparse Adagrad {tlabel}", mk / t_torch, note="goal >= 1.5x")
-            del one, many
-            gc.collect()
     threads = os.cpu_count() or 1
     if threads > 1:
         qs = [keys[_draws(rng, n, batch, "uniform")] for _ in range(threads)]
@@ -152,13 +149,26 @@ def _run_size(report: Report, rng: np.random.Generator, n: int, batch: int, dim:
         report.add(f"lookup {label} uniform, {threads} threads", "Mkeys/s",
                    threads * mk / t_par, "same batches on 1 thread", threads * mk / t_one,
                    note="kernels release the GIL; shared lock for present keys")
-    if report_memory:
-        st = table.stats()
-        raw = 4 * dim * 2  # value + Adagrad accumulator
-        report.add(f"memory {label} keys", "bytes/key", st["bytes_per_key"],
-                   "raw row+slot bytes", raw,
-                   note=f"lower is better; goal <= 1.3; index slots {st['index_slots']}, "
-                        f"row capacity {st['capacity']}")
+    d.clear()
+    del kl
+    gc.collect()  # free the dict before torch allocates its embedding + Adagrad state
+
+    if not torch_baseline:
+        return
+    for dist, q in draws.items():
+        rows = a.find(q)
+        g = np.random.default_rng(1).standard_normal((batch, dim)).astype(np.float32)
+
+        def apply(q=q, g=g):
+            return table.apply_gradients(q, g)
+
+        one, many = _torch_adagrad_steps(n, dim, rows, g)
+        t_apply, t_one, t_many = _paired([apply, one, many], repeat)
+        for tlabel, t_torch in (("1 thread", t_one), ("all cores", t_many)):
+            report.add(f"apply_gradients {label} {dist}", "Mkeys/s", mk / t_apply,
+                       f"torch sparse Adagrad {tlabel}", mk / t_torch, note="goal >= 1.5x")
+        del one, many
+        gc.collect()
 
 
 def _in_threads(fn, args: list) -> None:

@@ -2,11 +2,27 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from tensorkv.stores.base import KVStore
+
+
+def _open_retrying(open_store: Any, url: str, **options: Any) -> KVStore:
+    # An LMDB environment opened while another process grows its map can fail with
+    # MDB_MAP_RESIZED; opening again a moment later sees the new size.
+    from tensorkv.errors import StoreError
+
+    for attempt in range(5):
+        try:
+            return open_store(url, **options)
+        except StoreError as exc:
+            if "MAP_RESIZED" not in str(exc) or attempt == 4:
+                raise
+            time.sleep(0.01 * (attempt + 1))
+    raise AssertionError("unreachable")
 
 
 @contextmanager
@@ -29,11 +45,11 @@ def using_store(url: str | KVStore, **options: Any) -> Iterator[KVStore]:
         # Group commit: checkpoint code flushes (fsyncs) explicitly before each manifest
         # and the store flushes on close, so per-transaction fsyncs would only cost time.
         try:
-            store = open_store(url, sync=False, **options)
+            store = _open_retrying(open_store, url, sync=False, **options)
         except ConfigError:  # already open in this process with another sync setting
             store = None
     if store is None:
-        store = open_store(url, **options)
+        store = _open_retrying(open_store, url, **options)
     try:
         yield store
     finally:

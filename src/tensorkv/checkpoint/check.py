@@ -135,6 +135,29 @@ def _scan_orphans(store: KVStore, grace: float | None) -> tuple[CheckReport, lis
     return rep, protected
 
 
+def _still_orphaned(store: KVStore, candidates: list[bytes], grace: float | None) -> list[bytes]:
+    """Second look at orphan candidates, after the data scan.
+
+    A save writes its marker, then data, then its manifest, and only then drops its marker,
+    so data of a save that started or finished while gc scanned is referenced by a manifest
+    or covered by a marker now.
+    """
+    from tensorkv.checkpoint.tags import table_data_keys
+
+    all_docs = _all_docs(store)
+    owned = {k for d in all_docs for k in table_data_keys(d)}
+    chunks = {d for doc in all_docs for e in doc["dense"].values() for d in e["chunks"]}
+    live = {m["tag"] for m in live_pending(store, grace)}
+    out = []
+    for k in candidates:
+        if k.startswith(layout.CHUNK):
+            if not live and k[len(layout.CHUNK) :].decode() not in chunks:
+                out.append(k)
+        elif k not in owned and key_tag(k) not in live:
+            out.append(k)
+    return out
+
+
 def check(url: str | KVStore, *, verify: bool = False, grace: float | None = None) -> CheckReport:
     """Find orphaned data (records no manifest references), expired and incomplete tags.
 
@@ -170,7 +193,10 @@ def gc(url: str | KVStore, *, grace: float | None = None, dry_run: bool = False)
     """Remove expired tags, orphaned data and stale pending markers.
 
     Data of a save that started less than ``grace`` seconds ago (its pending marker says
-    when) is left alone, so gc is safe to run while other processes save.
+    when) is left alone, so gc is safe to run while other processes save. Candidates are
+    checked twice (before and after the data scan), and unreferenced dense chunks are kept
+    while any save is in progress, since a new save may reuse them. A save that runs longer
+    than ``grace`` is presumed dead.
     """
     from tensorkv.checkpoint.tags import _delete_doc, compact
 
@@ -186,10 +212,15 @@ def gc(url: str | KVStore, *, grace: float | None = None, dry_run: bool = False)
             _delete_doc(store, docs[t])
             rep.removed_tags.append(t)
         rep2, _ = _scan_orphans(store, grace)
-        keys = rep2.orphan_keys
+        keys = _still_orphaned(store, rep2.orphan_keys, grace)
+        removed = 0
         for i in range(0, len(keys), 4096):
-            store.delete_many(keys[i : i + 4096])
-        rep.removed_keys = len(keys)
+            batch = keys[i : i + 4096]
+            if live_pending(store, grace):  # a save started meanwhile: it may reuse chunks
+                batch = [k for k in batch if not k.startswith(layout.CHUNK)]
+            store.delete_many(batch)
+            removed += len(batch)
+        rep.removed_keys = removed
         g = config.CHECKPOINT_GC_GRACE_SECONDS if grace is None else grace
         stale = [m["key"] for m in pending_markers(store) if m["age"] >= g]
         if stale:

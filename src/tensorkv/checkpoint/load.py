@@ -67,6 +67,26 @@ def table_links(
     return out
 
 
+def _join_rows(blocks: Any, capacity: int) -> _tables.Rows | None:
+    """Copy verified blocks into one set of arrays as they arrive.
+
+    Each block's record bytes are released at once, and the table imports the rows in one
+    call, so it grows once instead of once per block.
+    """
+    out: _tables.Rows | None = None
+    filled = 0
+    for r in blocks:
+        m = r.keys.shape[0]
+        if out is None:
+            out = _tables.Rows(*(np.empty((capacity, *a.shape[1:]), a.dtype) for a in r))
+        for dst, src in zip(out, r, strict=True):
+            dst[filled : filled + m] = src
+        filled += m
+    if out is None:
+        return None
+    return _tables.Rows(*(a[:filled] for a in out))
+
+
 def _stage_table(
     store: KVStore,
     doc: dict[str, Any],
@@ -87,11 +107,12 @@ def _stage_table(
             )
             what = f"table {name!r} (tag {tag!r}, shard {s})"
             sel = _tables.blocks_for_shard(info["blocks"], shard, num_shards)
-            rows.extend(
-                _tables.read_blocks(
-                    store, prefix, sel, what, shard, num_shards, ent.get("hash_tag"), on_bytes
-                )
+            blocks = _tables.read_blocks(
+                store, prefix, sel, what, shard, num_shards, ent.get("hash_tag"), on_bytes
             )
+            joined = _join_rows(blocks, sum(b[2] for b, _ in sel))
+            if joined is not None:
+                rows.append(joined)
             if info.get("removed_pieces"):
                 rk = _tables.read_key_list(store, prefix, info["removed_pieces"], what, b"r")
                 rows.append(_tables.Rows(*([None] * 5)))  # marker: apply removals here

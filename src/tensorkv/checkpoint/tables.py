@@ -31,6 +31,7 @@ DEFAULT_BLOCK_ROWS = 16384  # rows per block (see the block-size measurements in
 DEFAULT_BUCKET_BITS = 4  # 16 hash buckets per exported chunk
 KEYS_PER_PIECE = 512 * 1024  # int64 keys per key-list record (4 MiB)
 WRITE_BATCH_BYTES = 64 * 1024 * 1024
+READ_GROUP_BYTES = 64 * 1024 * 1024  # bytes of blocks fetched per store read
 
 
 class Rows(NamedTuple):
@@ -99,7 +100,12 @@ def encode_block(
         if parts is not None:
             payload[...] = parts[i]
         elif payload.size:
-            np.take(a, index, axis=0, out=payload)
+            from tensorkv.checkpoint.gather import gather_rows
+
+            if a.flags.c_contiguous and payload.flags.c_contiguous:
+                gather_rows(a, index, payload)
+            else:
+                np.take(a, index, axis=0, out=payload)
         head, _ = encode_parts(payload)
         buf[off : off + hs] = np.frombuffer(head, dtype=np.uint8)
         buf[off + ln : off + _pad8(ln)] = 0
@@ -348,25 +354,52 @@ def read_blocks(
     hash_tag: str | None,
     on_bytes: Any = None,
 ) -> Iterator[Rows]:
-    """Read, verify and (at shard boundaries) filter the selected blocks."""
-    step = 64
-    for lo in range(0, len(selected), step):
-        group = selected[lo : lo + step]
+    """Read, verify and (at shard boundaries) filter the selected blocks.
+
+    The next group of blocks is fetched on a helper thread while this group is decoded, so
+    the store's I/O overlaps the caller's copying.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    step = max(1, READ_GROUP_BYTES // max(1, _block_bytes_hint(selected)))
+    groups = [selected[lo : lo + step] for lo in range(0, len(selected), step)]
+
+    def fetch(group: list[tuple[list[int], bool]]) -> tuple[list[bytes], list[Any]]:
         keys = [layout.block_key(prefix, b[1], b[0], hash_tag) for b, _ in group]
-        for (b, filt), key, val in zip(group, keys, store.get_many(keys), strict=True):
-            name = f"{what} block {b[1]} ({key.decode()})"
-            if val is None:
-                raise CorruptRecordError(f"{name} is missing from the store; the tag is damaged")
-            rows = decode_block(val, name)
-            if rows.keys.shape[0] != b[2]:
-                raise CorruptRecordError(f"{name} holds {rows.keys.shape[0]} rows, expected {b[2]}")
-            if on_bytes:
-                on_bytes(len(val))
-            if filt:
-                assert num_shards is not None
-                mask = layout.shard_of_keys(rows.keys, num_shards) == shard
-                rows = take(rows, mask)
-            yield rows
+        return keys, store.get_many(keys)
+
+    if not groups:
+        return
+    with ThreadPoolExecutor(1, thread_name_prefix="tensorkv-ckpt-read") as pool:
+        nxt = pool.submit(fetch, groups[0])
+        for gi, group in enumerate(groups):
+            keys, vals = nxt.result()
+            if gi + 1 < len(groups):
+                nxt = pool.submit(fetch, groups[gi + 1])
+            for (b, filt), key, val in zip(group, keys, vals, strict=True):
+                name = f"{what} block {b[1]} ({key.decode()})"
+                if val is None:
+                    raise CorruptRecordError(
+                        f"{name} is missing from the store; the tag is damaged"
+                    )
+                rows = decode_block(val, name)
+                if rows.keys.shape[0] != b[2]:
+                    raise CorruptRecordError(
+                        f"{name} holds {rows.keys.shape[0]} rows, expected {b[2]}"
+                    )
+                if on_bytes:
+                    on_bytes(len(val))
+                if filt:
+                    assert num_shards is not None
+                    mask = layout.shard_of_keys(rows.keys, num_shards) == shard
+                    rows = take(rows, mask)
+                yield rows
+            del keys, vals
+
+
+def _block_bytes_hint(selected: list[tuple[list[int], bool]]) -> int:
+    # rows per block times a generous row size; only used to size read groups
+    return max((b[2] for b, _ in selected), default=1) * 600
 
 
 def record_keys(prefix: bytes, info: dict[str, Any], hash_tag: str | None) -> list[bytes]:

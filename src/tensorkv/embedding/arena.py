@@ -33,6 +33,9 @@ from tensorkv.errors import CapacityError
 from tensorkv.kernels import arena as ak
 from tensorkv.kernels import hashindex as hk
 
+#: Storage dtypes of value rows. 16-bit ones are held as raw ``uint16`` bit patterns (numba has
+#: no float16/bfloat16 scalars) and converted to and from float32 with numpy / ml_dtypes.
+STORAGE_DTYPES = ("float32", "float16", "bfloat16")
 ROW_GROWTH = 1.0625  # row capacity multiplier on growth (in-place realloc keeps it cheap)
 
 
@@ -58,6 +61,10 @@ class RowArena:
         Whether the arena may grow past ``capacity``.
     max_load
         Index load factor (keys / slots) that triggers doubling.
+    dtype
+        Storage dtype of value rows: ``"float32"``, ``"float16"`` or ``"bfloat16"`` (slots stay
+        float32). 16-bit rows live in ``values`` as raw ``uint16``; :meth:`to_raw` /
+        :meth:`from_raw` convert.
     """
 
     def __init__(
@@ -68,7 +75,20 @@ class RowArena:
         capacity: int | None = None,
         growth: bool = True,
         max_load: float = config.TABLE_MAX_LOAD_FACTOR,
+        dtype: str = "float32",
     ) -> None:
+        if dtype not in STORAGE_DTYPES:
+            raise ValueError(f"dtype={dtype!r} is not one of {STORAGE_DTYPES}")
+        self.dtype = dtype
+        self.raw = dtype != "float32"
+        if dtype == "float16":
+            self.np_dtype = np.dtype(np.float16)
+        elif dtype == "bfloat16":
+            import ml_dtypes
+
+            self.np_dtype = np.dtype(ml_dtypes.bfloat16)
+        else:
+            self.np_dtype = np.dtype(np.float32)
         self.dim = int(dim)
         self.slot_width = int(slot_width)
         self.growth = bool(growth)
@@ -80,7 +100,7 @@ class RowArena:
     # --- allocation ---------------------------------------------------------------------------
     def _alloc(self, cap: int) -> None:
         cap = max(int(cap), 1)
-        self.values = np.zeros((cap, self.dim), np.float32)
+        self.values = np.zeros((cap, self.dim), np.uint16 if self.raw else np.float32)
         self.slots = np.zeros((cap, self.slot_width), np.float32)
         self.freq = np.zeros(cap, np.int64)
         self.version = np.zeros(cap, np.int64)
@@ -209,12 +229,31 @@ class RowArena:
                         self.live)
         return rows
 
+    def to_raw(self, values: np.ndarray) -> np.ndarray:
+        """Float rows -> the ``values`` array's representation (identity for float32)."""
+        if not self.raw:
+            return np.ascontiguousarray(values, dtype=np.float32)
+        if values.dtype == self.np_dtype:
+            return np.ascontiguousarray(values).view(np.uint16)
+        return np.ascontiguousarray(values, dtype=np.float32).astype(self.np_dtype).view(
+            np.uint16)
+
+    def from_raw(self, raw: np.ndarray) -> np.ndarray:
+        """Rows in the ``values`` representation -> float32 (identity for float32)."""
+        if not self.raw:
+            return raw
+        return raw.view(self.np_dtype).astype(np.float32)
+
     def gather(self, rows: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-        """Copy of the value rows (``-1`` rows left as in ``out`` / zero)."""
+        """Copy of the value rows in the storage representation (``-1`` rows left zero)."""
         if out is None:
-            out = np.zeros((rows.shape[0], self.dim), np.float32)
+            out = np.zeros((rows.shape[0], self.dim), self.values.dtype)
         ak.gather_rows(self.values, rows, out)
         return out
+
+    def gather_f32(self, rows: np.ndarray) -> np.ndarray:
+        """Float32 copy of the value rows."""
+        return self.from_raw(self.gather(rows))
 
     def gather_slots(self, rows: np.ndarray) -> np.ndarray:
         """Copy of the slot rows."""
@@ -224,8 +263,8 @@ class RowArena:
         return out
 
     def scatter(self, rows: np.ndarray, values: np.ndarray) -> None:
-        """Write value rows (in order; a later duplicate wins)."""
-        ak.scatter_rows(self.values, rows, values)
+        """Write float value rows (in order; a later duplicate wins), rounding to the dtype."""
+        ak.scatter_rows(self.values, rows, self.to_raw(values))
 
     def scatter_slots(self, rows: np.ndarray, slots: np.ndarray) -> None:
         """Write slot rows."""

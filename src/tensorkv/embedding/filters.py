@@ -311,8 +311,14 @@ class Eviction:
             victims.append(fk.stale_rows(arena.live, arena.version, hw,
                                          step - self.steps_to_live))
         if self.l2_threshold is not None:
-            victims.append(fk.small_norm_rows(arena.live, arena.values, hw,
-                                              float(self.l2_threshold)))
+            if getattr(arena, "raw", False):  # 16-bit storage: norms of float32 copies
+                for start in range(0, hw, 1 << 20):
+                    rows = start + np.flatnonzero(arena.live[start:start + (1 << 20)])
+                    norms = np.linalg.norm(arena.gather_f32(rows), axis=1)
+                    victims.append(rows[norms < self.l2_threshold])
+            else:
+                victims.append(fk.small_norm_rows(arena.live, arena.values, hw,
+                                                  float(self.l2_threshold)))
         gone = np.unique(np.concatenate(victims)) if victims else np.empty(0, np.int64)
         if self.max_rows is not None and len(arena) - gone.size > self.max_rows:
             live = np.flatnonzero(arena.live[:hw]).astype(np.int64)

@@ -24,13 +24,13 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from tensorkv.embedding.arena import RowArena
+from tensorkv.embedding.arena import STORAGE_DTYPES, RowArena
 from tensorkv.embedding.filters import AdmissionFilter, Eviction, admission_from_config
 from tensorkv.embedding.initializers import Initializer, get_initializer
+from tensorkv.embedding.keys import as_int64_keys
 from tensorkv.embedding.optimizers import get_optimizer
 from tensorkv.errors import ConfigError, NonFiniteGradientError, ShapeError
 from tensorkv.kernels import arena as ak
-from tensorkv.kernels.hashing import hash_keys
 
 META_FORMAT = 1
 
@@ -39,7 +39,7 @@ class ExportChunk(NamedTuple):
     """Rows exported from a table (see :meth:`EmbeddingTable.export`)."""
 
     keys: np.ndarray  #: int64 [m]
-    values: np.ndarray  #: float32 [m, dim]
+    values: np.ndarray  #: [m, dim] in the storage dtype (float32, float16 or bfloat16)
     slots: np.ndarray  #: float32 [m, num_slots * dim]
     freq: np.ndarray  #: int64 [m]
     version: np.ndarray  #: int64 [m], last-update step
@@ -122,7 +122,9 @@ class EmbeddingTable:
     dim
         Row width (> 0).
     dtype
-        Storage dtype; ``"float32"``.
+        Storage dtype of value rows: ``"float32"`` (default), ``"float16"`` or ``"bfloat16"``.
+        Lookups always return float32; optimizer slots stay float32; updates are computed in
+        float32 and rounded to the storage dtype (round to nearest even).
     initializer
         Initial value of a new key: an :class:`Initializer`, a name (``"normal"``...) or a
         config dict; default ``TruncatedNormal(std=0.05)``. A pure function of
@@ -147,6 +149,19 @@ class EmbeddingTable:
         nothing; ``"skip"``: the keys with non-finite gradients are left unchanged and counted.
     growth
         Whether the table may grow past ``capacity``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from tensorkv import EmbeddingTable, Adagrad
+    >>> table = EmbeddingTable(8, optimizer=Adagrad(lr=0.05), initializer="normal", seed=1)
+    >>> rows = table.lookup(np.array([3, 7, 3]))        # inserts 3 and 7
+    >>> rows.shape, len(table)
+    ((3, 8), 2)
+    >>> table.apply_gradients(np.array([3, 7, 3]), np.ones((3, 8)))  # key 3's grads summed
+    2
+    >>> int(table.frequency(np.array([3]))[0])
+    2
     """
 
     def __init__(
@@ -167,9 +182,12 @@ class EmbeddingTable:
         if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)) or dim <= 0:
             raise ShapeError(f"dim={dim!r} must be a positive integer, e.g. dim=64")
         self.dim = int(dim)
-        if dtype not in ("float32", np.float32) and str(dtype) != "float32":
-            raise ConfigError(f"dtype={dtype!r} is not supported; use dtype='float32'")
-        self.dtype = "float32"
+        dtype_name = getattr(dtype, "__name__", None) or str(dtype)
+        if dtype_name not in STORAGE_DTYPES:
+            raise ConfigError(
+                f"dtype={dtype!r} is not a storage dtype; use one of {list(STORAGE_DTYPES)}"
+            )
+        self.dtype = dtype_name
         if nan_policy not in ("raise", "skip"):
             raise ConfigError(f"nan_policy={nan_policy!r} must be 'raise' or 'skip'")
         self.nan_policy = nan_policy
@@ -191,7 +209,7 @@ class EmbeddingTable:
         self._slot_init = np.asarray(self.optimizer.slot_initial_values(), np.float32)
         self.num_slots = len(self.optimizer.slot_names())
         self._arena = RowArena(self.dim, self.num_slots * self.dim, capacity=capacity,
-                               growth=growth)
+                               growth=growth, dtype=self.dtype)
         self._lock = RWLock()
         self._meta_lock = threading.Lock()
         self._step = 0
@@ -214,65 +232,11 @@ class EmbeddingTable:
 
     def _as_keys(self, keys: Any) -> np.ndarray:
         """Normalise keys to a 1-D C-contiguous int64 array (hashing str/bytes keys)."""
-        if isinstance(keys, (str, bytes, int, np.integer)):
-            raise ShapeError(
-                f"keys={keys!r} is a single key; pass a 1-D array or list of keys, e.g. [{keys!r}]"
-            )
-        if not isinstance(keys, np.ndarray):
-            if isinstance(keys, (list, tuple)) and keys and isinstance(keys[0], (str, bytes)):
-                return self._hash_strings(keys)
-            try:
-                keys = np.asarray(keys)
-            except (ValueError, OverflowError) as e:
-                raise ShapeError(f"keys could not be read as an array ({e}); pass a 1-D int64 "
-                                 "array or a list of str/bytes") from None
-            if keys.size == 0:
-                keys = keys.astype(np.int64)
-        if keys.ndim != 1:
-            raise ShapeError(
-                f"keys have shape {keys.shape}; pass a 1-D array of keys (use keys.ravel() and "
-                "reshape the result)"
-            )
-        kind = keys.dtype.kind
-        if kind == "i":
-            return np.ascontiguousarray(keys, dtype=np.int64)
-        if kind == "u":
-            if keys.dtype.itemsize == 8:
-                return np.ascontiguousarray(keys).view(np.int64)
-            return keys.astype(np.int64)
-        if kind in "US":
-            return self._hash_strings(keys.tolist())
-        if kind == "O":
-            items = keys.tolist()
-            if all(isinstance(k, (str, bytes)) for k in items):
-                return self._hash_strings(items)
-            if all(isinstance(k, (int, np.integer)) and not isinstance(k, bool) for k in items):
-                try:
-                    return np.asarray(items, dtype=np.int64)
-                except OverflowError:
-                    raise ShapeError("an integer key does not fit in int64") from None
-            types = sorted({type(k).__name__ for k in items})
-            raise ShapeError(
-                f"keys are an object array mixing types {types}; give all keys as int64 or "
-                "all as str/bytes"
-            )
-        raise ShapeError(
-            f"keys have dtype {keys.dtype}; keys must be integers (int64) or str/bytes. Cast "
-            "whole-number float ids with keys.astype(np.int64)"
-        )
-
-    def _hash_strings(self, items: Sequence) -> np.ndarray:
-        try:
-            hashed = hash_keys(items)
-        except TypeError as e:
-            raise ShapeError(f"{e}") from None
-        n_hash = np.unique(hashed).size
-        if n_hash < len(items):
-            distinct = len({k.encode("utf-8") if isinstance(k, str) else bytes(k) for k in items})
-            if distinct > n_hash:
-                with self._meta_lock:
-                    self._stats["collisions"] += distinct - n_hash
-        return hashed
+        k, collisions = as_int64_keys(keys)
+        if collisions:
+            with self._meta_lock:
+                self._stats["collisions"] += collisions
+        return k
 
     def _as_grads(self, grads: Any, n: int) -> np.ndarray:
         g = np.asarray(grads)
@@ -294,7 +258,10 @@ class EmbeddingTable:
 
     def _init_rows(self, rows: np.ndarray, keys: np.ndarray) -> None:
         a = self._arena
-        self.initializer.fill(a.values, rows, keys, self.seed)
+        if a.raw:
+            a.scatter(rows, self.initializer.values(keys, self.dim, self.seed))
+        else:
+            self.initializer.fill(a.values, rows, keys, self.seed)
         if self.num_slots:
             ak.fill_slots(a.slots, rows, self._slot_init, self.dim)
         a.freq[rows] = 0
@@ -307,8 +274,8 @@ class EmbeddingTable:
             a.check_room(n_new)
 
     # --- lookups -------------------------------------------------------------------------------
-    def lookup(self, keys: Any, insert: bool = True) -> np.ndarray:
-        """Rows of ``keys`` as a new float32 ``[n, dim]`` array.
+    def lookup(self, keys: Any, insert: bool = True, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows of ``keys`` as a float32 ``[n, dim]`` array.
 
         Parameters
         ----------
@@ -318,28 +285,48 @@ class EmbeddingTable:
             Insert unseen keys (subject to admission) with their initial value and count a
             sighting of every key. ``False``: unseen keys read as their initial value (or
             ``default_value``); nothing is inserted or counted.
+        out
+            Optional float32 C-contiguous ``[n, dim]`` array to write the rows into (reusing
+            one buffer across calls saves allocating, and page-faulting, a new result).
         """
         k = self._as_keys(keys)
         n = k.shape[0]
-        out = np.empty((n, self.dim), np.float32)
         a = self._arena
+        if out is not None and (not isinstance(out, np.ndarray) or out.dtype != np.float32
+                                or out.shape != (n, self.dim) or not out.flags.c_contiguous
+                                or not out.flags.writeable):
+            raise ShapeError(
+                f"out must be a writeable C-contiguous float32 array of shape ({n}, {self.dim}); "
+                f"got {getattr(out, 'dtype', type(out).__name__)} "
+                f"{getattr(out, 'shape', '')}"
+            )
+        raw = out if out is not None and not a.raw else np.empty((n, self.dim), a.values.dtype)
         with self._lock.read():
-            rows, misses = a.find_gather(k, out)
+            rows, misses = a.find_gather(k, raw)
             if misses == 0 and insert:
                 with self._meta_lock:
                     ak.bump_freq(a.freq, rows)
                     self._stats["hits"] += n
-                return out
+                return self._result(raw, out)
         if not insert:
             with self._meta_lock:
                 self._stats["hits"] += n - misses
                 self._stats["misses"] += misses
             if misses:
                 pos = np.flatnonzero(rows < 0)
-                out[pos] = self._initial(k[pos])
-            return out
+                raw[pos] = a.to_raw(self._initial(k[pos]))
+            return self._result(raw, out)
         with self._lock.write():
-            self._insert_missing(k, out, np.flatnonzero(rows < 0))
+            self._insert_missing(k, raw, np.flatnonzero(rows < 0))
+        return self._result(raw, out)
+
+    def _result(self, raw: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+        if raw is out:
+            return out
+        f32 = self._arena.from_raw(raw)
+        if out is None:
+            return f32
+        np.copyto(out, f32)
         return out
 
     def _insert_missing(self, k: np.ndarray, out: np.ndarray, missed: np.ndarray) -> None:
@@ -380,7 +367,7 @@ class EmbeddingTable:
                 self.admission.forget(uk)
         out[missed] = a.gather(rows[missed])
         if rejected.size:
-            out[rejected] = self._initial(k[rejected])
+            out[rejected] = a.to_raw(self._initial(k[rejected]))
         with self._meta_lock:
             ak.bump_freq(a.freq, rows)
             self._stats["hits"] += n_hits
@@ -494,7 +481,14 @@ class EmbeddingTable:
                     rows[miss] = new_rows
             self._step = self._step + 1 if step is None else int(step)
             self._stats["nonfinite_skipped"] += n_skip
-            if rows.size:
+            if rows.size and a.raw:
+                # 16-bit rows: update float32 copies, then round back into storage
+                vals, slots = a.gather_f32(rows), a.gather_slots(rows)
+                self.optimizer.apply(vals, slots, np.arange(rows.size, dtype=np.int64), sums,
+                                     self._step)
+                a.scatter(rows, vals)
+                a.scatter_slots(rows, slots)
+            elif rows.size:
                 self.optimizer.apply(a.values, a.slots, rows, sums, self._step)
             self._mseq += 1
             ak.set_meta(a.version, a.seq, rows, self._step, self._mseq)
@@ -595,8 +589,8 @@ class EmbeddingTable:
                 if rows.size == 0:
                     continue
                 chunk = ExportChunk(
-                    a.row_key[rows], a.gather(rows), a.gather_slots(rows), a.freq[rows],
-                    a.version[rows], a.seq[rows],
+                    a.row_key[rows], a.gather(rows).view(a.np_dtype), a.gather_slots(rows),
+                    a.freq[rows], a.version[rows], a.seq[rows],
                 )
             yield chunk
 
@@ -713,9 +707,23 @@ class EmbeddingTable:
     def stats(self) -> dict[str, Any]:
         """Sizes and counters.
 
-        ``collisions`` counts distinct str/bytes keys within one call that hashed to a key
-        already used by another string of the same call (collisions across calls cannot be
-        detected, as strings are not stored).
+        Returns
+        -------
+        dict
+            ``rows`` (keys with a row), ``capacity`` (rows allocated), ``index_slots``,
+            ``load_factor`` (rows / index slots), ``bytes`` (every array of the table,
+            admission filter included), ``bytes_per_key``, ``row_bytes`` (value + slot bytes
+            of one row), ``step``, ``mutation_seq``; counters since creation: ``hits`` /
+            ``misses`` (lookup key occurrences found / not found), ``inserts`` (rows
+            created), ``collisions``, ``evictions``, ``admissions_rejected`` (lookup
+            occurrences of keys not admitted yet), ``gradients_dropped`` (gradient keys
+            without a row under admission), ``nonfinite_skipped`` (keys skipped for NaN/Inf
+            gradients), ``removed``.
+
+            ``collisions`` counts distinct str/bytes keys within one call that hashed to a
+            key already used by another string of the same call (collisions across calls
+            cannot be detected, as strings are not stored; XXH64 makes one unlikely before
+            ~4e9 distinct strings).
         """
         with self._lock.read():
             a = self._arena
@@ -728,7 +736,7 @@ class EmbeddingTable:
                 "load_factor": rows / a.n_slots,
                 "bytes": nbytes,
                 "bytes_per_key": nbytes / rows if rows else float("nan"),
-                "row_bytes": 4 * (self.dim + self.num_slots * self.dim),
+                "row_bytes": (a.values.itemsize + 4 * self.num_slots) * self.dim,
                 "step": self._step,
                 "mutation_seq": self._mseq,
             }

@@ -1,0 +1,197 @@
+"""``tensorkv bench tiers``: a tiered EmbeddingTable against the DRAM-only table.
+
+A table of ``N`` keys (full: 5M -- see below; quick: 200k), dim 64, Adagrad (one slot), filled
+with every key first (``import_``). Then training steps: ``lookup`` + ``apply_gradients`` of
+batches of 65,536 keys drawn Zipf(1.05) or Zipf(1.2) over the keys (ranks scattered by a fixed
+permutation). Tier 0 holds 5%, 10%, 25% or 50% of the rows (``storage_size``), the rest live in
+SSDHASH, LevelDB, RocksDB or LMDB, cache strategy LRU.
+
+Figures per case:
+
+* ``Mkeys/s``: keys per second of the timed steps (lookup + apply, and a final ``flush`` so
+  every background write has landed) vs the DRAM-only table on the same trace in the same run.
+* ``tier0 hit %``: share of looked-up keys found in tier 0 (a key missing twice in one batch is
+  one miss) vs an exact per-key LRU simulation of the same trace with capacity = tier-0 rows
+  (:func:`tensorkv.kernels.cache.lru_hits`); ratio 1.0 = same as the simulation.
+* ``SSDHASH vs LEVELDB``: ``DRAM_SSDHASH`` throughput vs ``DRAM_LEVELDB`` at each setting.
+
+Full size: 20M keys x (64 values + 64 slot floats) is ~11 GB of records per table copy, and a
+case holds the DRAM-only table and the tiered table's data (page cache included) at once; the
+full run uses 5M keys (2.7 GB of records) so that it fits a 24 GiB machine with room to spare
+(``report.params["n_keys"]``).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import shutil
+import tempfile
+import time
+
+import numpy as np
+
+from tensorkv.bench.common import Report
+from tensorkv.embedding.table import EmbeddingTable
+from tensorkv.embedding.tiered import TieredEmbeddingTable
+from tensorkv.embedding.tiers.base import RecordLayout
+from tensorkv.kernels.cache import lru_hits
+
+DIM = 64
+BATCH = 65_536
+BACKENDS = ("DRAM_SSDHASH", "DRAM_LEVELDB", "DRAM_ROCKSDB", "DRAM_LMDB")
+FRACTIONS = (0.05, 0.10, 0.25, 0.50)
+ZIPFS = (1.05, 1.2)
+
+
+def zipf_trace(rng: np.random.Generator, n_keys: int, a: float, n: int,
+               perm: np.ndarray) -> np.ndarray:
+    """``n`` keys drawn Zipf(``a``) over ranks ``1..n_keys`` (truncated), scattered by ``perm``."""
+    ranks = np.arange(1, n_keys + 1, dtype=np.float64)
+    cdf = np.cumsum(ranks ** -a)
+    cdf /= cdf[-1]
+    r = np.minimum(np.searchsorted(cdf, rng.random(n)), n_keys - 1)
+    return perm[r].astype(np.int64)
+
+
+def _fill(table, n_keys: int, dim: int, num_slots: int, chunk: int) -> None:
+    rng = np.random.default_rng(1)
+    for start in range(0, n_keys, chunk):
+        keys = np.arange(start, min(n_keys, start + chunk), dtype=np.int64)
+        m = keys.size
+        values = rng.standard_normal((m, dim), dtype=np.float32) * np.float32(0.05)
+        slots = np.full((m, num_slots * dim), 0.1, np.float32)
+        z = np.zeros(m, np.int64)
+        table.import_([(keys, values, slots, z, z)])
+
+
+def _train(table, batches: list[np.ndarray], grads: np.ndarray, warmup: int,
+           stats: list | None = None) -> float:
+    """Seconds of the timed batches (after ``warmup`` untimed ones), final flush included.
+
+    With ``stats`` (a list), the tiered table's tier-0 counters before and after the timed
+    batches are appended to it.
+    """
+    for b in batches[:warmup]:
+        table.lookup(b)
+        table.apply_gradients(b, grads)
+    if hasattr(table, "flush"):
+        table.flush()
+    if stats is not None:
+        stats.append(table.stats()["tiers"][0])
+    t0 = time.perf_counter()
+    for b in batches[warmup:]:
+        table.lookup(b)
+        table.apply_gradients(b, grads)
+    if hasattr(table, "flush"):
+        table.flush()
+    secs = time.perf_counter() - t0
+    if stats is not None:
+        stats.append(table.stats()["tiers"][0])
+    return secs
+
+
+def _warm_up(root: str, dim: int) -> None:
+    """Compile every kernel once (untimed) with a tiny tiered table."""
+    path = os.path.join(root, "warm-up")
+    lay = RecordLayout(dim, num_slots=1)
+    with TieredEmbeddingTable(dim, optimizer="adagrad", storage="DRAM_SSDHASH",
+                              storage_path=path, storage_size=[64 * lay.record_bytes],
+                              cache_strategy="lru") as t:
+        rng = np.random.default_rng(0)
+        _fill(t, 512, dim, 1, 128)
+        for _ in range(3):
+            keys = rng.integers(0, 1024, 256)
+            t.lookup(keys)
+            t.apply_gradients(keys, np.zeros((256, dim), np.float32))
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def run(
+    quick: bool,
+    report: Report,
+    *,
+    n_keys: int | None = None,
+    batch: int = BATCH,
+    dim: int = DIM,
+    steps: int | None = None,
+    warmup: int = 1,
+    fractions: tuple[float, ...] = FRACTIONS,
+    zipfs: tuple[float, ...] = ZIPFS,
+    backends: tuple[str, ...] = BACKENDS,
+    data_dir: str | None = None,
+) -> None:
+    """Run the workload (see the module docstring); keyword arguments shrink it for tests."""
+    n_keys = n_keys or (200_000 if quick else 5_000_000)
+    steps = steps or (4 if quick else 12)
+    lay = RecordLayout(dim, num_slots=1)
+    report.params.update({
+        "n_keys": n_keys, "dim": dim, "batch": batch, "optimizer": "adagrad",
+        "timed_steps": steps, "warmup_steps": warmup, "fractions": list(fractions),
+        "zipf": list(zipfs), "backends": list(backends), "cache_strategy": "lru",
+        "record_bytes": lay.record_bytes,
+        "note": "full size is 5M keys (20M x 128 floats does not fit beside the DRAM-only "
+                "table in 24 GiB); hit % counts a key missing twice in a batch as one miss",
+    })
+    base = data_dir or os.environ.get("TENSORKV_BENCH_DIR") or tempfile.gettempdir()
+    root = tempfile.mkdtemp(prefix="tensorkv-bench-tiers-", dir=base)
+    report.params["data_dir"] = root
+    rng = np.random.default_rng(0)
+    perm = rng.permutation(n_keys)
+    grads = (rng.standard_normal((batch, dim), dtype=np.float32) * np.float32(1e-3))
+    try:
+        _warm_up(root, dim)
+        for a in zipfs:
+            trace = zipf_trace(rng, n_keys, a, batch * (warmup + steps), perm)
+            batches = [trace[i * batch:(i + 1) * batch] for i in range(warmup + steps)]
+            timed = trace[warmup * batch:]
+            ref = EmbeddingTable(dim, optimizer="adagrad", capacity=n_keys)
+            _fill(ref, n_keys, dim, 1, batch)
+            t_ref = _train(ref, batches, grads, warmup)
+            dram = timed.size / t_ref / 1e6
+            del ref
+            gc.collect()
+            by_backend: dict[tuple[str, float], float] = {}
+            for frac in fractions:
+                rows0 = max(1, int(n_keys * frac))
+                # the fill touched every key once, in key order: the cache starts in that state
+                sim = lru_hits(np.concatenate([np.arange(n_keys, dtype=np.int64), trace]), rows0)
+                sim_hit = sim[n_keys + warmup * batch:].mean() * 100
+                for name in backends:
+                    path = os.path.join(root, f"{name}-{frac}-{a}")
+                    os.makedirs(path)
+                    t = TieredEmbeddingTable(
+                        dim, optimizer="adagrad", storage=name, storage_path=path,
+                        storage_size=[rows0 * lay.record_bytes], cache_strategy="lru",
+                    )
+                    try:
+                        _fill(t, n_keys, dim, 1, batch)
+                        t.flush()
+                        snaps: list = []
+                        secs = _train(t, batches, grads, warmup, snaps)
+                        before, after = snaps
+                    finally:
+                        t.close()
+                        del t
+                        shutil.rmtree(path, ignore_errors=True)
+                        gc.collect()
+                    case = f"{name} tier0={frac:.0%} zipf={a}"
+                    mk = timed.size / secs / 1e6
+                    by_backend[(name, frac)] = mk
+                    report.add(case, "Mkeys/s", mk, "DRAM-only table", dram,
+                               note="lookup+apply, flush included")
+                    # lookups only: the chain counts hits/misses of lookup batches
+                    hits = after["hits"] - before["hits"]
+                    misses = after["misses"] - before["misses"]
+                    hit = 100.0 * hits / max(hits + misses, 1)
+                    report.add(case, "tier0 hit %", hit, "LRU simulation", sim_hit,
+                               note=f"tier0={rows0} rows")
+                if ("DRAM_SSDHASH", frac) in by_backend and ("DRAM_LEVELDB", frac) in by_backend:
+                    report.add(f"SSDHASH vs LEVELDB tier0={frac:.0%} zipf={a}", "Mkeys/s",
+                               by_backend[("DRAM_SSDHASH", frac)], "DRAM_LEVELDB",
+                               by_backend[("DRAM_LEVELDB", frac)])
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+__all__ = ["run", "zipf_trace"]

@@ -1,0 +1,463 @@
+"""The tier chain behind an embedding table: promotion, demotion, write-back, cascades.
+
+Tier 0 (the table's DRAM :class:`~tensorkv.embedding.arena.RowArena`) is where every read and
+update happens. Lower tiers (:class:`~tensorkv.embedding.tiers.base.LowerTier`: SSDHASH, PMEM,
+KV stores) hold the rows that do not fit, as full records (value, slots, freq, version, seq),
+so a row that goes down and comes back up is bit-identical.
+
+For each batch the table calls, under its write lock:
+
+1. :meth:`TierChain.promote` -- keys not in tier 0 but in the pending write-back buffer or a
+   lower tier are moved up with all their fields (a key lives in exactly one place);
+2. the table's own operation (lookup / insert / admission / optimizer / eviction) on tier 0;
+3. :meth:`TierChain.after` -- the batch's rows get the current access tick; if tier 0 holds
+   more rows than its budget, victims (LRU: oldest tick, LFU: lowest count; never a key of the
+   current batch; chosen by :func:`tensorkv.kernels.cache.select_victims`) are removed from
+   tier 0 into a *pending* batch that the shared write-back pool
+   (:mod:`tensorkv.embedding.writeback`) writes to tier 1 in the background. Lookups check the
+   pending batches before the lower tiers, so results never depend on timing. When tier 1
+   passes its budget, its coldest rows cascade to tier 2 (in the background job).
+
+Tier 0 may hold one batch more than its budget while the batch runs: a batch with more
+distinct keys than the budget is still served (all its keys are resident during the call), and
+tier 0 is trimmed back on the following batches. The pending memory is bounded
+(``max_pending_bytes``): the caller blocks while more is in flight.
+
+The table that drives the chain is :class:`~tensorkv.embedding.tiered_table.TieredEmbeddingTable`
+(also importable from this module).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from tensorkv.embedding.arena import RowArena
+from tensorkv.embedding.filters import Eviction
+from tensorkv.embedding.table import ExportChunk
+from tensorkv.embedding.tiers.base import LowerTier, RecordLayout
+from tensorkv.embedding.writeback import WriteQueue
+from tensorkv.errors import ConfigError
+from tensorkv.kernels import cache as ck
+from tensorkv.kernels import filters as fk
+
+DEFAULT_MAX_PENDING_BYTES = 256 * 1024 * 1024
+CASCADE_LOW_WATER = 0.9  # a full lower tier cascades down to this share of its budget
+
+
+@dataclass
+class _Pending:
+    """Rows removed from tier 0 whose write to tier 1 has not landed yet."""
+
+    keys: np.ndarray
+    records: np.ndarray
+    live: np.ndarray  # False once the key was promoted back (the landed copy is then deleted)
+    skeys: np.ndarray
+    order: np.ndarray
+
+    @classmethod
+    def make(cls, keys: np.ndarray, records: np.ndarray) -> _Pending:
+        order = np.argsort(keys, kind="stable")
+        return cls(keys, records, np.ones(keys.size, np.bool_), keys[order], order)
+
+    def find(self, q: np.ndarray) -> np.ndarray:
+        """Index into this batch of each query key that is live here, -1 elsewhere."""
+        if self.skeys.size == 0 or q.size == 0:
+            return np.full(q.size, -1, np.int64)
+        pos = np.minimum(np.searchsorted(self.skeys, q), self.skeys.size - 1)
+        idx = self.order[pos]
+        ok = (self.skeys[pos] == q) & self.live[idx]
+        return np.where(ok, idx, -1)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.records.nbytes)
+
+
+class _FakeArena:
+    """Arena-shaped view of lower-tier records, for :meth:`Eviction.select`."""
+
+    def __init__(self, keys, freq, version, values):
+        n = keys.size
+        self.row_key = keys
+        self.freq = freq
+        self.version = version
+        self.values = values
+        self.live = np.ones(n, np.uint8)
+        self.high_water = n
+
+    def __len__(self) -> int:
+        return int(self.row_key.size)
+
+
+class TierChain:
+    """Tier 0 (a row arena) plus lower tiers, with promotion, demotion and write-back.
+
+    The caller (the table) holds its write lock around :meth:`promote`, the operation and
+    :meth:`after`; the chain's own lock serialises it with the background writer.
+
+    Parameters
+    ----------
+    arena
+        Tier 0.
+    layout
+        Record layout of the lower tiers.
+    budget_rows
+        Most rows tier 0 keeps between batches (None: unbounded).
+    lowers
+        ``(tier, budget_rows or None)`` pairs, fastest first.
+    policy
+        ``"lru"`` or ``"lfu"``: which tier-0 rows move down.
+    name
+        For messages.
+    max_pending_bytes
+        Bytes of evicted rows that may wait for their background write; more blocks.
+    """
+
+    def __init__(
+        self,
+        arena: RowArena,
+        layout: RecordLayout,
+        budget_rows: int | None,
+        lowers: list[tuple[LowerTier, int | None]],
+        policy: str = "lfu",
+        name: str = "table",
+        max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
+    ) -> None:
+        if policy not in ("lru", "lfu"):
+            raise ConfigError(f"cache_strategy={policy!r} must be 'lru' or 'lfu'")
+        self.arena = arena
+        self.layout = layout
+        self.budget = budget_rows
+        self.lowers = list(lowers)
+        self.policy = policy
+        self.max_pending_bytes = int(max_pending_bytes)
+        self.tick = np.zeros(arena.capacity, np.int64)
+        self.cur = 0
+        self.lock = threading.RLock()
+        self.pending: list[_Pending] = []
+        self.pending_bytes = 0
+        self.queue = WriteQueue(name)
+        names = ["tier0"] + [f"tier{i + 1}" for i in range(len(self.lowers))]
+        self.counters = {n: dict.fromkeys(("hits", "misses", "promotions", "evictions"), 0)
+                         for n in names}
+        self.closed = False
+
+    # ------------------------------------------------------------------ reads of lower tiers
+    def _cancelled(self) -> np.ndarray:
+        parts = [p.keys[~p.live] for p in self.pending if not p.live.all()]
+        return np.concatenate(parts) if parts else np.empty(0, np.int64)
+
+    def lookup_lower(self, keys: np.ndarray, take: bool) -> tuple[np.ndarray, np.ndarray,
+                                                                  np.ndarray]:
+        """Find distinct ``keys`` below tier 0: ``(found, records, where)`` (call under lock).
+
+        ``where`` is 0 for the pending buffer, ``i`` for lower tier ``i`` (-1: absent). With
+        ``take`` the rows are removed from where they were (promotion).
+        """
+        n = keys.size
+        found = np.zeros(n, np.bool_)
+        where = np.full(n, -1, np.int64)
+        recs = self.layout.empty(n)
+        if n == 0:
+            return found, recs, where
+        stale = self._cancelled()  # copies of promoted keys that a running write may land
+        for p in self.pending:
+            left = np.flatnonzero(~found)
+            if left.size == 0:
+                break
+            idx = p.find(keys[left])
+            hit = idx >= 0
+            if hit.any():
+                pos, j = left[hit], idx[hit]
+                recs[pos] = p.records[j]
+                found[pos] = True
+                where[pos] = 0
+                if take:
+                    p.live[j] = False
+        for ti, (tier, _) in enumerate(self.lowers):
+            left = np.flatnonzero(~found)
+            if stale.size and left.size:
+                left = left[~np.isin(keys[left], stale)]
+            if left.size == 0:
+                break
+            q = keys[left]
+            f, r = tier.get(q)
+            if f.any():
+                pos = left[f]
+                recs[pos] = r[f]
+                found[pos] = True
+                where[pos] = ti + 1
+                if take:
+                    tier.delete(q[f])
+        return found, recs, where
+
+    # ------------------------------------------------------------------ per batch
+    def _ensure_tick(self) -> None:
+        cap = self.arena.capacity
+        if self.tick.shape[0] < cap:
+            self.tick.resize(cap, refcheck=False)
+
+    def promote(self, keys: np.ndarray, count: bool = False) -> int:
+        """Move keys present below tier 0 up into tier 0; returns how many moved.
+
+        ``count``: record tier-0 hits/misses of this batch (a repeated missing key counts as
+        one miss, as in a per-key cache).
+        """
+        self.queue.check()
+        self.cur += 1
+        a = self.arena
+        rows = a.find(keys)
+        miss = rows < 0
+        if not miss.any():
+            if count:
+                self.counters["tier0"]["hits"] += keys.size
+            return 0
+        mk = np.unique(keys[miss])
+        if count:
+            self.counters["tier0"]["misses"] += mk.size
+            self.counters["tier0"]["hits"] += keys.size - mk.size
+        if not self.lowers and not self.pending:
+            return 0
+        with self.lock:
+            found, recs, where = self.lookup_lower(mk, take=True)
+        if not found.any():
+            return 0
+        fk_ = mk[found]
+        f = self.layout.unpack(recs[found])
+        new_rows, _ = a.insert(fk_)
+        a.scatter(new_rows, np.ascontiguousarray(f.values, dtype=np.float32))
+        if a.slot_width:
+            a.scatter_slots(new_rows, np.ascontiguousarray(f.slots))
+        a.freq[new_rows] = f.freq
+        a.version[new_rows] = f.version
+        a.seq[new_rows] = f.change_seq
+        self._ensure_tick()
+        ck.touch(self.tick, new_rows, self.cur)
+        w = where[found]
+        for ti in range(1, len(self.lowers) + 1):  # pending rows count for tier 1
+            c = int(((w == ti) | (w == 0)).sum()) if ti == 1 else int((w == ti).sum())
+            if c:
+                self.counters[f"tier{ti}"]["promotions"] += c
+        return int(fk_.size)
+
+    def after(self, keys: np.ndarray, protect: bool = True) -> int:
+        """Mark the batch's rows as used now and move tier-0 excess down; returns rows moved.
+
+        ``protect``: never move the batch's own rows (they are the most recent anyway; without
+        protection tier 0 is trimmed to its budget even after a batch larger than it).
+        """
+        a = self.arena
+        self._ensure_tick()
+        rows = a.find(keys)
+        ck.touch(self.tick, rows, self.cur)
+        if self.budget is None or not self.lowers:
+            return 0
+        excess = len(a) - self.budget
+        if excess <= 0:
+            return 0
+        victims = ck.select_victims(a.live, self.tick, a.freq, a.high_water,
+                                    self.cur if protect else -1, excess, self.policy)
+        if victims.size == 0:
+            return 0
+        self.demote_rows(victims)
+        return int(victims.size)
+
+    def demote_rows(self, rows: np.ndarray) -> None:
+        """Remove ``rows`` from tier 0 into a pending batch written down in the background."""
+        a = self.arena
+        keys = a.row_key[rows].copy()
+        recs = self.layout.pack(keys, a.gather(rows), a.gather_slots(rows), a.freq[rows],
+                                a.version[rows], a.seq[rows])
+        a.remove(keys)
+        p = _Pending.make(keys, recs)
+        with self.lock:
+            self.pending.append(p)
+            self.pending_bytes += p.nbytes
+        self.counters["tier0"]["evictions"] += keys.size
+        self.queue.submit(lambda: self._land(p))
+        if self.pending_bytes > self.max_pending_bytes:
+            self.queue.wait_below(2)  # let the writer catch up: at most the newest in flight
+
+    def _land(self, p: _Pending) -> None:
+        """Background job: write a pending batch to tier 1, then cascade (pool thread)."""
+        tier = self.lowers[0][0]
+        tier.put(p.keys, p.records)
+        with self.lock:
+            gone = p.keys[~p.live]
+            if gone.size:
+                tier.delete(gone)  # promoted while in flight: the landed copy is stale
+            self.pending.remove(p)
+            self.pending_bytes -= p.nbytes
+            self._cascade(0)
+
+    def _cascade(self, ti: int) -> None:
+        """Move the coldest rows of lower tier ``ti`` to ``ti + 1`` while it is over budget."""
+        while ti + 1 < len(self.lowers):
+            tier, budget = self.lowers[ti]
+            if budget is None or len(tier) <= budget:
+                return
+            n_move = len(tier) - int(budget * CASCADE_LOW_WATER)
+            keys, score = [], []
+            for k, r in tier.scan():
+                f = self.layout.unpack(r)
+                keys.append(k.copy())
+                score.append((f.freq if self.policy == "lfu" else f.change_seq).copy())
+            allk, alls = np.concatenate(keys), np.concatenate(score)
+            order = np.lexsort((allk, alls))[:n_move]
+            mk = allk[order]
+            found, recs = tier.get(mk)
+            self.lowers[ti + 1][0].put(mk[found], recs[found])
+            tier.delete(mk[found])
+            self.counters[f"tier{ti + 1}"]["evictions"] += int(found.sum())
+            ti += 1
+
+    # ------------------------------------------------------------------ whole-table views
+    def sync(self) -> None:
+        """Wait until every pending batch has landed (re-raising a failed write)."""
+        self.queue.flush()
+
+    def lower_len(self) -> int:
+        """Rows below tier 0 (after :meth:`sync`)."""
+        self.sync()
+        return int(sum(len(t) for t, _ in self.lowers))
+
+    def lower_keys(self) -> np.ndarray:
+        """Keys below tier 0 (after :meth:`sync`)."""
+        self.sync()
+        parts = [t.keys() for t, _ in self.lowers]
+        return np.concatenate(parts) if parts else np.empty(0, np.int64)
+
+    def read(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(found, records)`` of keys below tier 0, without moving them."""
+        self.queue.check()
+        with self.lock:
+            found, recs, _ = self.lookup_lower(keys, take=False)
+        return found, recs
+
+    def export(self, chunk_rows: int, since: int) -> Iterator[ExportChunk]:
+        """Chunks of the rows below tier 0 changed after ``since``."""
+        self.sync()
+        for tier, _ in self.lowers:
+            for k, r in tier.scan(chunk_rows):
+                f = self.layout.unpack(r)
+                keep = f.change_seq > since
+                if not keep.any():
+                    continue
+                yield ExportChunk(
+                    k[keep].copy(), np.ascontiguousarray(f.values[keep], dtype=np.float32),
+                    np.ascontiguousarray(f.slots[keep]), f.freq[keep].copy(),
+                    f.version[keep].copy(), f.change_seq[keep].copy(),
+                )
+
+    def evict(self, eviction: Eviction, step: int) -> np.ndarray:
+        """Keys that ``eviction`` removes across every tier (the same keys as one arena)."""
+        self.sync()
+        a = self.arena
+        rules = Eviction(steps_to_live=eviction.steps_to_live,
+                         l2_threshold=eviction.l2_threshold)
+        if isinstance(a.values, np.ndarray):
+            gone = [a.row_key[rules.select(a, step)]]
+        else:  # rows on a device: the same rules over a host copy
+            live = np.flatnonzero(a.live[:a.high_water])
+            fa = _FakeArena(a.row_key[live], a.freq[live], a.version[live], a.gather(live))
+            gone = [fa.row_key[rules.select(fa, step)]]
+        meta_k, meta_f, meta_v = [], [], []
+        for tier, _ in self.lowers:
+            for k, r in tier.scan():
+                f = self.layout.unpack(r)
+                k = k.copy()
+                fa = _FakeArena(k, f.freq.copy(), f.version.copy(),
+                                np.ascontiguousarray(f.values, dtype=np.float32))
+                hw = k.size
+                sel = []
+                if eviction.steps_to_live is not None:
+                    sel.append(fk.stale_rows(fa.live, fa.version, hw,
+                                             step - eviction.steps_to_live))
+                if eviction.l2_threshold is not None:
+                    sel.append(fk.small_norm_rows(fa.live, fa.values, hw,
+                                                  float(eviction.l2_threshold)))
+                if sel:
+                    gone.append(k[np.unique(np.concatenate(sel))])
+                if eviction.max_rows is not None:
+                    meta_k.append(k)
+                    meta_f.append(fa.freq)
+                    meta_v.append(fa.version)
+        dead = np.unique(np.concatenate(gone))
+        if eviction.max_rows is not None:
+            hw = a.high_water
+            live = np.flatnonzero(a.live[:hw])
+            keys = np.concatenate([a.row_key[live]] + meta_k)
+            freq = np.concatenate([a.freq[live]] + meta_f)
+            ver = np.concatenate([a.version[live]] + meta_v)
+            keep = ~np.isin(keys, dead) if dead.size else np.ones(keys.size, np.bool_)
+            keys, freq, ver = keys[keep], freq[keep], ver[keep]
+            n_evict = keys.size - eviction.max_rows
+            if n_evict > 0:
+                order = np.lexsort((keys, ver, freq) if eviction.policy == "lfu"
+                                   else (keys, freq, ver))
+                dead = np.concatenate([dead, keys[order[:n_evict]]])
+        return dead
+
+    def remove_lower(self, keys: np.ndarray) -> int:
+        """Delete keys from every lower tier (after :meth:`sync`); returns how many were there."""
+        self.sync()
+        n = 0
+        for tier, _ in self.lowers:
+            if keys.size:
+                n += tier.delete(keys)
+        return n
+
+    def clear(self) -> None:
+        """Drop every row below tier 0."""
+        self.sync()
+        for tier, _ in self.lowers:
+            tier.clear()
+        self.tick[:] = 0
+
+    def flush(self) -> None:
+        """Land pending writes and make the lower tiers durable."""
+        self.sync()
+        for tier, _ in self.lowers:
+            tier.flush()
+
+    def close(self) -> None:
+        """Flush and close the lower tiers (a second call does nothing)."""
+        if self.closed:
+            return
+        try:
+            self.sync()
+        finally:
+            self.closed = True
+            for tier, _ in self.lowers:
+                tier.close()
+
+    def stats(self) -> list[dict[str, Any]]:
+        """Per-tier rows, bytes, hits, misses, promotions, evictions (and tier counters)."""
+        a = self.arena
+        kind = "DRAM" if isinstance(a.values, np.ndarray) else "HBM"
+        out = [{"tier": 0, "kind": kind, "rows": len(a), "bytes": a.nbytes,
+                "budget_rows": self.budget, "pending_rows": sum(int(p.live.sum())
+                                                                for p in self.pending),
+                "pending_bytes": self.pending_bytes, **self.counters["tier0"]}]
+        for i, (tier, budget) in enumerate(self.lowers, start=1):
+            st = tier.stats()
+            out.append({"tier": i, "kind": tier.kind, "budget_rows": budget,
+                        **st, **self.counters[f"tier{i}"],
+                        "compactions": st.get("compactions", 0)})
+        return out
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("TieredEmbeddingTable", "resolve_storage"):
+        from tensorkv.embedding import tiered_table
+
+        return getattr(tiered_table, name)
+    raise AttributeError(f"module 'tensorkv.embedding.tiered' has no attribute {name!r}")
+
+
+__all__ = ["TierChain", "TieredEmbeddingTable", "resolve_storage"]  # noqa: F822

@@ -1,0 +1,344 @@
+"""TieredEmbeddingTable: an :class:`EmbeddingTable` whose rows spill to lower tiers.
+
+The table wraps every batch operation in :class:`~tensorkv.embedding.tiered.TierChain` calls:
+promote the batch's keys into tier 0, run the :class:`EmbeddingTable` operation there, then
+move tier 0's excess down in the background. Tier 0 is the DRAM arena, or an
+:class:`~tensorkv.embedding.tiers.hbm.HBMArena` (rows in torch tensors on a device) for
+``HBM*`` storage types.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import numpy as np
+
+from tensorkv.embedding.storage import DRAM, HBM, PMEM, StorageOption
+from tensorkv.embedding.table import EmbeddingTable, ExportChunk
+from tensorkv.embedding.tiered import DEFAULT_MAX_PENDING_BYTES, TierChain
+from tensorkv.embedding.tiers.base import LowerTier, RecordLayout
+from tensorkv.embedding.tiers.hbm import DRAMTier, HBMArena
+from tensorkv.errors import ConfigError
+
+
+class _DeviceRowsOptimizer:
+    """The table's optimizer, applied to rows that live on a device (HBM tier 0).
+
+    :meth:`EmbeddingTable.apply_gradients` hands the arena's arrays to ``optimizer.apply``; for
+    device tensors this wrapper runs :meth:`HBMArena.apply_optimizer` instead (host kernel on
+    gathered rows, bit-identical). Everything else is the wrapped optimizer's.
+    """
+
+    def __init__(self, inner: Any, arena: HBMArena) -> None:
+        self._inner = inner
+        self._arena = arena
+
+    def apply(self, values: Any, slots: Any, rows: np.ndarray, grads: np.ndarray,
+              step: int) -> None:
+        """``optimizer.apply`` for host arrays, the gather/apply/scatter route for tensors."""
+        if isinstance(values, np.ndarray):
+            self._inner.apply(values, slots, rows, grads, step)
+        else:
+            self._arena.apply_optimizer(self._inner, rows, grads, step)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def __repr__(self) -> str:
+        return repr(self._inner)
+
+
+def _budget_rows(size: int | None, record_bytes: int) -> int | None:
+    return None if size is None else max(1, int(size) // record_bytes)
+
+
+def resolve_storage(storage: Any, storage_path: Any, storage_size: Any,
+                    cache_strategy: str | None) -> StorageOption | None:
+    """Turn the table's storage arguments into a :class:`StorageOption` (None: DRAM only)."""
+    if storage is None:
+        if storage_path is not None or storage_size is not None:
+            raise ConfigError("storage_path/storage_size need storage='DRAM_SSDHASH' (or another"
+                              " storage type) or storage=StorageOption(...)")
+        return None
+    if isinstance(storage, StorageOption):
+        if storage_path is not None or storage_size is not None:
+            raise ConfigError("give storage_path/storage_size inside the StorageOption, not "
+                              "beside it")
+        if cache_strategy is not None and cache_strategy != storage.cache_strategy:
+            raise ConfigError("give cache_strategy inside the StorageOption, not beside it")
+        return storage
+    if isinstance(storage, str):
+        return StorageOption(storage, storage_path=storage_path, storage_size=storage_size,
+                             cache_strategy=cache_strategy or "lfu")
+    raise ConfigError(f"storage={storage!r} must be a storage type name such as "
+                      "'DRAM_SSDHASH' or a StorageOption")
+
+
+class TieredEmbeddingTable(EmbeddingTable):
+    """An :class:`EmbeddingTable` whose rows spill from DRAM to lower tiers.
+
+    Takes every :class:`EmbeddingTable` argument plus the storage ones below. Training through
+    any chain gives bit-identical values, slots, frequencies and versions to the DRAM-only
+    table on the same inputs; ``len``, ``keys``, ``contains``, ``frequency``, ``version``,
+    ``remove``, ``export``/``import_`` and eviction (TTL, L2, ``max_rows``) see every tier.
+
+    Operations of one tiered table run one at a time (a per-table mutex spans promotion, the
+    operation and demotion); whole-table views (``len``, ``keys``, ``export``, ``evict``) first
+    wait for the pending background writes.
+
+    Parameters
+    ----------
+    storage
+        A :class:`StorageOption` or a storage type name (``"DRAM_SSDHASH"``...).
+    storage_path, storage_size, cache_strategy
+        As for :class:`StorageOption` when ``storage`` is a name. Sizes are bytes; a tier
+        holds ``size // record_bytes`` rows (``RecordLayout(dim, num_slots=...)``).
+    max_pending_bytes
+        Evicted bytes that may wait for their background write before the caller blocks.
+    **kwargs
+        :class:`EmbeddingTable` arguments.
+    """
+
+    def __init__(self, dim: int, *, storage: Any = None, storage_path: Any = None,
+                 storage_size: Any = None, cache_strategy: str | None = None,
+                 max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES, device: Any = "cuda",
+                 **kwargs: Any) -> None:
+        opt = resolve_storage(storage, storage_path, storage_size, cache_strategy)
+        if opt is not None and not kwargs.get("growth", True):
+            raise ConfigError("growth=False cannot be combined with storage tiers; the tier "
+                              "sizes bound the rows (storage_size=[...])")
+        super().__init__(dim, **kwargs)
+        self.storage = opt
+        self._op = threading.RLock()
+        layout = RecordLayout(self.dim, "float32", self.num_slots)
+        self.layout = layout
+        lowers: list[tuple[LowerTier, int | None]] = []
+        budget = None
+        policy = "lfu"
+        if opt is not None:
+            specs = opt.tier_specs()
+            policy = opt.cache_strategy
+            if isinstance(specs[0], HBM):
+                self._arena = HBMArena(self.dim, self.num_slots * self.dim, device=device)
+                self.optimizer = _DeviceRowsOptimizer(self.optimizer, self._arena)
+            budget = _budget_rows(specs[0].size, layout.record_bytes)
+            try:
+                for s in specs[1:]:
+                    if isinstance(s, DRAM):  # host memory below HBM
+                        lowers.append((DRAMTier(layout), _budget_rows(s.size,
+                                                                      layout.record_bytes)))
+                        continue
+                    extra = {}
+                    if isinstance(s, PMEM):  # the chain enforces the budget, by rows
+                        extra = {"max_bytes": None}
+                        os.makedirs(os.path.dirname(os.path.abspath(s.path)), exist_ok=True)
+                    lowers.append((s.open(layout, **extra),
+                                   _budget_rows(s.size, layout.record_bytes)))
+            except BaseException:
+                for t, _ in lowers:
+                    t.close()
+                raise
+        self._chain = TierChain(self._arena, layout, budget, lowers, policy,
+                                name=f"table(dim={self.dim})",
+                                max_pending_bytes=max_pending_bytes)
+
+    @property
+    def device(self) -> Any:
+        """The torch device of tier 0 (``"cpu"`` for a DRAM tier 0)."""
+        return getattr(self._arena, "device", "cpu")
+
+    def _init_rows(self, rows: np.ndarray, keys: np.ndarray) -> None:
+        if isinstance(self._arena, HBMArena):
+            self._arena.init_rows(self.initializer, rows, keys, self.seed, self._slot_init)
+        else:
+            super()._init_rows(rows, keys)
+
+    # ------------------------------------------------------------------ batch operations
+    def lookup_torch(self, keys: Any, insert: bool = True) -> Any:
+        """:meth:`lookup` as a float32 torch tensor on tier 0's device.
+
+        With an HBM tier 0 the rows are gathered on the device (``index_select``) after the
+        usual lookup (promotion, insertion, admission, frequency counts); keys without a row
+        (not admitted, or ``insert=False``) read their initial/default value. With a DRAM
+        tier 0 it is ``torch.from_numpy(lookup(keys))``.
+        """
+        import torch
+
+        k = self._as_keys(keys)
+        with self._op:
+            host = self.lookup(k, insert)
+            if not isinstance(self._arena, HBMArena):
+                return torch.from_numpy(host)
+            with self._lock.read():
+                return self._arena.lookup_torch(k, fill=host)
+
+    def lookup(self, keys: Any, insert: bool = True) -> np.ndarray:  # noqa: D102
+        k = self._as_keys(keys)
+        with self._op:
+            with self._lock.write():
+                self._chain.promote(k, count=True)
+            out = super().lookup(k, insert)
+            with self._lock.write():
+                self._chain.after(k)
+        return out
+
+    lookup.__doc__ = EmbeddingTable.lookup.__doc__
+
+    def apply_gradients(self, keys: Any, grads: Any, step: int | None = None) -> int:  # noqa: D102
+        k = self._as_keys(keys)
+        with self._op:
+            with self._lock.write():
+                self._chain.promote(k)
+            n = super().apply_gradients(k, grads, step)
+            with self._lock.write():
+                self._chain.after(k)
+        return n
+
+    apply_gradients.__doc__ = EmbeddingTable.apply_gradients.__doc__
+
+    def upsert(self, keys: Any, values: Any) -> None:  # noqa: D102
+        k = self._as_keys(keys)
+        with self._op:
+            with self._lock.write():
+                self._chain.promote(k)
+            super().upsert(k, values)
+            with self._lock.write():
+                self._chain.after(k)
+
+    upsert.__doc__ = EmbeddingTable.upsert.__doc__
+
+    def remove(self, keys: Any) -> int:  # noqa: D102
+        k = self._as_keys(keys)
+        with self._op:
+            with self._lock.write():
+                self._chain.promote(k)
+            return super().remove(k)
+
+    remove.__doc__ = EmbeddingTable.remove.__doc__
+
+    def import_(self, chunks: Iterable[Any]) -> int:  # noqa: D102
+        if isinstance(chunks, tuple) and len(chunks) >= 5 and isinstance(chunks[0], np.ndarray):
+            chunks = [chunks]
+        total = 0
+        with self._op:
+            for ch in chunks:
+                keys = self._check_chunk(ch)[0]
+                with self._lock.write():
+                    self._chain.promote(keys)
+                total += super().import_([ch])
+                with self._lock.write():
+                    self._chain.after(keys, protect=False)
+        return total
+
+    import_.__doc__ = EmbeddingTable.import_.__doc__
+
+    # ------------------------------------------------------------------ reads over all tiers
+    def contains(self, keys: Any) -> np.ndarray:  # noqa: D102
+        k = self._as_keys(keys)
+        with self._op, self._lock.read():
+            out = self._arena.find(k) >= 0
+            miss = np.flatnonzero(~out)
+            if miss.size:
+                out[miss] = self._chain.read(k[miss])[0]
+        return out
+
+    contains.__doc__ = EmbeddingTable.contains.__doc__
+
+    def _meta_of(self, keys: Any, name: str, missing: int) -> np.ndarray:
+        k = self._as_keys(keys)
+        with self._op, self._lock.read():
+            rows = self._arena.find(k)
+            out = getattr(self._arena, name)[np.maximum(rows, 0)].copy()
+            out[rows < 0] = missing
+            miss = np.flatnonzero(rows < 0)
+            if miss.size:
+                found, recs = self._chain.read(k[miss])
+                f = self.layout.unpack(recs)
+                vals = f.freq if name == "freq" else f.version
+                out[miss[found]] = vals[found]
+        return out
+
+    def __len__(self) -> int:
+        with self._op:
+            return len(self._arena) + self._chain.lower_len()
+
+    def keys(self) -> np.ndarray:  # noqa: D102
+        with self._op:
+            return np.concatenate([super().keys(), self._chain.lower_keys()])
+
+    keys.__doc__ = EmbeddingTable.keys.__doc__
+
+    def export(self, chunk_rows: int = 65536, since: int | None = None) -> Iterator[ExportChunk]:
+        """Yield every tier's rows (tier 0 first) in chunks; see :meth:`EmbeddingTable.export`."""
+        yield from super().export(chunk_rows, since)
+        yield from self._chain.export(int(chunk_rows), -1 if since is None else int(since))
+
+    # ------------------------------------------------------------------ eviction, lifecycle
+    def _evict_locked(self) -> int:
+        if self.eviction is None:
+            return 0
+        dead = self._chain.evict(self.eviction, self._step)
+        if dead.size == 0:
+            return 0
+        removed = self._arena.remove(dead)
+        n = int((removed >= 0).sum()) + self._chain.remove_lower(dead[removed < 0])
+        self._mseq += 1
+        self._stats["evictions"] += n
+        return n
+
+    def evict(self) -> int:  # noqa: D102
+        with self._op:
+            return super().evict()
+
+    evict.__doc__ = EmbeddingTable.evict.__doc__
+
+    def clear(self) -> None:  # noqa: D102
+        with self._op:
+            super().clear()
+            self._chain.clear()
+
+    clear.__doc__ = EmbeddingTable.clear.__doc__
+
+    def flush(self) -> None:
+        """Wait for pending background writes and flush the lower tiers."""
+        with self._op:
+            self._chain.flush()
+
+    def close(self) -> None:
+        """Flush and close the lower tiers (the table is unusable afterwards for tiered rows)."""
+        with self._op:
+            self._chain.close()
+
+    def __enter__(self) -> TieredEmbeddingTable:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def stats(self) -> dict[str, Any]:
+        """Sizes and counters; ``rows`` counts every tier.
+
+        :meth:`EmbeddingTable.stats` plus ``tier0_rows`` and ``tiers``: per tier its rows,
+        bytes, hits, misses, promotions (rows moved up out of it), evictions (rows moved
+        down out of it) and compactions.
+        """
+        with self._op:
+            out = super().stats()
+            self._chain.sync()
+            out["tier0_rows"] = out["rows"]
+            out["tiers"] = self._chain.stats()
+            out["rows"] = sum(int(t["rows"]) for t in out["tiers"])
+        return out
+
+    def state_dict_meta(self) -> dict[str, Any]:  # noqa: D102
+        meta = super().state_dict_meta()
+        meta["storage"] = None if self.storage is None else self.storage.to_dict()
+        return meta
+
+    state_dict_meta.__doc__ = EmbeddingTable.state_dict_meta.__doc__
+
+
+__all__ = ["TieredEmbeddingTable", "resolve_storage"]

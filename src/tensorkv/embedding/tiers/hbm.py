@@ -1,0 +1,360 @@
+"""HBM tier 0: embedding rows in torch tensors on a GPU, the hash index on the host.
+
+Also :class:`DRAMTier`, host memory as a lower tier below HBM (``HBM_DRAM*`` chains).
+
+:class:`HBMArena` has the API of :class:`~tensorkv.embedding.arena.RowArena` (find / insert /
+remove / gather / scatter / keys / iterate, the same per-row metadata arrays ``freq``,
+``version``, ``seq``, ``row_key``, ``live``) but keeps ``values`` ``[capacity, dim]`` and
+``slots`` ``[capacity, slot_width]`` as float32 torch tensors on ``device`` (``"cuda"`` by
+default; ``"cpu"`` works everywhere and is what the tests use). The index is the same numba
+open-addressing hash index as the DRAM arena, on the host: key -> row happens on the CPU and
+only row numbers travel to the device.
+
+Reads
+-----
+:meth:`HBMArena.lookup_torch` returns a device tensor (``index_select`` of the rows; absent keys
+read zeros or a given fill); :meth:`HBMArena.gather` returns a host numpy copy (export,
+demotion to lower tiers).
+
+Updates stay bit-identical to the DRAM table
+-------------------------------------------
+:meth:`HBMArena.apply_optimizer` gathers the touched rows (values and slots) to host float32,
+runs the table's numba optimizer kernel on them (``rows = arange(m)``), and copies them back:
+exactly the arithmetic of the DRAM table, so values and slots are bit-identical. The cost is two
+transfers of ``m * (dim + slot_width) * 4`` bytes per step (device -> host -> device) plus the
+CPU kernel -- for 65,536 rows of dim 64 with one Adagrad slot, 32 MiB each way, a few ms over
+PCIe, in exchange for identical results. A device-side optimizer would be faster but would not
+round like the host kernels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from tensorkv import config
+from tensorkv.embedding.arena import ROW_GROWTH, RowArena, _pow2_at_least
+from tensorkv.embedding.tiers.base import LowerTier, RecordLayout, as_keys, check_chunk_rows
+from tensorkv.errors import ConfigError
+from tensorkv.kernels import hashindex as hk
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError as e:  # pragma: no cover - torch is installed with the extra
+        from tensorkv.errors import MissingDependencyError
+
+        raise MissingDependencyError(
+            "the HBM tier needs torch: pip install torch"
+        ) from e
+    return torch
+
+
+def _last_wins(rows: np.ndarray) -> np.ndarray:
+    """Positions of the last occurrence of each distinct row (rows >= 0 only)."""
+    rev = rows[::-1]
+    _, first = np.unique(rev, return_index=True)
+    pos = rows.size - 1 - first
+    return pos[rows[pos] >= 0]
+
+
+class HBMArena(RowArena):
+    """Hash index on the host + row tensors on a torch device.
+
+    Parameters
+    ----------
+    dim
+        Columns of a value row.
+    slot_width
+        Columns of the slot row (``num_slots * dim``).
+    capacity
+        Initial row capacity; with ``growth=False`` the most rows ever held.
+    growth
+        Whether the arena may grow past ``capacity`` (a growth allocates a larger tensor and
+        copies on the device).
+    max_load
+        Index load factor that triggers doubling.
+    device
+        torch device of the rows: ``"cuda"`` (default), ``"cuda:1"``, ``"cpu"``.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        slot_width: int = 0,
+        *,
+        capacity: int | None = None,
+        growth: bool = True,
+        max_load: float = config.TABLE_MAX_LOAD_FACTOR,
+        device: Any = "cuda",
+    ) -> None:
+        torch = _torch()
+        try:
+            self.device = torch.device(device)
+        except (RuntimeError, TypeError) as e:
+            raise ConfigError(f"device={device!r} is not a torch device ({e}); use 'cuda' or "
+                              "'cpu'") from None
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(
+                f"device={device!r} needs CUDA, which this torch build/machine does not have; "
+                "use device='cpu' or a DRAM table"
+            )
+        super().__init__(dim, slot_width, capacity=capacity, growth=growth, max_load=max_load)
+
+    # --- allocation ---------------------------------------------------------------------------
+    def _alloc(self, cap: int) -> None:
+        torch = _torch()
+        cap = max(int(cap), 1)
+        self.values = torch.zeros((cap, self.dim), dtype=torch.float32, device=self.device)
+        self.slots = torch.zeros((cap, self.slot_width), dtype=torch.float32, device=self.device)
+        self.freq = np.zeros(cap, np.int64)
+        self.version = np.zeros(cap, np.int64)
+        self.seq = np.zeros(cap, np.int64)
+        self.row_key = np.zeros(cap, np.int64)
+        self.live = np.zeros(cap, np.uint8)
+        n_slots = _pow2_at_least(int(cap / self.max_load) + 1)
+        self.index = hk.new_index(n_slots)
+        self.state = np.array([0, 0, -1, 0], np.int64)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the device tensors plus the host index and metadata."""
+        dev = (self.values.numel() + self.slots.numel()) * 4
+        host = (self.freq, self.version, self.seq, self.row_key, self.live, self.index,
+                self.state)
+        return int(dev + sum(a.nbytes for a in host))
+
+    @property
+    def device_bytes(self) -> int:
+        """Bytes of the row tensors on the device."""
+        return int((self.values.numel() + self.slots.numel()) * 4)
+
+    def _grow_rows(self, need: int) -> None:
+        torch = _torch()
+        cap = self.capacity
+        new = max(need, int(cap * ROW_GROWTH) + 1)
+        if self.max_rows is not None and not self.growth:
+            new = min(new, self.max_rows)
+        for name in ("values", "slots"):
+            old = getattr(self, name)
+            t = torch.zeros((new, old.shape[1]), dtype=old.dtype, device=self.device)
+            t[:cap] = old
+            setattr(self, name, t)
+        for name in ("freq", "version", "seq", "row_key", "live"):
+            getattr(self, name).resize(new, refcheck=False)
+
+    # --- transfers ------------------------------------------------------------------------------
+    def _rows_t(self, rows: np.ndarray):
+        torch = _torch()
+        return torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64)).to(self.device)
+
+    def _gather_t(self, tensor, rows: np.ndarray):
+        """Device tensor of ``tensor[rows]`` with zero rows where ``rows < 0``."""
+        torch = _torch()
+        safe = np.maximum(rows, 0)
+        out = tensor.index_select(0, self._rows_t(safe))
+        if (rows < 0).any():
+            out[torch.from_numpy(rows < 0).to(self.device)] = 0
+        return out
+
+    def _to_host(self, t) -> np.ndarray:
+        return np.ascontiguousarray(t.detach().to("cpu").numpy(), dtype=np.float32)
+
+    # --- the RowArena API -----------------------------------------------------------------------
+    def find_gather(self, keys: np.ndarray, out: np.ndarray) -> tuple[np.ndarray, int]:
+        """Rows of ``keys`` and their values copied into the host array ``out``."""
+        rows = self.find(keys)
+        hit = np.flatnonzero(rows >= 0)
+        if hit.size:
+            out[hit] = self._to_host(self.values.index_select(0, self._rows_t(rows[hit])))
+        return rows, int(keys.shape[0] - hit.size)
+
+    def gather(self, rows: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """Host copy of the value rows (``-1`` rows left as in ``out`` / zero)."""
+        if out is None:
+            out = np.zeros((rows.shape[0], self.dim), np.float32)
+        hit = np.flatnonzero(rows >= 0)
+        if hit.size:
+            out[hit] = self._to_host(self.values.index_select(0, self._rows_t(rows[hit])))
+        return out
+
+    def gather_slots(self, rows: np.ndarray) -> np.ndarray:
+        """Host copy of the slot rows."""
+        out = np.zeros((rows.shape[0], self.slot_width), np.float32)
+        hit = np.flatnonzero(rows >= 0)
+        if self.slot_width and hit.size:
+            out[hit] = self._to_host(self.slots.index_select(0, self._rows_t(rows[hit])))
+        return out
+
+    def _scatter(self, tensor, rows: np.ndarray, src: np.ndarray) -> None:
+        torch = _torch()
+        rows = np.asarray(rows, np.int64)
+        pos = _last_wins(rows)  # a later duplicate wins, as in the DRAM arena
+        if pos.size == 0:
+            return
+        data = torch.from_numpy(np.ascontiguousarray(np.asarray(src)[pos], dtype=np.float32))
+        tensor.index_copy_(0, self._rows_t(rows[pos]), data.to(self.device))
+
+    def scatter(self, rows: np.ndarray, values: np.ndarray) -> None:
+        """Write value rows from host data (in order; a later duplicate wins)."""
+        self._scatter(self.values, rows, values)
+
+    def scatter_slots(self, rows: np.ndarray, slots: np.ndarray) -> None:
+        """Write slot rows from host data."""
+        if self.slot_width:
+            self._scatter(self.slots, rows, slots)
+
+    # --- device-side and table helpers ----------------------------------------------------------
+    def lookup_torch(self, keys: np.ndarray, fill: Any = None):
+        """Values of ``keys`` as a ``[n, dim]`` float32 tensor on the device.
+
+        Absent keys read zeros, or ``fill`` (a ``[n, dim]`` host array/tensor whose rows are
+        used where the key is absent).
+        """
+        torch = _torch()
+        rows = self.find(np.ascontiguousarray(keys, dtype=np.int64))
+        out = self._gather_t(self.values, rows)
+        miss = np.flatnonzero(rows < 0)
+        if fill is not None and miss.size:
+            f = torch.as_tensor(np.asarray(fill)[miss], dtype=torch.float32)
+            out[self._rows_t(miss)] = f.to(self.device)
+        return out
+
+    def init_rows(self, initializer, rows: np.ndarray, keys: np.ndarray, seed: int,
+                  slot_init: np.ndarray) -> None:
+        """Write initial values (computed on the host, as the DRAM table does) and slots."""
+        if rows.size == 0:
+            return
+        self.scatter(rows, initializer.values(keys, self.dim, seed))
+        if self.slot_width:
+            num = self.slot_width // self.dim
+            s = np.repeat(np.asarray(slot_init, np.float32), self.dim)[: num * self.dim]
+            self.scatter_slots(rows, np.broadcast_to(s, (rows.size, self.slot_width)))
+        self.freq[rows] = 0
+
+    def apply_optimizer(self, optimizer, rows: np.ndarray, grads: np.ndarray,
+                        step: int) -> None:
+        """One optimizer step on ``rows`` (unique), bit-identical to the DRAM table.
+
+        Gathers the rows' values and slots to host float32, runs ``optimizer.apply`` (the
+        numba kernel) with ``rows = arange(m)``, and copies both back to the device.
+        """
+        rows = np.ascontiguousarray(rows, dtype=np.int64)
+        m = rows.size
+        if m == 0:  # the DRAM table does not call the optimizer for an empty step either
+            return
+        v = self.gather(rows)
+        s = self.gather_slots(rows)
+        optimizer.apply(v, s, np.arange(m, dtype=np.int64),
+                        np.ascontiguousarray(grads, dtype=np.float32), step)
+        self.scatter(rows, v)
+        self.scatter_slots(rows, s)
+
+    def row_l2(self, rows: np.ndarray) -> np.ndarray:
+        """L2 norm (float64) of value rows, computed on the host like the DRAM table's kernel."""
+        from tensorkv.kernels import arena as ak
+
+        v = self.gather(rows)
+        return ak.row_l2(v, np.arange(rows.size, dtype=np.int64))
+
+
+
+
+class DRAMTier(LowerTier):
+    """Host memory as a lower tier (below an HBM tier 0): records in one numpy array.
+
+    The index is a :class:`RowArena` of width 1 (its hash index, free list and key column);
+    records live in a ``uint8[capacity, record_bytes]`` array beside it. Not persistent.
+
+    Parameters
+    ----------
+    layout
+        Record layout.
+    """
+
+    kind = "dram"
+    persistent = False
+
+    def __init__(self, layout: RecordLayout) -> None:
+        super().__init__(layout)
+        self._idx = RowArena(1, 0)
+        self._rec = layout.empty(self._idx.capacity)
+        self._counters = {"reads": 0, "writes": 0, "deletes": 0}
+
+    def put(self, keys: np.ndarray, records: np.ndarray) -> None:  # noqa: D102
+        keys, records = self._check_put(keys, records)
+        with self._lock:
+            self._check_open()
+            rows, _ = self._idx.insert(keys)
+            if self._rec.shape[0] < self._idx.capacity:
+                self._rec.resize((self._idx.capacity, self.record_bytes), refcheck=False)
+            self._rec[rows] = records  # numpy assignment: a later duplicate wins
+            self._counters["writes"] += int(keys.size)
+
+    def get(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:  # noqa: D102
+        keys = as_keys(keys)
+        with self._lock:
+            self._check_open()
+            rows = self._idx.find(keys)
+            found = rows >= 0
+            out = self.layout.empty(keys.size)
+            out[found] = self._rec[rows[found]]
+            self._counters["reads"] += int(keys.size)
+        return found, out
+
+    def delete(self, keys: np.ndarray) -> int:  # noqa: D102
+        keys = as_keys(keys)
+        with self._lock:
+            self._check_open()
+            n = int((self._idx.remove(keys) >= 0).sum())
+            self._counters["deletes"] += n
+        return n
+
+    def contains(self, keys: np.ndarray) -> np.ndarray:  # noqa: D102
+        keys = as_keys(keys)
+        with self._lock:
+            self._check_open()
+            return self._idx.find(keys) >= 0
+
+    def keys(self) -> np.ndarray:  # noqa: D102
+        with self._lock:
+            self._check_open()
+            return self._idx.keys()
+
+    def __len__(self) -> int:
+        return len(self._idx)
+
+    def flush(self) -> None:  # noqa: D102
+        self._check_open()
+
+    def _close(self) -> None:
+        self._rec = self.layout.empty(0)
+        self._idx = RowArena(1, 0)
+
+    def stats(self) -> dict[str, Any]:  # noqa: D102
+        with self._lock:
+            return {"kind": self.kind, "rows": len(self._idx),
+                    "bytes": int(self._rec.nbytes + self._idx.nbytes), "compactions": 0,
+                    **self._counters}
+
+    def check(self) -> list[str]:  # noqa: D102
+        with self._lock:
+            keys = self._idx.keys()
+            rows = self._idx.find(keys)
+            bad = self.layout.record_keys(self._rec[rows]) != keys
+            return [f"row of key {int(k)} holds another key" for k in keys[bad][:10]]
+
+    def scan(self, chunk_rows: int = 65536) -> Iterator[tuple[np.ndarray, np.ndarray]]:  # noqa: D102
+        chunk_rows = check_chunk_rows(chunk_rows)
+        with self._lock:
+            self._check_open()
+            keys = self._idx.keys()
+            rows = self._idx.find(keys)
+        for s in range(0, keys.size, chunk_rows):
+            yield keys[s:s + chunk_rows], self._rec[rows[s:s + chunk_rows]]
+
+
+__all__ = ["DRAMTier", "HBMArena"]

@@ -1,0 +1,26 @@
+"""``tensorkv bench tiers`` runs at tiny size and reports every case (timing is not checked)."""
+
+from __future__ import annotations
+
+import math
+
+from tensorkv.bench import tiers as bench_tiers
+from tensorkv.bench.common import Report
+
+
+def test_bench_tiers_tiny(tmp_path):
+    report = Report("tiers", quick=True, echo=False)
+    bench_tiers.run(True, report, n_keys=3000, batch=256, dim=8, steps=2,
+                    fractions=(0.1, 0.5), zipfs=(1.05,),
+                    backends=("DRAM_SSDHASH", "DRAM_LEVELDB"), data_dir=str(tmp_path))
+    cases = [(r.case, r.metric) for r in report.results]
+    assert ("DRAM_SSDHASH tier0=10% zipf=1.05", "Mkeys/s") in cases
+    assert ("DRAM_LEVELDB tier0=50% zipf=1.05", "tier0 hit %") in cases
+    assert ("SSDHASH vs LEVELDB tier0=10% zipf=1.05", "Mkeys/s") in cases
+    assert len(report.results) == 2 * 2 * 2 + 2
+    for r in report.results:
+        assert r.value > 0 and r.baseline_value > 0 and math.isfinite(r.ratio)
+        if r.metric == "tier0 hit %":
+            assert 0 < r.value <= 100 and 0 < r.baseline_value <= 100
+    assert report.params["n_keys"] == 3000
+    assert list(tmp_path.iterdir()) == []  # data removed

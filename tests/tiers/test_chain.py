@@ -1,0 +1,227 @@
+"""Tiered tables: every tier is visible to the table's views, admission and eviction."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tensorkv.embedding.filters import CounterFilter
+from tensorkv.embedding.storage import DRAM, PMEM, SSDHash, StorageOption
+from tensorkv.embedding.table import EmbeddingTable
+from tensorkv.embedding.tiered import TieredEmbeddingTable
+from tensorkv.embedding.tiers.base import RecordLayout
+from tensorkv.errors import ConfigError, NonFiniteGradientError, ShapeError
+
+from .test_exactness import assert_same, full_export
+
+DIM = 4
+
+
+def rb(optimizer: str = "adagrad") -> int:
+    n = {"sgd": 0, "adagrad": 1, "adam": 2}[optimizer]
+    return RecordLayout(DIM, num_slots=n).record_bytes
+
+
+def pair(tmp_path, *, rows0: int = 32, optimizer: str = "adagrad", storage="DRAM_SSDHASH",
+         policy="lru", **kw):
+    ref = EmbeddingTable(DIM, optimizer=optimizer, seed=1, **kw)
+    t = TieredEmbeddingTable(DIM, optimizer=optimizer, seed=1, storage=storage,
+                             storage_path=str(tmp_path / "t"),
+                             storage_size=[rows0 * rb(optimizer)], cache_strategy=policy, **kw)
+    return ref, t
+
+
+def steps(tables, n_steps=40, batch=20, n_ids=600, seed=0):
+    rng = np.random.default_rng(seed)
+    for _ in range(n_steps):
+        keys = rng.choice(n_ids, batch, replace=False).astype(np.int64)
+        g = rng.standard_normal((batch, DIM)).astype(np.float32)
+        for t in tables:
+            t.lookup(keys)
+            t.apply_gradients(keys, g)
+
+
+def test_views_see_every_tier(tmp_path):
+    ref, t = pair(tmp_path)
+    with t:
+        steps([ref, t])
+        st = t.stats()
+        assert st["tiers"][0]["rows"] <= 32 < len(t)
+        assert len(t) == len(ref) == st["rows"]
+        keys = t.keys()
+        assert keys.size == np.unique(keys).size == len(ref)  # no double counting
+        np.testing.assert_array_equal(np.sort(keys), np.sort(ref.keys()))
+        probe = np.arange(-5, 700, dtype=np.int64)
+        np.testing.assert_array_equal(t.contains(probe), ref.contains(probe))
+        np.testing.assert_array_equal(t.frequency(probe), ref.frequency(probe))
+        np.testing.assert_array_equal(t.version(probe), ref.version(probe))
+        np.testing.assert_array_equal(t[probe], ref[probe])  # insert=False reads lower tiers
+        assert 5 in t and -5 not in t
+        assert_same(ref, t)
+
+
+def test_remove_reaches_every_tier(tmp_path):
+    ref, t = pair(tmp_path)
+    with t:
+        steps([ref, t])
+        victims = ref.keys()[::3]
+        assert t.remove(victims) == ref.remove(victims) == victims.size
+        assert not t.contains(victims).any()
+        assert t.mutation_seq == ref.mutation_seq
+        assert_same(ref, t)
+        assert t.remove(victims) == 0
+
+
+def test_upsert_keeps_slots_of_a_lower_tier_row(tmp_path):
+    ref, t = pair(tmp_path)
+    with t:
+        steps([ref, t])
+        lower = np.setdiff1d(t.keys(), t._arena.keys())[:10]
+        assert lower.size == 10
+        vals = np.ones((10, DIM), np.float32)
+        ref.upsert(lower, vals)
+        t.upsert(lower, vals)
+        assert_same(ref, t)
+
+
+@pytest.mark.parametrize("eviction", [
+    {"steps_to_live": 5, "every_n_steps": 3},
+    {"l2_threshold": 0.06, "every_n_steps": 4},
+    {"max_rows": 150, "policy": "lfu", "every_n_steps": 5},
+    {"max_rows": 150, "policy": "lru", "every_n_steps": 5},
+    {"steps_to_live": 12, "l2_threshold": 0.05, "max_rows": 200, "every_n_steps": 2},
+])
+def test_eviction_same_keys_as_dram(tmp_path, eviction):
+    ref, t = pair(tmp_path, eviction=eviction)
+    with t:
+        steps([ref, t], n_steps=30)
+        assert ref.stats()["evictions"] > 0
+        assert t.stats()["evictions"] == ref.stats()["evictions"]
+        assert_same(ref, t)
+        assert ref.evict() == t.evict()
+        assert_same(ref, t)
+        gone = np.setdiff1d(np.arange(600), ref.keys())
+        assert not t.contains(gone).any()  # TTL/L2/max_rows removed them from every tier
+
+
+def test_admission_filter_across_tiers(tmp_path):
+    ref, t = pair(tmp_path, admission=CounterFilter(min_count=2).config())
+    with t:
+        steps([ref, t], n_steps=40, n_ids=200)
+        assert t.stats()["admissions_rejected"] == ref.stats()["admissions_rejected"] > 0
+        assert_same(ref, t)
+
+
+def test_export_since_and_import(tmp_path):
+    ref, t = pair(tmp_path)
+    with t:
+        steps([ref, t], n_steps=20)
+        s = t.mutation_seq
+        assert s == ref.mutation_seq
+        steps([ref, t], n_steps=5, seed=9)
+        inc_t = full_export_since(t, s)
+        inc_r = full_export_since(ref, s)
+        for f in inc_r:
+            np.testing.assert_array_equal(inc_t[f], inc_r[f])
+        # tiered -> DRAM and DRAM -> tiered
+        back = EmbeddingTable(DIM, optimizer="adagrad", seed=1)
+        back.import_(t.export(chunk_rows=50))
+        t2 = TieredEmbeddingTable(DIM, optimizer="adagrad", seed=1, storage="DRAM_SSDHASH",
+                                  storage_path=str(tmp_path / "t2"), storage_size=[20 * rb()])
+        with t2:
+            assert t2.import_(ref.export(chunk_rows=64)) == len(ref)
+            assert t2.stats()["tiers"][0]["rows"] <= 20
+            for other in (back, t2):
+                ea, eb = full_export(ref), full_export(other)
+                for f in ("keys", "values", "slots", "freq", "version"):
+                    np.testing.assert_array_equal(ea[f], eb[f])
+
+
+def full_export_since(table, since):
+    chunks = list(table.export(chunk_rows=64, since=since))
+    keys = np.concatenate([c.keys for c in chunks])
+    order = np.argsort(keys)
+    return {f: np.concatenate([getattr(c, f) for c in chunks])[order]
+            for f in ("keys", "values", "slots", "freq", "version", "seq")}
+
+
+def test_batch_larger_than_tier0_is_served_then_trimmed(tmp_path):
+    ref, t = pair(tmp_path, rows0=8)
+    with t:
+        keys = np.arange(50, dtype=np.int64)
+        np.testing.assert_array_equal(t.lookup(keys), ref.lookup(keys))
+        assert t.stats()["tiers"][0]["rows"] == 50  # the whole batch stays while it runs
+        np.testing.assert_array_equal(t.lookup(np.arange(100, 104)),
+                                      ref.lookup(np.arange(100, 104)))
+        assert t.stats()["tiers"][0]["rows"] == 8
+        assert len(t) == len(ref) == 54
+        assert_same(ref, t)
+
+
+def test_stats_per_tier(tmp_path):
+    opt = StorageOption(tiers=[DRAM(16 * rb()), PMEM(str(tmp_path / "p.tier"), 64 * rb()),
+                               SSDHash(str(tmp_path / "ssd"), segment_bytes=8192)])
+    ref = EmbeddingTable(DIM, optimizer="adagrad", seed=1)
+    with TieredEmbeddingTable(DIM, optimizer="adagrad", seed=1, storage=opt) as t:
+        steps([ref, t], n_steps=60)
+        st = t.stats()
+        assert [x["tier"] for x in st["tiers"]] == [0, 1, 2]
+        assert [x["kind"] for x in st["tiers"]] == ["DRAM", "pmem", "ssdhash"]
+        for x in st["tiers"]:
+            for k in ("rows", "bytes", "hits", "misses", "promotions", "evictions",
+                      "compactions"):
+                assert k in x or k == "compactions" and x["tier"] == 0, (k, x)
+        assert st["tiers"][0]["hits"] > 0 and st["tiers"][0]["misses"] > 0
+        assert st["tiers"][1]["promotions"] > 0 and st["tiers"][1]["evictions"] > 0
+        assert st["tiers"][2]["rows"] > 0 and st["tiers"][2]["promotions"] > 0
+        assert st["tiers"][1]["rows"] <= 64
+        assert sum(x["rows"] for x in st["tiers"]) == len(ref)
+        assert_same(ref, t)
+
+
+def test_clear_and_reuse(tmp_path):
+    ref, t = pair(tmp_path)
+    with t:
+        steps([ref, t], n_steps=10)
+        t.clear()
+        ref.clear()
+        assert len(t) == 0 and t.keys().size == 0
+        steps([ref, t], n_steps=10, seed=4)
+        assert_same(ref, t)
+
+
+def test_dram_storage_is_a_plain_table(tmp_path):
+    ref = EmbeddingTable(DIM, optimizer="adam", seed=1)
+    t = TieredEmbeddingTable(DIM, optimizer="adam", seed=1, storage="DRAM")
+    steps([ref, t], n_steps=5)
+    assert_same(ref, t)
+    assert len(t.stats()["tiers"]) == 1
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"storage": "DRAM_FLOPPY", "storage_path": "/x"}, "unknown storage_type"),
+    ({"storage": "DRAM_SSDHASH"}, "needs storage_path"),
+    ({"storage": 3}, "must be a storage type name"),
+    ({"storage_path": "/x"}, "need storage="),
+    ({"storage": "HBM_SSDHASH", "storage_path": "/x"}, "starts with HBM"),
+    ({"storage": "DRAM_SSDHASH", "storage_path": "/x", "growth": False, "capacity": 5},
+     "growth=False"),
+    ({"storage": StorageOption("DRAM"), "storage_size": [5]}, "inside the StorageOption"),
+    ({"storage": "DRAM_SSDHASH", "storage_path": "/x", "cache_strategy": "fifo"},
+     "cache_strategy"),
+])
+def test_bad_storage_arguments(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        TieredEmbeddingTable(DIM, **kwargs)
+
+
+def test_bad_input_leaves_state_intact(tmp_path):
+    ref, t = pair(tmp_path)
+    with t:
+        steps([ref, t], n_steps=10)
+        lower = np.setdiff1d(t.keys(), t._arena.keys())[:5]
+        with pytest.raises(ShapeError):
+            t.apply_gradients(lower, np.zeros((4, DIM), np.float32))  # wrong shape
+        with pytest.raises(NonFiniteGradientError):
+            t.apply_gradients(lower, np.full((5, DIM), np.nan, np.float32))
+        assert_same(ref, t)

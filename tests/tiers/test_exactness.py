@@ -1,0 +1,88 @@
+"""Training through a tier chain is bit-identical to the DRAM-only table."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tensorkv.embedding.table import EmbeddingTable
+from tensorkv.embedding.tiered import TieredEmbeddingTable
+from tensorkv.embedding.tiers.base import RecordLayout
+
+STEPS = 200
+BATCH = 50
+N_IDS = 5000
+TIER0_ROWS = 64
+
+
+def full_export(table) -> dict[str, np.ndarray]:
+    """Every row of ``table`` as arrays sorted by key."""
+    chunks = list(table.export(chunk_rows=1000))
+    if not chunks:
+        return {}
+    cat = {f: np.concatenate([getattr(c, f) for c in chunks]) for f in
+           ("keys", "values", "slots", "freq", "version", "seq")}
+    order = np.argsort(cat["keys"])
+    return {f: v[order] for f, v in cat.items()}
+
+
+def assert_same(a, b) -> None:
+    ea, eb = full_export(a), full_export(b)
+    assert ea.keys() == eb.keys()
+    for f in ea:
+        assert ea[f].dtype == eb[f].dtype, f
+        assert np.array_equal(ea[f], eb[f]), f"field {f} differs"
+    assert len(a) == len(b)
+
+
+def chain(name: str, tmp_path, layout: RecordLayout, tier0_rows: int = TIER0_ROWS,
+          tier1_rows: int | None = None):
+    size0 = tier0_rows * layout.record_bytes
+    sizes = [size0] if tier1_rows is None else [size0, tier1_rows * layout.record_bytes]
+    path = str(tmp_path / "tier")
+    return {"storage": name, "storage_path": path, "storage_size": sizes}
+
+
+def train(tables, *, string_keys: bool, seed: int = 0, steps: int = STEPS, batch=BATCH,
+          n_ids=N_IDS, dim=8) -> None:
+    rng = np.random.default_rng(seed)
+    for _ in range(steps):
+        ids = rng.choice(n_ids, size=batch, replace=False)
+        ids = np.concatenate([ids, ids[: batch // 5]])  # duplicates within the batch
+        keys = [f"id{i}" for i in ids] if string_keys else ids.astype(np.int64)
+        grads = rng.standard_normal((ids.size, dim)).astype(np.float32)
+        outs = [t.lookup(keys) for t in tables]
+        for o in outs[1:]:
+            assert np.array_equal(o, outs[0])
+        for t in tables:
+            t.apply_gradients(keys, grads)
+
+
+SSD_CHAINS = [("DRAM_SSDHASH", None), ("DRAM_PMEM_SSDHASH", 300)]
+KV_CHAINS = [("DRAM_LEVELDB", None), ("DRAM_ROCKSDB", None), ("DRAM_LMDB", None)]
+CASES = [
+    # the SSDHASH chains run every combination, the KV chains int keys with each optimizer
+    *[(n, r, o, s, p) for n, r in SSD_CHAINS for o in ("adagrad", "adam")
+      for s in (False, True) for p in ("lru", "lfu")],
+    *[(n, r, o, False, p) for n, r in KV_CHAINS for o, p in (("adagrad", "lru"), ("adam", "lfu"))],
+]
+
+
+@pytest.mark.parametrize(("name", "tier1_rows", "optimizer", "string_keys", "policy"), CASES)
+def test_training_bit_identical(tmp_path, name, tier1_rows, optimizer, string_keys, policy):
+    """200 steps of 50 distinct keys (+ duplicates) over 5,000 ids with tier 0 = 64 rows."""
+    dim = 8
+    ref = EmbeddingTable(dim, optimizer=optimizer, seed=3)
+    num_slots = ref.num_slots
+    lay = RecordLayout(dim, num_slots=num_slots)
+    opts = chain(name, tmp_path, lay, tier1_rows=tier1_rows)
+    with TieredEmbeddingTable(dim, optimizer=optimizer, seed=3, cache_strategy=policy,
+                              **opts) as t:
+        train([ref, t], string_keys=string_keys, steps=STEPS)
+        st = t.stats()
+        assert st["tiers"][0]["rows"] <= TIER0_ROWS
+        assert st["tiers"][0]["evictions"] > 0 and st["tiers"][1]["promotions"] > 0
+        if tier1_rows is not None:
+            assert st["tiers"][2]["rows"] > 0
+        assert_same(ref, t)
+        np.testing.assert_array_equal(np.sort(ref.keys()), np.sort(t.keys()))

@@ -1,0 +1,103 @@
+"""HBMArena: the RowArena API with rows in torch tensors (device='cpu' here, CUDA if present)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tensorkv.embedding.arena import RowArena
+from tensorkv.embedding.initializers import get_initializer
+from tensorkv.embedding.optimizers import get_optimizer
+from tensorkv.embedding.tiers.hbm import HBMArena
+from tensorkv.errors import ConfigError
+from tensorkv.kernels import arena as ak
+
+DIM = 8
+
+
+def twin(optimizer: str, device: str = "cpu"):
+    opt_a, opt_b = get_optimizer(optimizer), get_optimizer(optimizer)
+    sw = len(opt_a.slot_names()) * DIM
+    return (RowArena(DIM, sw, capacity=16), HBMArena(DIM, sw, capacity=16, device=device),
+            opt_a, opt_b)
+
+
+def init(arena, opt, rows, keys):
+    ini = get_initializer("normal")
+    slot_init = np.asarray(opt.slot_initial_values(), np.float32)
+    if isinstance(arena, HBMArena):
+        arena.init_rows(ini, rows, keys, 7, slot_init)
+    else:
+        ini.fill(arena.values, rows, keys, 7)
+        if arena.slot_width:
+            ak.fill_slots(arena.slots, rows, slot_init, DIM)
+        arena.freq[rows] = 0
+
+
+def run_twins(device: str, optimizer: str) -> None:
+    dram, hbm, opt_d, opt_h = twin(optimizer, device)
+    rng = np.random.default_rng(0)
+    for step in range(1, 40):
+        keys = np.unique(rng.integers(0, 300, 40))
+        g = np.ascontiguousarray(rng.standard_normal((keys.size, DIM), np.float32))
+        for a, o in ((dram, opt_d), (hbm, opt_h)):
+            rows, is_new = a.insert(keys)
+            init(a, o, rows[is_new], keys[is_new])
+            if a is dram:
+                o.apply(a.values, a.slots, rows, g, step)
+            else:
+                a.apply_optimizer(o, rows, g, step)
+        if step % 7 == 0:
+            gone = keys[::3]
+            np.testing.assert_array_equal(dram.remove(gone) >= 0, hbm.remove(gone) >= 0)
+    assert len(dram) == len(hbm)
+    assert hbm.capacity > 16  # grew
+    keys = np.sort(dram.keys())
+    np.testing.assert_array_equal(keys, np.sort(hbm.keys()))
+    rd, rh = dram.find(keys), hbm.find(keys)
+    np.testing.assert_array_equal(dram.gather(rd), hbm.gather(rh))  # bit-identical
+    np.testing.assert_array_equal(dram.gather_slots(rd), hbm.gather_slots(rh))
+    t = hbm.lookup_torch(keys)
+    assert isinstance(t, torch.Tensor) and t.device.type == torch.device(device).type
+    np.testing.assert_array_equal(t.cpu().numpy(), dram.gather(rd))
+    np.testing.assert_array_equal(hbm.row_l2(rh), ak.row_l2(dram.values, rd))
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "adam"])
+def test_hbm_arena_bit_identical_to_dram(optimizer):
+    run_twins("cpu", optimizer)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_hbm_arena_on_cuda():
+    run_twins("cuda", "adagrad")
+    a = HBMArena(DIM, DIM, device="cuda")
+    assert a.values.is_cuda and a.slots.is_cuda
+
+
+def test_lookup_and_gather_of_absent_keys():
+    a = HBMArena(DIM, 0, device="cpu")
+    rows, _ = a.insert(np.array([5, 6], np.int64))
+    a.scatter(rows, np.ones((2, DIM), np.float32))
+    out = a.lookup_torch(np.array([5, 99, 6]))
+    np.testing.assert_array_equal(out.numpy()[1], np.zeros(DIM, np.float32))
+    fill = np.full((3, DIM), 7.0, np.float32)
+    np.testing.assert_array_equal(a.lookup_torch(np.array([5, 99]), fill=fill[:2]).numpy()[1],
+                                  fill[1])
+    host = np.full((3, DIM), -1.0, np.float32)
+    rows, misses = a.find_gather(np.array([5, 99, 6], np.int64), host)
+    assert misses == 1 and rows[1] == -1 and (host[1] == -1).all() and (host[0] == 1).all()
+    # a later duplicate wins, as in the DRAM arena
+    a.scatter(np.array([rows[0], rows[0]]), np.stack([np.zeros(DIM), np.full(DIM, 3.0)]))
+    assert (a.gather(rows[:1]) == 3).all()
+    assert a.nbytes > a.device_bytes > 0
+
+
+def test_bad_device():
+    with pytest.raises(ConfigError, match="not a torch device"):
+        HBMArena(DIM, device="floppy")
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="needs CUDA"):
+            HBMArena(DIM)

@@ -1,0 +1,125 @@
+"""The shared write-back pool: sizing, ordering, pending reads, errors never lost."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from tensorkv.embedding import writeback
+from tensorkv.embedding.storage import DRAM, KVTier, StorageOption
+from tensorkv.embedding.table import EmbeddingTable
+from tensorkv.embedding.tiered import TieredEmbeddingTable
+from tensorkv.embedding.writeback import WriteBackError, WriteQueue
+from tensorkv.errors import ConfigError
+
+from .test_chain import DIM, pair, rb, steps
+from .test_exactness import assert_same
+
+
+@pytest.fixture
+def fresh_pool():
+    writeback.shutdown()
+    yield
+    writeback.shutdown()
+
+
+def test_pool_is_shared_and_sized_by_env(monkeypatch, fresh_pool, tmp_path):
+    monkeypatch.setenv("TENSORKV_EVICTION_THREADS", "3")
+    assert writeback.pool_threads() == 0  # created lazily
+    a = pair(tmp_path / "a")[1]
+    b = pair(tmp_path / "b")[1]
+    with a, b:
+        steps([a, b], n_steps=5)
+        assert writeback.pool() is writeback.pool()
+        assert writeback.pool_threads() == 3
+        a.flush()
+        b.flush()
+        assert a._chain.queue.completed > 0 and b._chain.queue.completed > 0
+
+
+def test_pool_default_is_one_thread(monkeypatch, fresh_pool):
+    monkeypatch.delenv("TENSORKV_EVICTION_THREADS", raising=False)
+    writeback.pool()
+    assert writeback.pool_threads() == 1
+
+
+def test_bad_thread_count(monkeypatch, fresh_pool):
+    monkeypatch.setenv("TENSORKV_EVICTION_THREADS", "0")
+    with pytest.raises(ConfigError, match="TENSORKV_EVICTION_THREADS"):
+        writeback.pool()
+
+
+def test_queue_runs_in_order_and_flush_waits():
+    q = WriteQueue("q")
+    out: list[int] = []
+    gate = threading.Event()
+    q.submit(gate.wait)
+    for i in range(20):
+        q.submit(lambda i=i: out.append(i))
+    assert q.pending == 21
+    gate.set()
+    q.flush()
+    assert out == list(range(20)) and q.pending == 0
+
+
+def test_queue_error_is_raised_once_then_retried():
+    q = WriteQueue("q")
+    calls: list[int] = []
+
+    def flaky():
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError("disk full")
+
+    q.submit(flaky)
+    with pytest.raises(WriteBackError, match="disk full"):
+        q.flush()
+    q.check()  # raised once only
+    q.flush()  # retries the failed job
+    assert len(calls) == 2 and q.pending == 0
+
+
+def test_reads_use_pending_rows_while_writes_are_blocked(tmp_path):
+    ref, t = pair(tmp_path, rows0=16)
+    tier = t._chain.lowers[0][0]
+    gate = threading.Event()
+    real_put = tier.put
+
+    def slow_put(keys, records):  # the real tier, held back until the gate opens
+        gate.wait()
+        real_put(keys, records)
+
+    tier.put = slow_put
+    with t:
+        try:
+            steps([ref, t], n_steps=25, n_ids=120)  # keys come back while their writes wait
+            assert t._chain.pending
+            assert len(tier) == 0  # nothing landed: every promotion came from pending rows
+            assert t._chain.counters["tier1"]["promotions"] > 0
+        finally:
+            gate.set()
+        assert_same(ref, t)
+
+
+def test_failed_background_write_is_reported_and_rows_kept(tmp_path):
+    p = tmp_path / "db"
+    opt = StorageOption(tiers=[DRAM(8 * rb()),
+                               KVTier(f"lmdb://{p}", map_size=65536, max_map_size=65536)])
+    ref = EmbeddingTable(DIM, optimizer="adagrad", seed=1)
+    t = TieredEmbeddingTable(DIM, optimizer="adagrad", seed=1, storage=opt)
+    keys = np.arange(4000, dtype=np.int64)
+    ref_vals = ref.lookup(keys)
+    with pytest.raises(WriteBackError, match="StoreFull|full"):
+        for i in range(0, 4000, 100):
+            np.testing.assert_array_equal(t.lookup(keys[i:i + 100]), ref_vals[i:i + 100])
+        t.flush()
+    # the rows that did not land are still readable from the pending buffer, bit-identical
+    pending = np.concatenate([pb.keys[pb.live] for pb in t._chain.pending])
+    assert pending.size > 0
+    found, recs = t._chain.read(pending)
+    assert found.all()
+    np.testing.assert_array_equal(t.layout.unpack(recs).values, ref_vals[pending])
+    with pytest.raises(WriteBackError):
+        t.close()
