@@ -35,7 +35,7 @@ def steps(tables, n_steps=40, batch=20, n_ids=600, seed=0):
     rng = np.random.default_rng(seed)
     for _ in range(n_steps):
         keys = rng.choice(n_ids, batch, replace=False).astype(np.int64)
-        g = rng.standard_normal((batch, DIM)).astype(np.float32)
+        g = rng.standard_normal((batch, tables[0].dim)).astype(np.float32)
         for t in tables:
             t.lookup(keys)
             t.apply_gradients(keys, g)
@@ -203,7 +203,7 @@ def test_dram_storage_is_a_plain_table(tmp_path):
     ({"storage": "DRAM_SSDHASH"}, "needs storage_path"),
     ({"storage": 3}, "must be a storage type name"),
     ({"storage_path": "/x"}, "need storage="),
-    ({"storage": "HBM_SSDHASH", "storage_path": "/x"}, "starts with HBM"),
+    ({"storage": "HBM_SSDHASH", "storage_path": "/x", "device": "floppy"}, "torch device"),
     ({"storage": "DRAM_SSDHASH", "storage_path": "/x", "growth": False, "capacity": 5},
      "growth=False"),
     ({"storage": StorageOption("DRAM"), "storage_size": [5]}, "inside the StorageOption"),
@@ -225,3 +225,28 @@ def test_bad_input_leaves_state_intact(tmp_path):
         with pytest.raises(NonFiniteGradientError):
             t.apply_gradients(lower, np.full((5, DIM), np.nan, np.float32))
         assert_same(ref, t)
+
+
+def test_storage_path_with_old_rows_is_refused(tmp_path):
+    ref, t = pair(tmp_path)
+    with t:
+        steps([ref, t], n_steps=5)
+    with pytest.raises(ConfigError, match="already holds"):
+        pair(tmp_path)
+    pair(tmp_path / "fresh")[1].close()
+
+
+def test_ssdhash_discard_drops_rows_without_tombstones(tmp_path):
+    from tensorkv.embedding.tiers.ssdhash import SSDHashTier
+    from tensorkv.testing.tiers import make_records
+
+    lay = RecordLayout(DIM, num_slots=1)
+    keys = np.arange(100, dtype=np.int64)
+    with SSDHashTier(str(tmp_path / "s"), lay) as tier:
+        tier.put(keys, make_records(lay, keys))
+        before = tier.stats()["bytes"]
+        assert tier.discard(np.array([3, 4, 4, 500])) == 2
+        assert tier.stats()["bytes"] == before  # nothing appended
+        assert len(tier) == 98 and not tier.contains(np.array([3, 4])).any()
+        assert tier.discard(np.empty(0, np.int64)) == 0
+        assert tier.check() == []

@@ -52,3 +52,22 @@ def test_select_victims_lru_and_lfu():
     # LFU ties broken by age
     freq2 = np.ones(6, np.int64)
     assert sorted(select_victims(live, tick, freq2, 6, 9, 2, "lfu").tolist()) == [1, 5]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_lru_selection_matches_a_sort(seed):
+    rng = np.random.default_rng(seed)
+    hw = 2000
+    live = (rng.random(hw) < 0.8).astype(np.uint8)
+    tick = rng.integers(0, 50, hw).astype(np.int64)
+    freq = rng.integers(0, 9, hw).astype(np.int64)
+    cur = 49
+    cand = np.flatnonzero(live.astype(bool) & (tick != cur))
+    for n in (1, 10, 300, cand.size - 1, cand.size, cand.size + 5):
+        got = select_victims(live, tick, freq, hw, cur, n, "lru")
+        assert got.size == min(n, cand.size) == np.unique(got).size
+        assert set(got.tolist()) <= set(cand.tolist())
+        # every chosen row is at least as old as every row left behind
+        left = np.setdiff1d(cand, got)
+        if got.size and left.size:
+            assert tick[got].max() <= tick[left].min()

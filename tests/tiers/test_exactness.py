@@ -86,3 +86,24 @@ def test_training_bit_identical(tmp_path, name, tier1_rows, optimizer, string_ke
             assert st["tiers"][2]["rows"] > 0
         assert_same(ref, t)
         np.testing.assert_array_equal(np.sort(ref.keys()), np.sort(t.keys()))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("name", ["DRAM_SSDHASH", "DRAM_PMEM_SSDHASH"])
+def test_16bit_rows_bit_identical(tmp_path, dtype, name):
+    """16-bit value rows travel down and up as their exact bits."""
+    dim = 8
+    ref = EmbeddingTable(dim, optimizer="adagrad", seed=3, dtype=dtype,
+                         eviction={"l2_threshold": 0.02, "every_n_steps": 9})
+    lay = RecordLayout(dim, value_dtype=dtype, num_slots=1)
+    opts = chain(name, tmp_path, lay, tier1_rows=300 if "PMEM" in name else None)
+    with TieredEmbeddingTable(dim, optimizer="adagrad", seed=3, dtype=dtype,
+                              eviction={"l2_threshold": 0.02, "every_n_steps": 9},
+                              **opts) as t:
+        train([ref, t], string_keys=False, steps=60)
+        assert t.stats()["tiers"][1]["promotions"] > 0
+        assert ref.stats()["evictions"] == t.stats()["evictions"]
+        ea, eb = full_export(ref), full_export(t)
+        assert ea["values"].dtype == eb["values"].dtype == lay.dtype
+        for f in ea:
+            assert np.array_equal(ea[f].view(np.uint8), eb[f].view(np.uint8)), f

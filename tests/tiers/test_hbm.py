@@ -101,3 +101,51 @@ def test_bad_device():
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="needs CUDA"):
             HBMArena(DIM)
+
+
+# --- tables with an HBM tier 0 (device="cpu": the same code path as CUDA) -----------------------
+def hbm_table(tmp_path, storage, sizes, **kw):
+    from tensorkv.embedding.tiered import TieredEmbeddingTable
+
+    return TieredEmbeddingTable(DIM, optimizer=kw.pop("optimizer", "adagrad"), seed=2,
+                                storage=storage, storage_path=str(tmp_path / "t"),
+                                storage_size=sizes, device="cpu", **kw)
+
+
+@pytest.mark.parametrize("storage", ["HBM", "HBM_SSDHASH", "HBM_DRAM_SSDHASH"])
+@pytest.mark.parametrize("optimizer", ["adagrad", "adam"])
+def test_hbm_table_bit_identical_to_dram_table(tmp_path, storage, optimizer):
+    from tensorkv.embedding.table import EmbeddingTable
+    from tensorkv.embedding.tiers.base import RecordLayout
+
+    from .test_chain import steps
+    from .test_exactness import assert_same
+
+    rb = RecordLayout(DIM, num_slots=1 if optimizer == "adagrad" else 2).record_bytes
+    sizes = {"HBM": None, "HBM_SSDHASH": [24 * rb], "HBM_DRAM_SSDHASH": [24 * rb, 60 * rb]}
+    ref = EmbeddingTable(DIM, optimizer=optimizer, seed=2,
+                         eviction={"l2_threshold": 0.03, "every_n_steps": 7})
+    t = hbm_table(tmp_path, storage, sizes[storage], optimizer=optimizer,
+                  eviction={"l2_threshold": 0.03, "every_n_steps": 7})
+    with t:
+        steps([ref, t], n_steps=30, n_ids=300)
+        keys = np.arange(-3, 300, dtype=np.int64)
+        out = t.lookup_torch(keys, insert=False)
+        assert isinstance(out, torch.Tensor) and out.device == t.device
+        np.testing.assert_array_equal(out.numpy(), ref.lookup(keys, insert=False))
+        st = t.stats()
+        assert st["tiers"][0]["kind"] == "HBM"
+        if storage != "HBM":
+            assert st["tiers"][0]["rows"] <= 24 and st["tiers"][1]["promotions"] > 0
+        if storage == "HBM_DRAM_SSDHASH":
+            assert st["tiers"][1]["kind"] == "dram" and st["tiers"][2]["rows"] > 0
+        assert ref.stats()["evictions"] == st["evictions"] > 0
+        assert_same(ref, t)
+
+
+def test_dram_table_lookup_torch(tmp_path):
+    from tensorkv.embedding.tiered import TieredEmbeddingTable
+
+    t = TieredEmbeddingTable(DIM, storage="DRAM")
+    out = t.lookup_torch([1, 2, 3])
+    assert isinstance(out, torch.Tensor) and out.shape == (3, DIM) and t.device == "cpu"

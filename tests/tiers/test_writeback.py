@@ -123,3 +123,42 @@ def test_failed_background_write_is_reported_and_rows_kept(tmp_path):
     np.testing.assert_array_equal(t.layout.unpack(recs).values, ref_vals[pending])
     with pytest.raises(WriteBackError):
         t.close()
+
+
+def test_tables_on_threads_with_a_wide_pool(monkeypatch, fresh_pool, tmp_path):
+    """Several tables trained from their own threads share a 3-thread pool; all stay exact."""
+    monkeypatch.setenv("TENSORKV_EVICTION_THREADS", "3")
+    pairs = [pair(tmp_path / f"p{i}", rows0=12, policy="lfu" if i % 2 else "lru")
+             for i in range(3)]
+    errors: list[BaseException] = []
+
+    def work(i):
+        try:
+            steps(list(pairs[i]), n_steps=40, n_ids=200, seed=i)
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(3)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors
+    for ref, t in pairs:
+        with t:
+            assert_same(ref, t)
+
+
+def test_pending_memory_is_bounded(tmp_path):
+    ref = EmbeddingTable(DIM, optimizer="adagrad", seed=1)
+    t = TieredEmbeddingTable(DIM, optimizer="adagrad", seed=1, storage="DRAM_SSDHASH",
+                             storage_path=str(tmp_path / "t"), storage_size=[8 * rb()],
+                             max_pending_bytes=1)
+    rng = np.random.default_rng(0)
+    with t:
+        for _ in range(30):
+            keys = rng.choice(300, 20, replace=False)
+            for x in (ref, t):
+                x.lookup(keys)
+            assert len(t._chain.pending) <= 2  # the caller waited for the writer
+        assert_same(ref, t)

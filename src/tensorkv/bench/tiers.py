@@ -8,8 +8,9 @@ SSDHASH, LevelDB, RocksDB or LMDB, cache strategy LRU.
 
 Figures per case:
 
-* ``Mkeys/s``: keys per second of the timed steps (lookup + apply, and a final ``flush`` so
-  every background write has landed) vs the DRAM-only table on the same trace in the same run.
+* ``Mkeys/s``: keys per second of the timed steps (lookup + apply, and a final
+  ``wait_writes()`` so every background write has landed; no fsync) vs the DRAM-only table on
+  the same trace in the same run.
 * ``tier0 hit %``: share of looked-up keys found in tier 0 (a key missing twice in one batch is
   one miss) vs an exact per-key LRU simulation of the same trace with capacity = tier-0 rows
   (:func:`tensorkv.kernels.cache.lru_hits`); ratio 1.0 = same as the simulation.
@@ -75,20 +76,29 @@ def _train(table, batches: list[np.ndarray], grads: np.ndarray, warmup: int,
     for b in batches[:warmup]:
         table.lookup(b)
         table.apply_gradients(b, grads)
-    if hasattr(table, "flush"):
-        table.flush()
+    if hasattr(table, "wait_writes"):
+        table.wait_writes()
     if stats is not None:
         stats.append(table.stats()["tiers"][0])
     t0 = time.perf_counter()
     for b in batches[warmup:]:
         table.lookup(b)
         table.apply_gradients(b, grads)
-    if hasattr(table, "flush"):
-        table.flush()
+    if hasattr(table, "wait_writes"):
+        table.wait_writes()  # every evicted row has landed in its tier
     secs = time.perf_counter() - t0
     if stats is not None:
         stats.append(table.stats()["tiers"][0])
     return secs
+
+
+def _as_tuple(value, cast) -> tuple:
+    """A tuple from a tuple/list, one value, or a comma-separated string (``-p x=a,b``)."""
+    if isinstance(value, str):
+        return tuple(cast(v.strip()) for v in value.split(",") if v.strip())
+    if isinstance(value, (list, tuple)):
+        return tuple(cast(v) for v in value)
+    return (cast(value),)
 
 
 def _warm_up(root: str, dim: int) -> None:
@@ -121,7 +131,15 @@ def run(
     backends: tuple[str, ...] = BACKENDS,
     data_dir: str | None = None,
 ) -> None:
-    """Run the workload (see the module docstring); keyword arguments shrink it for tests."""
+    """Run the workload (see the module docstring).
+
+    Keyword arguments shrink it for tests or pick cases: ``fractions``, ``zipfs`` and
+    ``backends`` also take comma-separated strings (``tensorkv bench tiers -p
+    fractions=0.1 -p backends=DRAM_SSDHASH,DRAM_LEVELDB``).
+    """
+    fractions = _as_tuple(fractions, float)
+    zipfs = _as_tuple(zipfs, float)
+    backends = _as_tuple(backends, lambda b: str(b).upper())
     n_keys = n_keys or (200_000 if quick else 5_000_000)
     steps = steps or (4 if quick else 12)
     lay = RecordLayout(dim, num_slots=1)
@@ -179,7 +197,7 @@ def run(
                     mk = timed.size / secs / 1e6
                     by_backend[(name, frac)] = mk
                     report.add(case, "Mkeys/s", mk, "DRAM-only table", dram,
-                               note="lookup+apply, flush included")
+                               note="lookup+apply, incl. landing all write-backs")
                     # lookups only: the chain counts hits/misses of lookup batches
                     hits = after["hits"] - before["hits"]
                     misses = after["misses"] - before["misses"]

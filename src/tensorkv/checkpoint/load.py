@@ -68,11 +68,7 @@ def table_links(
 
 
 def _join_rows(blocks: Any, capacity: int) -> _tables.Rows | None:
-    """Copy verified blocks into one set of arrays as they arrive.
-
-    Each block's record bytes are released at once, and the table imports the rows in one
-    call, so it grows once instead of once per block.
-    """
+    """Copy blocks into one set of arrays (one import call: the table grows once)."""
     out: _tables.Rows | None = None
     filled = 0
     for r in blocks:
@@ -94,11 +90,17 @@ def _stage_table(
     shard: int | None,
     num_shards: int | None,
     on_bytes: Any,
+    saved_shard: str | None = None,
 ) -> tuple[list[_tables.Rows], list[np.ndarray], bool]:
-    """Read and verify a table's rows. Returns (rows, removed-key arrays, is_chain)."""
+    """Read and verify a table's rows. Returns (rows, removed-key arrays, is_chain).
+
+    ``saved_shard`` limits the read to the rows one shard of the save wrote.
+    """
     rows: list[_tables.Rows] = []
     removed: list[np.ndarray] = []
     links = table_links(store, doc, name)
+    if saved_shard is not None:
+        links = {saved_shard: links[saved_shard]}
     is_chain = any(len(v) > 1 for v in links.values())
     for s, chain in links.items():
         for tag, ent, info in chain:
@@ -110,9 +112,7 @@ def _stage_table(
             blocks = _tables.read_blocks(
                 store, prefix, sel, what, shard, num_shards, ent.get("hash_tag"), on_bytes
             )
-            joined = _join_rows(blocks, sum(b[2] for b, _ in sel))
-            if joined is not None:
-                rows.append(joined)
+            rows.extend(blocks)  # zero-copy views into the records read
             if info.get("removed_pieces"):
                 rk = _tables.read_key_list(store, prefix, info["removed_pieces"], what, b"r")
                 rows.append(_tables.Rows(*([None] * 5)))  # marker: apply removals here
@@ -120,22 +120,33 @@ def _stage_table(
     return rows, removed, is_chain
 
 
-def _import(table: Any, pending: list[_tables.Rows]) -> None:
-    """Import staged rows, reserving room first where the table offers ``reserve``."""
+def _import(table: Any, pending: list[_tables.Rows], presized: bool) -> None:
+    """Import staged rows so that the table grows at most once.
+
+    A table built with room for every row imports block by block; otherwise the table's
+    ``reserve`` is used where it has one, else the blocks are joined into one import.
+    """
     reserve = getattr(table, "reserve", None)
-    if reserve is not None:
+    if presized or len(pending) == 1:
+        table.import_(pending)
+    elif reserve is not None:
         reserve(len(table) + sum(r.keys.shape[0] for r in pending))
-    table.import_(pending)
+        table.import_(pending)
+    else:
+        joined = _join_rows(iter(pending), sum(r.keys.shape[0] for r in pending))
+        table.import_([joined])
 
 
-def _apply_rows(table: Any, rows: list[_tables.Rows], removed: list[np.ndarray]) -> None:
+def _apply_rows(
+    table: Any, rows: list[_tables.Rows], removed: list[np.ndarray], presized: bool = False
+) -> None:
     """Import staged rows into ``table`` in order, applying removals at their markers."""
     pending: list[_tables.Rows] = []
     it = iter(removed)
     for r in rows:
         if r.keys is None:
             if pending:
-                _import(table, pending)
+                _import(table, pending, presized)
                 pending = []
             rk = next(it)
             if len(rk):
@@ -143,7 +154,7 @@ def _apply_rows(table: Any, rows: list[_tables.Rows], removed: list[np.ndarray])
         else:
             pending.append(r)
     if pending:
-        _import(table, pending)
+        _import(table, pending, presized)
 
 
 def _table_class() -> Any:
@@ -156,8 +167,19 @@ def _table_class() -> Any:
 
 def _build_table(meta: dict[str, Any], rows: list[_tables.Rows], removed: list[np.ndarray]) -> Any:
     EmbeddingTable = _table_class()  # noqa: N806
-    t = EmbeddingTable.from_meta(meta)
-    _apply_rows(t, rows, removed)
+    n = sum(r.keys.shape[0] for r in rows if r.keys is not None)
+    cap = meta.get("capacity")
+    if meta.get("growth", True) and n and (cap is None or cap < n):
+        # Allocate the rows up front (lazily zeroed pages) instead of growing the arena,
+        # which would zero-fill and copy; the table keeps its saved capacity setting.
+        t = EmbeddingTable.from_meta({**meta, "capacity": n})
+        if hasattr(t, "capacity_limit"):
+            t.capacity_limit = cap
+        presized = True
+    else:
+        t = EmbeddingTable.from_meta(meta)
+        presized = False
+    _apply_rows(t, rows, removed, presized)
     return t
 
 

@@ -157,10 +157,10 @@ def _copy_records(src: KVStore, dst: KVStore, pairs: list[tuple[bytes, bytes]], 
         dst.put_many(batch)
 
 
-def _materialize_table(src: KVStore, doc: dict[str, Any], name: str) -> Any:
+def _materialize_table(src: KVStore, doc: dict[str, Any], name: str, saved_shard: str) -> Any:
     from tensorkv.checkpoint.load import _build_table, _stage_table
 
-    rows, removed, _ = _stage_table(src, doc, name, None, None, None)
+    rows, removed, _ = _stage_table(src, doc, name, None, None, None, saved_shard)
     return _build_table(doc["tables"][name]["meta"], rows, removed)
 
 
@@ -197,10 +197,20 @@ def write_copy(
             _copy_records(src, dst, pairs, f"table {name!r} of tag {doc['tag']!r}")
             new["tables"][name] = {**ent, "data_tag": data_tag}
         else:
-            table = _materialize_table(src, doc, name)
             opts = {"hash_tag": hash_tag, "bucket_bits": ent.get("bucket_bits", 4),
                     "block_rows": _tables.DEFAULT_BLOCK_ROWS}
-            nent = _save_table(dst, data_tag, name, table, 0, 1, None, opts, None)
+            nent = None
+            for s in ent["shards"]:  # fold each saved shard's chain on its own
+                table = _materialize_table(src, doc, name, s)
+                part = _save_table(dst, data_tag, name, table, int(s), 1, None, opts, None)
+                if nent is None:
+                    nent = part
+                else:
+                    nent["shards"].update(part["shards"])
+            assert nent is not None
+            for s, info in ent["shards"].items():  # same content: the trainers may go on
+                nent["shards"][s]["state"] = info.get("state")
+                nent["shards"][s]["seq"] = info.get("seq")
             nent["meta"] = ent["meta"]
             nent["data_tag"] = data_tag
             new["tables"][name] = nent

@@ -43,13 +43,23 @@ from tensorkv.embedding.tiers.base import LowerTier, RecordLayout
 from tensorkv.embedding.writeback import WriteQueue
 from tensorkv.errors import ConfigError
 from tensorkv.kernels import cache as ck
-from tensorkv.kernels import filters as fk
 
 DEFAULT_MAX_PENDING_BYTES = 256 * 1024 * 1024
 CASCADE_LOW_WATER = 0.9  # a full lower tier cascades down to this share of its budget
 
 
-@dataclass
+def _unique(x: np.ndarray) -> np.ndarray:
+    """Sorted distinct values (a sort and a mask: faster than ``np.unique`` for int64)."""
+    s = np.sort(x)
+    if s.size < 2:
+        return s
+    keep = np.empty(s.size, np.bool_)
+    keep[0] = True
+    np.not_equal(s[1:], s[:-1], out=keep[1:])
+    return s[keep]
+
+
+@dataclass(eq=False)
 class _Pending:
     """Rows removed from tier 0 whose write to tier 1 has not landed yet."""
 
@@ -79,16 +89,24 @@ class _Pending:
 
 
 class _FakeArena:
-    """Arena-shaped view of lower-tier records, for :meth:`Eviction.select`."""
+    """Arena-shaped view of rows held elsewhere, for :meth:`Eviction.select`.
+
+    ``values`` are in the storage dtype; 16-bit ones are ``raw`` like the DRAM arena's, so
+    the eviction rules compute exactly what they compute on tier 0.
+    """
 
     def __init__(self, keys, freq, version, values):
         n = keys.size
         self.row_key = keys
         self.freq = freq
         self.version = version
-        self.values = values
+        self.raw = values.dtype != np.float32
+        self.values = np.ascontiguousarray(values)
         self.live = np.ones(n, np.uint8)
         self.high_water = n
+
+    def gather_f32(self, rows: np.ndarray) -> np.ndarray:
+        return self.values[rows].astype(np.float32)
 
     def __len__(self) -> int:
         return int(self.row_key.size)
@@ -138,9 +156,11 @@ class TierChain:
         self.max_pending_bytes = int(max_pending_bytes)
         self.tick = np.zeros(arena.capacity, np.int64)
         self.cur = 0
+        self._batch: tuple | None = None
         self.lock = threading.RLock()
         self.pending: list[_Pending] = []
         self.pending_bytes = 0
+        self.stale: list[np.ndarray] = []  # keys promoted out of lower tiers, delete queued
         self.queue = WriteQueue(name)
         names = ["tier0"] + [f"tier{i + 1}" for i in range(len(self.lowers))]
         self.counters = {n: dict.fromkeys(("hits", "misses", "promotions", "evictions"), 0)
@@ -148,8 +168,9 @@ class TierChain:
         self.closed = False
 
     # ------------------------------------------------------------------ reads of lower tiers
-    def _cancelled(self) -> np.ndarray:
-        parts = [p.keys[~p.live] for p in self.pending if not p.live.all()]
+    def _stale(self) -> np.ndarray:
+        """Keys whose lower-tier copies are stale: promoted, their delete still queued."""
+        parts = [p.keys[~p.live] for p in self.pending if not p.live.all()] + self.stale
         return np.concatenate(parts) if parts else np.empty(0, np.int64)
 
     def lookup_lower(self, keys: np.ndarray, take: bool) -> tuple[np.ndarray, np.ndarray,
@@ -157,15 +178,16 @@ class TierChain:
         """Find distinct ``keys`` below tier 0: ``(found, records, where)`` (call under lock).
 
         ``where`` is 0 for the pending buffer, ``i`` for lower tier ``i`` (-1: absent). With
-        ``take`` the rows are removed from where they were (promotion).
+        ``take`` the rows are removed from where they were (promotion): pending rows at once,
+        lower-tier copies by a queued background delete (until it runs, they are ignored).
         """
         n = keys.size
         found = np.zeros(n, np.bool_)
         where = np.full(n, -1, np.int64)
-        recs = self.layout.empty(n)
+        recs = np.empty((n, self.layout.record_bytes), np.uint8)
         if n == 0:
             return found, recs, where
-        stale = self._cancelled()  # copies of promoted keys that a running write may land
+        stale = self._stale()
         for p in self.pending:
             left = np.flatnonzero(~found)
             if left.size == 0:
@@ -187,14 +209,28 @@ class TierChain:
                 break
             q = keys[left]
             f, r = tier.get(q)
+            if left.size == n and ti == 0:  # nothing found above: use the tier's buffer
+                recs, found = r, f.copy()
+                where[f] = 1
+                continue
             if f.any():
                 pos = left[f]
                 recs[pos] = r[f]
                 found[pos] = True
                 where[pos] = ti + 1
-                if take:
-                    tier.delete(q[f])
+        recs[~found] = 0
+        if take and (where > 0).any():
+            gone = keys[where > 0]
+            self.stale.append(gone)
+            self.queue.submit(lambda: self._drop(gone))
         return found, recs, where
+
+    def _drop(self, keys: np.ndarray) -> None:
+        """Background job: delete promoted keys' copies from every lower tier."""
+        for tier, _ in self.lowers:  # readers ignore these copies until the list drops them
+            getattr(tier, "discard", tier.delete)(keys)
+        with self.lock:
+            self.stale = [s for s in self.stale if s is not keys]
 
     # ------------------------------------------------------------------ per batch
     def _ensure_tick(self) -> None:
@@ -216,8 +252,11 @@ class TierChain:
         if not miss.any():
             if count:
                 self.counters["tier0"]["hits"] += keys.size
+            # after() may reuse these rows if the operation inserts and removes nothing
+            self._batch = (keys, rows, a.state, a.state.copy())
             return 0
-        mk = np.unique(keys[miss])
+        self._batch = None
+        mk = _unique(keys[miss])
         if count:
             self.counters["tier0"]["misses"] += mk.size
             self.counters["tier0"]["hits"] += keys.size - mk.size
@@ -228,14 +267,9 @@ class TierChain:
         if not found.any():
             return 0
         fk_ = mk[found]
-        f = self.layout.unpack(recs[found])
+        recs = recs if found.all() else recs[found]
         new_rows, _ = a.insert(fk_)
-        a.scatter(new_rows, np.ascontiguousarray(f.values, dtype=np.float32))
-        if a.slot_width:
-            a.scatter_slots(new_rows, np.ascontiguousarray(f.slots))
-        a.freq[new_rows] = f.freq
-        a.version[new_rows] = f.version
-        a.seq[new_rows] = f.change_seq
+        self._write_rows(new_rows, recs)
         self._ensure_tick()
         ck.touch(self.tick, new_rows, self.cur)
         w = where[found]
@@ -253,7 +287,11 @@ class TierChain:
         """
         a = self.arena
         self._ensure_tick()
-        rows = a.find(keys)
+        b, self._batch = self._batch, None
+        if b is not None and b[0] is keys and b[2] is a.state and np.array_equal(b[3], a.state):
+            rows = b[1]  # no row was inserted or removed since promote(): rows still valid
+        else:
+            rows = a.find(keys)
         ck.touch(self.tick, rows, self.cur)
         if self.budget is None or not self.lowers:
             return 0
@@ -267,12 +305,60 @@ class TierChain:
         self.demote_rows(victims)
         return int(victims.size)
 
+    def _record_views(self, buf: np.ndarray) -> tuple[np.ndarray, ...]:
+        """Field views (key, freq, version, seq, values, slots) of a record buffer.
+
+        Values are viewed with tier 0's array dtype (16-bit rows as their raw bits).
+        """
+        lay = self.layout
+        vo, so = lay.values_offset, lay.slots_offset
+        return (buf[:, 0:8].view(np.int64)[:, 0], buf[:, 8:16].view(np.int64)[:, 0],
+                buf[:, 16:24].view(np.int64)[:, 0], buf[:, 24:32].view(np.int64)[:, 0],
+                buf[:, vo:vo + lay.values_bytes].view(self.arena.values.dtype),
+                buf[:, so:so + 4 * lay.slot_width].view(np.float32))
+
+    def _write_rows(self, rows: np.ndarray, recs: np.ndarray) -> None:
+        """Write whole records (values, slots, freq, version, seq) into tier-0 rows."""
+        a = self.arena
+        if not isinstance(a.values, np.ndarray):  # device rows
+            f = self.layout.unpack(recs)
+            a.scatter(rows, np.ascontiguousarray(f.values))
+            if a.slot_width:
+                a.scatter_slots(rows, np.ascontiguousarray(f.slots))
+            a.freq[rows], a.version[rows], a.seq[rows] = f.freq, f.version, f.change_seq
+            return
+        _, fr, ve, sq, va, sl = self._record_views(recs)
+        ck.records_to_rows(fr, ve, sq, va, sl, rows, a.values, a.slots, a.freq, a.version, a.seq)
+
+    def _read_rows(self, rows: np.ndarray) -> np.ndarray:
+        """Whole records of tier-0 rows (padding zeroed)."""
+        a = self.arena
+        lay = self.layout
+        if not isinstance(a.values, np.ndarray):  # device rows
+            return lay.pack(a.row_key[rows], self._values_of(rows), a.gather_slots(rows),
+                            a.freq[rows], a.version[rows], a.seq[rows])
+        buf = np.empty((rows.size, lay.record_bytes), np.uint8)
+        end_v = lay.values_offset + lay.values_bytes
+        if end_v < lay.slots_offset:
+            buf[:, end_v:lay.slots_offset] = 0
+        end_s = lay.slots_offset + 4 * lay.slot_width
+        if end_s < lay.record_bytes:
+            buf[:, end_s:] = 0
+        ck.rows_to_records(a.values, a.slots, a.freq, a.version, a.seq, a.row_key, rows,
+                           *self._record_views(buf))
+        return buf
+
+    def _values_of(self, rows: np.ndarray) -> np.ndarray:
+        """Tier-0 value rows on the host, in the storage dtype (16-bit bits unchanged)."""
+        a = self.arena
+        v = a.gather(rows)
+        return v.view(a.np_dtype) if getattr(a, "raw", False) else v
+
     def demote_rows(self, rows: np.ndarray) -> None:
         """Remove ``rows`` from tier 0 into a pending batch written down in the background."""
         a = self.arena
         keys = a.row_key[rows].copy()
-        recs = self.layout.pack(keys, a.gather(rows), a.gather_slots(rows), a.freq[rows],
-                                a.version[rows], a.seq[rows])
+        recs = self._read_rows(rows)
         a.remove(keys)
         p = _Pending.make(keys, recs)
         with self.lock:
@@ -288,10 +374,14 @@ class TierChain:
         tier = self.lowers[0][0]
         tier.put(p.keys, p.records)
         with self.lock:
-            gone = p.keys[~p.live]
-            if gone.size:
-                tier.delete(gone)  # promoted while in flight: the landed copy is stale
-            self.pending.remove(p)
+            dead = ~p.live.copy()
+        if dead.any():  # promoted while in flight: the landed copies are stale
+            tier.delete(p.keys[dead])
+        with self.lock:
+            late = ~p.live & ~dead  # promoted while the delete above ran
+            if late.any():
+                tier.delete(p.keys[late])
+            self.pending = [q for q in self.pending if q is not p]
             self.pending_bytes -= p.nbytes
             self._cascade(0)
 
@@ -349,7 +439,7 @@ class TierChain:
                 if not keep.any():
                     continue
                 yield ExportChunk(
-                    k[keep].copy(), np.ascontiguousarray(f.values[keep], dtype=np.float32),
+                    k[keep].copy(), np.ascontiguousarray(f.values[keep]),
                     np.ascontiguousarray(f.slots[keep]), f.freq[keep].copy(),
                     f.version[keep].copy(), f.change_seq[keep].copy(),
                 )
@@ -370,21 +460,10 @@ class TierChain:
         for tier, _ in self.lowers:
             for k, r in tier.scan():
                 f = self.layout.unpack(r)
-                k = k.copy()
-                fa = _FakeArena(k, f.freq.copy(), f.version.copy(),
-                                np.ascontiguousarray(f.values, dtype=np.float32))
-                hw = k.size
-                sel = []
-                if eviction.steps_to_live is not None:
-                    sel.append(fk.stale_rows(fa.live, fa.version, hw,
-                                             step - eviction.steps_to_live))
-                if eviction.l2_threshold is not None:
-                    sel.append(fk.small_norm_rows(fa.live, fa.values, hw,
-                                                  float(eviction.l2_threshold)))
-                if sel:
-                    gone.append(k[np.unique(np.concatenate(sel))])
+                fa = _FakeArena(k.copy(), f.freq.copy(), f.version.copy(), f.values)
+                gone.append(fa.row_key[rules.select(fa, step)])
                 if eviction.max_rows is not None:
-                    meta_k.append(k)
+                    meta_k.append(fa.row_key)
                     meta_f.append(fa.freq)
                     meta_v.append(fa.version)
         dead = np.unique(np.concatenate(gone))

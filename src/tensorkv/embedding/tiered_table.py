@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from tensorkv.embedding.storage import DRAM, HBM, PMEM, StorageOption
+from tensorkv.embedding.storage import KVTier as KVTierSpec
 from tensorkv.embedding.table import EmbeddingTable, ExportChunk
 from tensorkv.embedding.tiered import DEFAULT_MAX_PENDING_BYTES, TierChain
 from tensorkv.embedding.tiers.base import LowerTier, RecordLayout
@@ -113,7 +114,7 @@ class TieredEmbeddingTable(EmbeddingTable):
         super().__init__(dim, **kwargs)
         self.storage = opt
         self._op = threading.RLock()
-        layout = RecordLayout(self.dim, "float32", self.num_slots)
+        layout = RecordLayout(self.dim, self.dtype, self.num_slots)
         self.layout = layout
         lowers: list[tuple[LowerTier, int | None]] = []
         budget = None
@@ -122,6 +123,9 @@ class TieredEmbeddingTable(EmbeddingTable):
             specs = opt.tier_specs()
             policy = opt.cache_strategy
             if isinstance(specs[0], HBM):
+                if self.dtype != "float32":
+                    raise ConfigError(f"an HBM tier 0 holds float32 rows; dtype={self.dtype!r} "
+                                      "needs a DRAM tier 0 (storage='DRAM_...')")
                 self._arena = HBMArena(self.dim, self.num_slots * self.dim, device=device)
                 self.optimizer = _DeviceRowsOptimizer(self.optimizer, self._arena)
             budget = _budget_rows(specs[0].size, layout.record_bytes)
@@ -132,11 +136,22 @@ class TieredEmbeddingTable(EmbeddingTable):
                                                                       layout.record_bytes)))
                         continue
                     extra = {}
+                    if isinstance(s, KVTierSpec) and s.url.startswith("lmdb://") and \
+                            "sync" not in s.options:
+                        # like the LevelDB/RocksDB stores: no fsync per commit; flush() syncs
+                        extra = {"sync": False}
                     if isinstance(s, PMEM):  # the chain enforces the budget, by rows
                         extra = {"max_bytes": None}
                         os.makedirs(os.path.dirname(os.path.abspath(s.path)), exist_ok=True)
-                    lowers.append((s.open(layout, **extra),
-                                   _budget_rows(s.size, layout.record_bytes)))
+                    tier = s.open(layout, **extra)
+                    lowers.append((tier, _budget_rows(s.size, layout.record_bytes)))
+                    if len(tier):
+                        raise ConfigError(
+                            f"tier {tier!r} already holds {len(tier)} rows; a table's lower "
+                            "tiers are its spill space and must start empty. Use an empty "
+                            "storage_path, or delete the old tier data (restore tables from "
+                            "checkpoints)"
+                        )
             except BaseException:
                 for t, _ in lowers:
                     t.close()
@@ -302,8 +317,16 @@ class TieredEmbeddingTable(EmbeddingTable):
 
     clear.__doc__ = EmbeddingTable.clear.__doc__
 
+    def wait_writes(self) -> None:
+        """Block until every background write has landed in its tier (no fsync).
+
+        Re-raises a failed write as :class:`~tensorkv.embedding.writeback.WriteBackError`.
+        """
+        with self._op:
+            self._chain.sync()
+
     def flush(self) -> None:
-        """Wait for pending background writes and flush the lower tiers."""
+        """Wait for pending background writes and flush the lower tiers (durable)."""
         with self._op:
             self._chain.flush()
 

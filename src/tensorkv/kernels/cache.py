@@ -36,6 +36,58 @@ def _candidates(live, tick, freq, hw, cur, lfu, rows_out, score_out):  # pragma:
 
 
 @njit(nogil=True, cache=True)
+def _lru_victims(live, tick, hw, cur, n, out, max_span):  # pragma: no cover - compiled
+    """Exact LRU selection by counting ticks (no sort): returns the count, -1 if span too big."""
+    tmin = np.int64(1) << 62
+    tmax = -(np.int64(1) << 62)
+    m = 0
+    for r in range(hw):
+        if live[r] and tick[r] != cur:
+            m += 1
+            t = tick[r]
+            if t < tmin:
+                tmin = t
+            if t > tmax:
+                tmax = t
+    if m == 0:
+        return 0
+    if m <= n:
+        k = 0
+        for r in range(hw):
+            if live[r] and tick[r] != cur:
+                out[k] = r
+                k += 1
+        return k
+    span = tmax - tmin + 1
+    if span > max_span:
+        return -1
+    counts = np.zeros(span, np.int64)
+    for r in range(hw):
+        if live[r] and tick[r] != cur:
+            counts[tick[r] - tmin] += 1
+    acc = 0
+    cut = 0
+    for i in range(span):
+        if acc + counts[i] >= n:
+            cut = i
+            break
+        acc += counts[i]
+    at_cut = n - acc
+    k = 0
+    for r in range(hw):
+        if live[r] and tick[r] != cur:
+            d = tick[r] - tmin
+            if d < cut:
+                out[k] = r
+                k += 1
+            elif d == cut and at_cut > 0:
+                out[k] = r
+                k += 1
+                at_cut -= 1
+    return k
+
+
+@njit(nogil=True, cache=True)
 def touch(tick, rows, cur):  # pragma: no cover - compiled
     """Set ``tick[rows] = cur`` for rows >= 0."""
     for i in range(rows.shape[0]):
@@ -79,6 +131,12 @@ def select_victims(
     """
     if n <= 0 or high_water == 0:
         return np.empty(0, np.int64)
+    if policy == "lru":
+        out = np.empty(min(n, high_water), np.int64)
+        k = _lru_victims(live, tick, high_water, np.int64(cur), np.int64(n), out,
+                         np.int64(1 << 22))
+        if k >= 0:
+            return out[:k]
     rows = np.empty(high_water, np.int64)
     score = np.empty(high_water, np.int64)
     m = _candidates(live, tick, freq, high_water, np.int64(cur), policy == "lfu", rows, score)
@@ -182,4 +240,43 @@ def lru_hit_ratio(keys: np.ndarray, capacity: int) -> float:
     return float(hit.mean()) if hit.size else 0.0
 
 
-__all__ = ["lru_hit_ratio", "lru_hits", "select_victims", "touch"]
+
+
+@njit(nogil=True, cache=True)
+def rows_to_records(values, slots, freq, version, seq, row_key, rows,
+                    r_key, r_freq, r_ver, r_seq, r_val, r_slot):  # pragma: no cover - compiled
+    """Copy arena rows into record fields (views of one record buffer), one pass per row."""
+    dim = values.shape[1]
+    sw = slots.shape[1]
+    for i in range(rows.shape[0]):
+        r = rows[i]
+        r_key[i] = row_key[r]
+        r_freq[i] = freq[r]
+        r_ver[i] = version[r]
+        r_seq[i] = seq[r]
+        for c in range(dim):
+            r_val[i, c] = values[r, c]
+        for c in range(sw):
+            r_slot[i, c] = slots[r, c]
+
+
+@njit(nogil=True, cache=True)
+def records_to_rows(r_freq, r_ver, r_seq, r_val, r_slot, rows,
+                    values, slots, freq, version, seq):  # pragma: no cover - compiled
+    """Copy record fields into arena rows (the inverse of :func:`rows_to_records`)."""
+    dim = values.shape[1]
+    sw = slots.shape[1]
+    for i in range(rows.shape[0]):
+        r = rows[i]
+        freq[r] = r_freq[i]
+        version[r] = r_ver[i]
+        seq[r] = r_seq[i]
+        for c in range(dim):
+            values[r, c] = r_val[i, c]
+        for c in range(sw):
+            slots[r, c] = r_slot[i, c]
+
+
+__all__ = [
+    "lru_hit_ratio", "lru_hits", "records_to_rows", "rows_to_records", "select_victims", "touch",
+]
