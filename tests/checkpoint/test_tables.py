@@ -257,3 +257,13 @@ def test_lookup_frequency_reaches_incremental(mem_url):
     t.lookup(np.array([0], np.int64))  # frequency 1 -> 2, nothing else changes
     tensorkv.save({"e": t}, mem_url, "b", incremental=True)
     assert tensorkv.load(None, mem_url, "b")["e"].frequency(np.array([0]))[0] == 2
+
+
+def test_capacity_too_small_leaves_target_unchanged(mem_url):
+    tensorkv.save({"emb": make_table(500, 4)}, mem_url, "t")
+    target = EmbeddingTable(4, optimizer="adagrad", capacity=100, growth=False)
+    target.lookup(np.arange(10, dtype=np.int64))
+    before = rows_of(target)
+    with pytest.raises(MemoryError, match="capacity=100"):
+        tensorkv.load({"emb": target}, mem_url, "t")
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(before, rows_of(target), strict=True))

@@ -57,6 +57,9 @@ def test_views_see_every_tier(tmp_path):
         np.testing.assert_array_equal(t.version(probe), ref.version(probe))
         np.testing.assert_array_equal(t[probe], ref[probe])  # insert=False reads lower tiers
         assert 5 in t and -5 not in t
+        out = np.empty((probe.size, DIM), np.float32)
+        assert t.lookup(probe, insert=False, out=out) is out
+        np.testing.assert_array_equal(out, ref.lookup(probe, insert=False))
         assert_same(ref, t)
 
 
@@ -209,6 +212,8 @@ def test_dram_storage_is_a_plain_table(tmp_path):
     ({"storage": StorageOption("DRAM"), "storage_size": [5]}, "inside the StorageOption"),
     ({"storage": "DRAM_SSDHASH", "storage_path": "/x", "cache_strategy": "fifo"},
      "cache_strategy"),
+    ({"storage": "DRAM", "max_pending_bytes": 0}, "max_pending_bytes"),
+    ({"storage": "DRAM", "max_pending_bytes": "lots"}, "max_pending_bytes"),
 ])
 def test_bad_storage_arguments(kwargs, match):
     with pytest.raises(ConfigError, match=match):
@@ -250,3 +255,16 @@ def test_ssdhash_discard_drops_rows_without_tombstones(tmp_path):
         assert len(tier) == 98 and not tier.contains(np.array([3, 4])).any()
         assert tier.discard(np.empty(0, np.int64)) == 0
         assert tier.check() == []
+
+
+def test_closed_table_refuses(tmp_path):
+    from tensorkv.errors import StoreClosedError
+
+    ref, t = pair(tmp_path)
+    steps([ref, t], n_steps=3)
+    t.close()
+    t.close()  # twice is harmless
+    with pytest.raises(StoreClosedError, match="closed"):
+        t.lookup([1, 2])
+    with pytest.raises(StoreClosedError, match="closed"):
+        len(t)

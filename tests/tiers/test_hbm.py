@@ -9,9 +9,10 @@ import torch
 from tensorkv.embedding.arena import RowArena
 from tensorkv.embedding.initializers import get_initializer
 from tensorkv.embedding.optimizers import get_optimizer
-from tensorkv.embedding.tiers.hbm import HBMArena
+from tensorkv.embedding.tiers.hbm import DRAMTier, HBMArena
 from tensorkv.errors import ConfigError
 from tensorkv.kernels import arena as ak
+from tensorkv.testing.tiers import TierTests
 
 DIM = 8
 
@@ -71,10 +72,20 @@ def test_hbm_arena_bit_identical_to_dram(optimizer):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_hbm_arena_on_cuda():
+def test_hbm_arena_on_cuda(tmp_path):
     run_twins("cuda", "adagrad")
     a = HBMArena(DIM, DIM, device="cuda")
     assert a.values.is_cuda and a.slots.is_cuda
+    from tensorkv.embedding.table import EmbeddingTable
+
+    from .test_chain import steps
+    from .test_exactness import assert_same
+
+    ref = EmbeddingTable(DIM, optimizer="adagrad", seed=2)
+    with hbm_table(tmp_path, "HBM_SSDHASH", [24 * 80], device="cuda") as t:
+        steps([ref, t], n_steps=20, n_ids=300)
+        assert t.lookup_torch(np.arange(5)).is_cuda
+        assert_same(ref, t)
 
 
 def test_lookup_and_gather_of_absent_keys():
@@ -104,12 +115,12 @@ def test_bad_device():
 
 
 # --- tables with an HBM tier 0 (device="cpu": the same code path as CUDA) -----------------------
-def hbm_table(tmp_path, storage, sizes, **kw):
+def hbm_table(tmp_path, storage, sizes, device="cpu", **kw):
     from tensorkv.embedding.tiered import TieredEmbeddingTable
 
     return TieredEmbeddingTable(DIM, optimizer=kw.pop("optimizer", "adagrad"), seed=2,
                                 storage=storage, storage_path=str(tmp_path / "t"),
-                                storage_size=sizes, device="cpu", **kw)
+                                storage_size=sizes, device=device, **kw)
 
 
 @pytest.mark.parametrize("storage", ["HBM", "HBM_SSDHASH", "HBM_DRAM_SSDHASH"])
@@ -124,15 +135,11 @@ def test_hbm_table_bit_identical_to_dram_table(tmp_path, storage, optimizer):
     rb = RecordLayout(DIM, num_slots=1 if optimizer == "adagrad" else 2).record_bytes
     sizes = {"HBM": None, "HBM_SSDHASH": [24 * rb], "HBM_DRAM_SSDHASH": [24 * rb, 60 * rb]}
     ref = EmbeddingTable(DIM, optimizer=optimizer, seed=2,
-                         eviction={"l2_threshold": 0.03, "every_n_steps": 7})
+                         eviction={"l2_threshold": 0.12, "every_n_steps": 7})
     t = hbm_table(tmp_path, storage, sizes[storage], optimizer=optimizer,
-                  eviction={"l2_threshold": 0.03, "every_n_steps": 7})
+                  eviction={"l2_threshold": 0.12, "every_n_steps": 7})
     with t:
         steps([ref, t], n_steps=30, n_ids=300)
-        keys = np.arange(-3, 300, dtype=np.int64)
-        out = t.lookup_torch(keys, insert=False)
-        assert isinstance(out, torch.Tensor) and out.device == t.device
-        np.testing.assert_array_equal(out.numpy(), ref.lookup(keys, insert=False))
         st = t.stats()
         assert st["tiers"][0]["kind"] == "HBM"
         if storage != "HBM":
@@ -140,6 +147,10 @@ def test_hbm_table_bit_identical_to_dram_table(tmp_path, storage, optimizer):
         if storage == "HBM_DRAM_SSDHASH":
             assert st["tiers"][1]["kind"] == "dram" and st["tiers"][2]["rows"] > 0
         assert ref.stats()["evictions"] == st["evictions"] > 0
+        keys = np.arange(-3, 300, dtype=np.int64)
+        out = t.lookup_torch(keys, insert=False)
+        assert isinstance(out, torch.Tensor) and out.device == t.device
+        np.testing.assert_array_equal(out.numpy(), ref.lookup(keys, insert=False))
         assert_same(ref, t)
 
 
@@ -149,3 +160,13 @@ def test_dram_table_lookup_torch(tmp_path):
     t = TieredEmbeddingTable(DIM, storage="DRAM")
     out = t.lookup_torch([1, 2, 3])
     assert isinstance(out, torch.Tensor) and out.shape == (3, DIM) and t.device == "cpu"
+
+
+class TestDRAMTier(TierTests):
+    """The host-memory lower tier (below HBM) passes the LowerTier conformance suite."""
+
+    persistent = False
+
+    @pytest.fixture
+    def make_tier(self):
+        return DRAMTier

@@ -169,6 +169,7 @@ def run(
             dram = timed.size / t_ref / 1e6
             del ref
             gc.collect()
+            distinct = int(np.mean([np.unique(b).size for b in batches]))
             by_backend: dict[tuple[str, float], float] = {}
             for frac in fractions:
                 rows0 = max(1, int(n_keys * frac))
@@ -202,8 +203,10 @@ def run(
                     hits = after["hits"] - before["hits"]
                     misses = after["misses"] - before["misses"]
                     hit = 100.0 * hits / max(hits + misses, 1)
+                    over = " (< one batch: tier 0 holds the batch while it runs)" \
+                        if rows0 < distinct else ""
                     report.add(case, "tier0 hit %", hit, "LRU simulation", sim_hit,
-                               note=f"tier0={rows0} rows")
+                               note=f"tier0={rows0} rows, batch ~{distinct} distinct{over}")
                 if ("DRAM_SSDHASH", frac) in by_backend and ("DRAM_LEVELDB", frac) in by_backend:
                     report.add(f"SSDHASH vs LEVELDB tier0={frac:.0%} zipf={a}", "Mkeys/s",
                                by_backend[("DRAM_SSDHASH", frac)], "DRAM_LEVELDB",

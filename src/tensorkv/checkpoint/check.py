@@ -144,10 +144,12 @@ def _still_orphaned(store: KVStore, candidates: list[bytes], grace: float | None
     """
     from tensorkv.checkpoint.tags import table_data_keys
 
+    # Markers first, manifests second: a save writes its manifest before it drops its
+    # marker, so a save missing from the markers read here has its manifest in the docs.
+    live = {m["tag"] for m in live_pending(store, grace)}
     all_docs = _all_docs(store)
     owned = {k for d in all_docs for k in table_data_keys(d)}
     chunks = {d for doc in all_docs for e in doc["dense"].values() for d in e["chunks"]}
-    live = {m["tag"] for m in live_pending(store, grace)}
     out = []
     for k in candidates:
         if k.startswith(layout.CHUNK):

@@ -205,6 +205,20 @@ def _check_slots(name: str, table: Any, rows: list[_tables.Rows]) -> None:
             )
 
 
+def _check_room(name: str, table: Any, rows: list[_tables.Rows]) -> None:
+    limit = getattr(table, "capacity_limit", None)
+    if limit is None or getattr(table, "growth", True):
+        return
+    n = sum(r.keys.shape[0] for r in rows if r.keys is not None)  # upper bound
+    if n > limit:
+        from tensorkv.errors import CapacityError
+
+        raise CapacityError(
+            f"table {name!r}: the checkpoint holds up to {n} rows but the target table may "
+            f"hold at most capacity={limit} (growth=False); build it with a larger capacity"
+        )
+
+
 def _restore_meta(table: Any, meta: dict[str, Any]) -> None:
     """Restore the table-global state (optimizer state such as Adam's step, the table step)."""
     fn = getattr(table, "load_state_meta", None)
@@ -339,6 +353,7 @@ def load(
         for n, (rows, _, _) in staged_tables.items():
             if n in tables_t:
                 _check_slots(n, tables_t[n], rows)
+                _check_room(n, tables_t[n], rows)
         # --- everything is verified: build or assign
         if obj is None:
             out: dict[str, Any] = dict(staged_dense)

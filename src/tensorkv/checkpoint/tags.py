@@ -105,6 +105,8 @@ def _delete_doc(store: KVStore, doc: dict[str, Any]) -> None:
         mine = {d for e in doc["dense"].values() for d in e["chunks"]}
         doomed = [layout.chunk_key(d) for d in sorted(mine - referenced)]
         for i in range(0, len(doomed), 4096):
+            if live_pending(store):  # a save started: it may write these chunks again
+                break  # gc removes what is left once no save runs
             store.delete_many(doomed[i : i + 4096])
 
 

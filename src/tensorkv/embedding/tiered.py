@@ -41,7 +41,7 @@ from tensorkv.embedding.filters import Eviction
 from tensorkv.embedding.table import ExportChunk
 from tensorkv.embedding.tiers.base import LowerTier, RecordLayout
 from tensorkv.embedding.writeback import WriteQueue
-from tensorkv.errors import ConfigError
+from tensorkv.errors import ConfigError, StoreClosedError
 from tensorkv.kernels import cache as ck
 
 DEFAULT_MAX_PENDING_BYTES = 256 * 1024 * 1024
@@ -167,6 +167,13 @@ class TierChain:
                          for n in names}
         self.closed = False
 
+    def _check_open(self) -> None:
+        if self.closed:
+            raise StoreClosedError(
+                "this tiered table was closed (its lower tiers are released); create a new "
+                "table and load it from a checkpoint"
+            )
+
     # ------------------------------------------------------------------ reads of lower tiers
     def _stale(self) -> np.ndarray:
         """Keys whose lower-tier copies are stale: promoted, their delete still queued."""
@@ -244,6 +251,7 @@ class TierChain:
         ``count``: record tier-0 hits/misses of this batch (a repeated missing key counts as
         one miss, as in a per-key cache).
         """
+        self._check_open()
         self.queue.check()
         self.cur += 1
         a = self.arena
@@ -409,6 +417,7 @@ class TierChain:
     # ------------------------------------------------------------------ whole-table views
     def sync(self) -> None:
         """Wait until every pending batch has landed (re-raising a failed write)."""
+        self._check_open()
         self.queue.flush()
 
     def lower_len(self) -> int:
@@ -424,6 +433,7 @@ class TierChain:
 
     def read(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(found, records)`` of keys below tier 0, without moving them."""
+        self._check_open()
         self.queue.check()
         with self.lock:
             found, recs, _ = self.lookup_lower(keys, take=False)

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from tensorkv import config
 from tensorkv.embedding.storage import DRAM, HBM, PMEM, StorageOption
 from tensorkv.embedding.storage import KVTier as KVTierSpec
 from tensorkv.embedding.table import EmbeddingTable, ExportChunk
@@ -98,7 +99,11 @@ class TieredEmbeddingTable(EmbeddingTable):
         As for :class:`StorageOption` when ``storage`` is a name. Sizes are bytes; a tier
         holds ``size // record_bytes`` rows (``RecordLayout(dim, num_slots=...)``).
     max_pending_bytes
-        Evicted bytes that may wait for their background write before the caller blocks.
+        Evicted bytes that may wait for their background write before the caller blocks
+        (bytes or a size string such as ``"64MiB"``).
+    device
+        torch device of an HBM tier 0 (``"cuda"``; ``"cpu"`` runs the same code anywhere).
+        Ignored for a DRAM tier 0.
     **kwargs
         :class:`EmbeddingTable` arguments.
     """
@@ -108,6 +113,9 @@ class TieredEmbeddingTable(EmbeddingTable):
                  max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES, device: Any = "cuda",
                  **kwargs: Any) -> None:
         opt = resolve_storage(storage, storage_path, storage_size, cache_strategy)
+        max_pending_bytes = config.parse_size(max_pending_bytes, what="max_pending_bytes")
+        if max_pending_bytes < 1:
+            raise ConfigError(f"max_pending_bytes={max_pending_bytes!r} must be at least 1 byte")
         if opt is not None and not kwargs.get("growth", True):
             raise ConfigError("growth=False cannot be combined with storage tiers; the tier "
                               "sizes bound the rows (storage_size=[...])")
@@ -190,12 +198,15 @@ class TieredEmbeddingTable(EmbeddingTable):
             with self._lock.read():
                 return self._arena.lookup_torch(k, fill=host)
 
-    def lookup(self, keys: Any, insert: bool = True) -> np.ndarray:  # noqa: D102
+    def lookup(self, keys: Any, insert: bool = True,  # noqa: D102
+               out: np.ndarray | None = None) -> np.ndarray:
         k = self._as_keys(keys)
         with self._op:
             with self._lock.write():
                 self._chain.promote(k, count=True)
-            out = super().lookup(k, insert)
+            if out is None and isinstance(self._arena, HBMArena):
+                out = np.empty((k.shape[0], self.dim), np.float32)  # host result buffer
+            out = super().lookup(k, insert, out)
             with self._lock.write():
                 self._chain.after(k)
         return out

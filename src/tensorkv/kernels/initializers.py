@@ -16,6 +16,11 @@ value never depends on the batch, the order of keys, the shard or the tier, nor 
 * truncated normal (two sigma, as TensorFlow/PyTorch): the inverse CDF restricted to
   ``[PHI(-2), PHI(2)]``: ``z = PPF(PHI(-2) + u * (PHI(2) - PHI(-2)))`` -- exact truncation
   without rejection, so no attempt counter is needed.
+
+Integer hashing and the central branch are exact IEEE arithmetic (numba adds no fast-math), so
+values are bit-identical across processes and machines; only the tail branch calls libm's
+``log``, whose last float64 bit may differ between C libraries -- which then almost never
+changes the float32 result.
 """
 
 from __future__ import annotations
