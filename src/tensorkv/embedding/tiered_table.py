@@ -135,7 +135,8 @@ class TieredEmbeddingTable(EmbeddingTable):
                     raise ConfigError(f"an HBM tier 0 holds float32 rows; dtype={self.dtype!r} "
                                       "needs a DRAM tier 0 (storage='DRAM_...')")
                 self._arena = HBMArena(self.dim, self.num_slots * self.dim, device=device)
-                self.optimizer = _DeviceRowsOptimizer(self.optimizer, self._arena)
+                if not hasattr(EmbeddingTable, "_apply_rows"):  # no optimizer hook: wrap it
+                    self.optimizer = _DeviceRowsOptimizer(self.optimizer, self._arena)
             budget = _budget_rows(specs[0].size, layout.record_bytes)
             try:
                 for s in specs[1:]:
@@ -172,6 +173,13 @@ class TieredEmbeddingTable(EmbeddingTable):
     def device(self) -> Any:
         """The torch device of tier 0 (``"cpu"`` for a DRAM tier 0)."""
         return getattr(self._arena, "device", "cpu")
+
+    def _apply_rows(self, rows: np.ndarray, sums: np.ndarray) -> None:
+        """The optimizer step on tier-0 rows; device rows go through the host kernel."""
+        if isinstance(self._arena, HBMArena):
+            self._arena.apply_optimizer(self.optimizer, rows, sums, self._step)
+        else:
+            self.optimizer.apply(self._arena.values, self._arena.slots, rows, sums, self._step)
 
     def _init_rows(self, rows: np.ndarray, keys: np.ndarray) -> None:
         if isinstance(self._arena, HBMArena):
