@@ -65,7 +65,7 @@ def sample_tensors(seed: int = 0) -> dict[str, np.ndarray]:
         "mlp.0.bias": np.zeros(256, dtype=np.float32),
         "mlp.1.weight": rng.standard_normal((1, 256)).astype(np.float16),
         "vocab.ids": rng.integers(0, 2**62, size=4096, dtype=np.int64),
-        "step": np.array([1234], dtype=np.int64),
+        "step": np.array(1234, dtype=np.int64),  # a 0-d scalar
     }
 
 

@@ -10,9 +10,29 @@ from typing import Any
 from tensorkv.errors import InvalidURLError
 from tensorkv.stores.base import Capabilities, KVStore, WriteOp
 
+
+class _Data:
+    """A dict plus a sorted key list that is rebuilt lazily, on the first scan after a write.
+
+    Keeping the list sorted on every insert (``bisect.insort``) makes bulk loads quadratic;
+    sorting once per scan after writes keeps puts O(1) and scans O(n log n) at worst.
+    """
+
+    def __init__(self) -> None:
+        self.items: dict[bytes, bytes] = {}
+        self._sorted: list[bytes] = []
+        self._dirty = False
+
+    def sorted_keys(self) -> list[bytes]:
+        if self._dirty:
+            self._sorted = sorted(self.items)
+            self._dirty = False
+        return self._sorted
+
+
 # Named memory stores live for the life of the process, so two open_store("memory://x")
 # calls see the same data (like a shared in-memory database).
-_NAMED: dict[str, tuple[dict[bytes, bytes], list[bytes]]] = {}
+_NAMED: dict[str, _Data] = {}
 _NAMED_LOCK = threading.Lock()
 
 
@@ -32,9 +52,10 @@ class MemoryStore(KVStore):
         super().__init__(url, readonly=readonly)
         if name:
             with _NAMED_LOCK:
-                self._data, self._keys = _NAMED.setdefault(name, ({}, []))
+                self._store = _NAMED.setdefault(name, _Data())
         else:
-            self._data, self._keys = {}, []
+            self._store = _Data()
+        self._data = self._store.items
         self._lock = threading.RLock()
 
     @classmethod
@@ -57,22 +78,22 @@ class MemoryStore(KVStore):
         # Copy values first so nothing changes if a conversion fails.
         staged = [(k, None if v is None else bytes(v)) for k, v in ops]
         with self._lock:
-            d, ks = self._data, self._keys
+            d = self._data
+            changed = False
             for k, v in staged:
                 if v is None:
-                    if d.pop(k, None) is not None:
-                        i = bisect.bisect_left(ks, k)
-                        del ks[i]
+                    changed |= d.pop(k, None) is not None
                 else:
-                    if k not in d:
-                        bisect.insort(ks, k)
+                    changed |= k not in d
                     d[k] = v
+            if changed:
+                self._store._dirty = True
 
     def _scan(
         self, start: bytes | None, stop: bytes | None, keys_only: bool, limit: int | None
     ) -> Iterator[tuple[bytes, bytes | None]]:
         with self._lock:
-            ks = self._keys
+            ks = self._store.sorted_keys()
             i = 0 if start is None else bisect.bisect_left(ks, start)
             j = len(ks) if stop is None else bisect.bisect_left(ks, stop)
             if limit is not None:
@@ -87,7 +108,7 @@ class MemoryStore(KVStore):
         from tensorkv.stores.base import prefix_upper_bound
 
         with self._lock:
-            ks = self._keys
+            ks = self._store.sorted_keys()
             if not prefix:
                 return len(ks)
             hi = prefix_upper_bound(bytes(prefix))
