@@ -149,6 +149,14 @@ class EmbeddingTable:
         nothing; ``"skip"``: the keys with non-finite gradients are left unchanged and counted.
     growth
         Whether the table may grow past ``capacity``.
+    storage
+        Multi-tier storage: a :class:`~tensorkv.embedding.storage.StorageOption` or a storage
+        type name (``"DRAM_SSDHASH"``, ``"DRAM_LEVELDB"``, ``"HBM_DRAM"``...). The table is then
+        a :class:`~tensorkv.embedding.tiered_table.TieredEmbeddingTable`: hot rows in DRAM (or
+        HBM), the rest in lower tiers, bit-identical training (docs/tiers.md, "Tier chains").
+    storage_path, storage_size, cache_strategy
+        With a storage type name: the tiers' directory (or URL), their sizes in bytes, and
+        ``"lfu"`` / ``"lru"``.
 
     Examples
     --------
@@ -164,6 +172,14 @@ class EmbeddingTable:
     2
     """
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> EmbeddingTable:
+        """``EmbeddingTable(..., storage=...)`` builds a tiered table (see ``tiered_table``)."""
+        if cls is EmbeddingTable and kwargs.get("storage") is not None:
+            from tensorkv.embedding.tiered_table import TieredEmbeddingTable
+
+            return super().__new__(TieredEmbeddingTable)
+        return super().__new__(cls)
+
     def __init__(
         self,
         dim: int,
@@ -178,7 +194,20 @@ class EmbeddingTable:
         default_value: float | Sequence[float] | np.ndarray | None = None,
         nan_policy: str = "raise",
         growth: bool = True,
+        storage: Any = None,
+        storage_path: Any = None,
+        storage_size: Any = None,
+        cache_strategy: str | None = None,
     ) -> None:
+        if storage is not None or storage_path is not None or storage_size is not None or \
+                cache_strategy is not None:
+            from tensorkv.embedding.tiered_table import resolve_storage
+
+            resolve_storage(storage, storage_path, storage_size, cache_strategy)  # raises
+            raise ConfigError(  # pragma: no cover - __new__ builds a TieredEmbeddingTable
+                "storage options need the tiered table; create it with EmbeddingTable(..., "
+                "storage=...)"
+            )
         if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)) or dim <= 0:
             raise ShapeError(f"dim={dim!r} must be a positive integer, e.g. dim=64")
         self.dim = int(dim)
@@ -300,7 +329,10 @@ class EmbeddingTable:
                 f"got {getattr(out, 'dtype', type(out).__name__)} "
                 f"{getattr(out, 'shape', '')}"
             )
-        raw = out if out is not None and not a.raw else np.empty((n, self.dim), a.values.dtype)
+        if out is not None and not a.raw:
+            raw = out
+        else:  # 16-bit rows as raw bits; no assumption that tier 0 is a numpy array
+            raw = np.empty((n, self.dim), np.uint16 if a.raw else np.float32)
         with self._lock.read():
             rows, misses = a.find_gather(k, raw)
             if misses == 0 and insert:
@@ -489,13 +521,18 @@ class EmbeddingTable:
                 a.scatter(rows, vals)
                 a.scatter_slots(rows, slots)
             elif rows.size:
-                self.optimizer.apply(a.values, a.slots, rows, sums, self._step)
+                self._apply_rows(rows, sums)
             self._mseq += 1
             ak.set_meta(a.version, a.seq, rows, self._step, self._mseq)
             ev = self.eviction
             if ev is not None and ev.every_n_steps and self._step % ev.every_n_steps == 0:
                 self._evict_locked()
         return int(rows.size)
+
+    def _apply_rows(self, rows: np.ndarray, sums: np.ndarray) -> None:
+        """Run the optimizer on tier-0 ``rows`` (write-locked; overridden for device rows)."""
+        a = self._arena
+        self.optimizer.apply(a.values, a.slots, rows, sums, self._step)
 
     def upsert(self, keys: Any, values: Any) -> None:
         """Set the values of ``keys`` (inserting absent ones; a later duplicate wins).

@@ -26,33 +26,6 @@ from tensorkv.embedding.tiers.hbm import DRAMTier, HBMArena
 from tensorkv.errors import ConfigError
 
 
-class _DeviceRowsOptimizer:
-    """The table's optimizer, applied to rows that live on a device (HBM tier 0).
-
-    :meth:`EmbeddingTable.apply_gradients` hands the arena's arrays to ``optimizer.apply``; for
-    device tensors this wrapper runs :meth:`HBMArena.apply_optimizer` instead (host kernel on
-    gathered rows, bit-identical). Everything else is the wrapped optimizer's.
-    """
-
-    def __init__(self, inner: Any, arena: HBMArena) -> None:
-        self._inner = inner
-        self._arena = arena
-
-    def apply(self, values: Any, slots: Any, rows: np.ndarray, grads: np.ndarray,
-              step: int) -> None:
-        """``optimizer.apply`` for host arrays, the gather/apply/scatter route for tensors."""
-        if isinstance(values, np.ndarray):
-            self._inner.apply(values, slots, rows, grads, step)
-        else:
-            self._arena.apply_optimizer(self._inner, rows, grads, step)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-    def __repr__(self) -> str:
-        return repr(self._inner)
-
-
 def _budget_rows(size: int | None, record_bytes: int) -> int | None:
     return None if size is None else max(1, int(size) // record_bytes)
 
@@ -81,6 +54,8 @@ def resolve_storage(storage: Any, storage_path: Any, storage_size: Any,
 
 class TieredEmbeddingTable(EmbeddingTable):
     """An :class:`EmbeddingTable` whose rows spill from DRAM to lower tiers.
+
+    ``EmbeddingTable(dim, ..., storage=...)`` builds one (so does this class directly).
 
     Takes every :class:`EmbeddingTable` argument plus the storage ones below. Training through
     any chain gives bit-identical values, slots, frequencies and versions to the DRAM-only
@@ -135,8 +110,6 @@ class TieredEmbeddingTable(EmbeddingTable):
                     raise ConfigError(f"an HBM tier 0 holds float32 rows; dtype={self.dtype!r} "
                                       "needs a DRAM tier 0 (storage='DRAM_...')")
                 self._arena = HBMArena(self.dim, self.num_slots * self.dim, device=device)
-                if not hasattr(EmbeddingTable, "_apply_rows"):  # no optimizer hook: wrap it
-                    self.optimizer = _DeviceRowsOptimizer(self.optimizer, self._arena)
             budget = _budget_rows(specs[0].size, layout.record_bytes)
             try:
                 for s in specs[1:]:
@@ -212,8 +185,6 @@ class TieredEmbeddingTable(EmbeddingTable):
         with self._op:
             with self._lock.write():
                 self._chain.promote(k, count=True)
-            if out is None and isinstance(self._arena, HBMArena):
-                out = np.empty((k.shape[0], self.dim), np.float32)  # host result buffer
             out = super().lookup(k, insert, out)
             with self._lock.write():
                 self._chain.after(k)
