@@ -88,10 +88,15 @@ def test_mutation_seq_and_incremental_export():
     t.lookup(np.arange(10))
     s1 = t.mutation_seq
     assert s1 > s0
-    t.lookup(np.arange(10))  # no change
+    t.lookup(np.arange(10), insert=False)  # a read without a sighting changes nothing
     assert t.mutation_seq == s1
-    t.apply_gradients([3, 4], np.ones((2, 2)))
+    t.lookup(np.arange(5))  # a sighting raises the frequency: those rows changed
+    s2 = t.mutation_seq
+    assert s2 > s1
     changed = list(t.export(since=s1))
+    assert sorted(np.concatenate([c.keys for c in changed]).tolist()) == [0, 1, 2, 3, 4]
+    t.apply_gradients([3, 4], np.ones((2, 2)))
+    changed = list(t.export(since=s2))
     assert sorted(np.concatenate([c.keys for c in changed]).tolist()) == [3, 4]
     t.remove([0])
     assert t.mutation_seq > s1

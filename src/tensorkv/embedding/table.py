@@ -337,7 +337,8 @@ class EmbeddingTable:
             rows, misses = a.find_gather(k, raw)
             if misses == 0 and insert:
                 with self._meta_lock:
-                    ak.bump_freq(a.freq, rows)
+                    self._mseq += 1
+                    ak.bump_freq(a.freq, a.seq, rows, self._mseq)
                     self._stats["hits"] += n
                 return self._result(raw, out)
         if not insert:
@@ -401,7 +402,8 @@ class EmbeddingTable:
         if rejected.size:
             out[rejected] = a.to_raw(self._initial(k[rejected]))
         with self._meta_lock:
-            ak.bump_freq(a.freq, rows)
+            self._mseq += 1
+            ak.bump_freq(a.freq, a.seq, rows, self._mseq)
             self._stats["hits"] += n_hits
             self._stats["misses"] += n_misses
 

@@ -169,8 +169,12 @@ def nonfinite_positions(grads):  # pragma: no cover - compiled
 
 
 @njit(nogil=True, cache=True)
-def bump_freq(freq, rows):  # pragma: no cover - compiled
-    """``freq[rows[i]] += 1`` per occurrence; ``-1`` rows skipped."""
+def bump_freq(freq, seq, rows, mseq):  # pragma: no cover - compiled
+    """``freq[rows[i]] += 1`` per occurrence and ``seq[rows[i]] = mseq``; ``-1`` rows skipped.
+
+    A sighting changes the row's frequency, so the row counts as changed for
+    ``export(since=...)`` (incremental checkpoints) like any other update.
+    """
     n = rows.shape[0]
     for i in range(n):
         if i + PREFETCH_DISTANCE < n and rows[i + PREFETCH_DISTANCE] >= 0:
@@ -178,6 +182,7 @@ def bump_freq(freq, rows):  # pragma: no cover - compiled
         r = rows[i]
         if r >= 0:
             freq[r] += 1
+            seq[r] = mseq
 
 
 @njit(nogil=True, cache=True)
