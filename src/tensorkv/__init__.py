@@ -30,7 +30,8 @@ except PackageNotFoundError:  # running from a source tree without installation
 _EMBEDDING_NAMES = ("EmbeddingTable", "ExportChunk", "CounterFilter", "BloomFilter", "Eviction",
                     "Zeros", "Constant", "Uniform", "Normal", "TruncatedNormal",
                     "get_initializer", "SGD", "Adagrad", "Adam", "AdamW", "FTRL", "RMSProp",
-                    "get_optimizer")
+                    "get_optimizer", "StorageOption", "DRAM", "HBM", "PMEM", "SSDHash",
+                    "KVTier", "TieredEmbeddingTable")
 
 
 def __getattr__(name: str):

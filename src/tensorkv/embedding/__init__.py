@@ -25,7 +25,9 @@ from tensorkv.embedding.optimizers import (
     RMSProp,
     get_optimizer,
 )
+from tensorkv.embedding.storage import DRAM, HBM, PMEM, KVTier, SSDHash, StorageOption
 from tensorkv.embedding.table import EmbeddingTable, ExportChunk
+from tensorkv.embedding.tiered_table import TieredEmbeddingTable
 
 __all__ = [
     "FTRL",
@@ -34,11 +36,18 @@ __all__ = [
     "Adam",
     "AdamW",
     "BloomFilter",
+    "DRAM",
+    "HBM",
+    "PMEM",
     "Constant",
     "CounterFilter",
     "EmbeddingTable",
     "Eviction",
     "ExportChunk",
+    "KVTier",
+    "SSDHash",
+    "StorageOption",
+    "TieredEmbeddingTable",
     "Initializer",
     "Normal",
     "Optimizer",
