@@ -422,3 +422,46 @@ def check_chunk_rows(chunk_rows: object) -> int:
     ):
         raise ConfigError(f"chunk_rows={chunk_rows!r} must be a positive integer")
     return int(chunk_rows)
+
+
+class IndexedTier(LowerTier):
+    """A tier whose rows are found through an in-memory ``HashIndex`` key -> location.
+
+    Subclasses set ``self.index`` (:class:`tensorkv.kernels.ssdhash.HashIndex`), ``self._lock``
+    and implement ``get``; the membership, key listing and scan methods below come for free.
+    Scans visit rows in location order (on-disk order for segment files).
+    """
+
+    index: Any
+    _lock: Any
+
+    def contains(self, keys: np.ndarray) -> np.ndarray:
+        """``bool[n]``: which keys are stored."""
+        keys = as_keys(keys)
+        with self._lock:
+            self._check_open()
+            return self.index.lookup(keys) >= 0
+
+    def keys(self) -> np.ndarray:
+        """All stored keys."""
+        with self._lock:
+            self._check_open()
+            return self.index.items()[0]
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def scan(self, chunk_rows: int = 65536) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Yield ``(keys, records)`` chunks in location order; safe against concurrent writes."""
+        chunk_rows = check_chunk_rows(chunk_rows)
+        with self._lock:
+            self._check_open()
+            keys, locs = self.index.items()
+        keys = keys[np.argsort(locs, kind="stable")]
+        for i in range(0, keys.size, chunk_rows):
+            ck = keys[i : i + chunk_rows]
+            found, recs = self.get(ck)
+            if not found.all():
+                ck, recs = ck[found], recs[found]
+            if ck.size:
+                yield ck, recs

@@ -19,13 +19,12 @@ import json
 import mmap
 import os
 import struct
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
 from tensorkv import config
-from tensorkv.embedding.tiers.base import LowerTier, RecordLayout, as_keys, check_chunk_rows
+from tensorkv.embedding.tiers.base import IndexedTier, RecordLayout, as_keys
 from tensorkv.errors import (
     CapacityError,
     CorruptRecordError,
@@ -40,7 +39,7 @@ HEADER_BYTES = 4096
 _LOW32 = np.uint64(0xFFFFFFFF)
 
 
-class PMEMTier(LowerTier):
+class PMEMTier(IndexedTier):
     """Fixed record slots in one memory-mapped file, with free-list reuse.
 
     Parameters
@@ -258,36 +257,6 @@ class PMEMTier(LowerTier):
             self._counters["reads"] += keys.size
         return found, out.view(np.uint8)
 
-    def contains(self, keys: np.ndarray) -> np.ndarray:
-        """``bool[n]``: which keys are stored."""
-        keys = as_keys(keys)
-        with self._lock:
-            self._check_open()
-            return self.index.lookup(keys) >= 0
-
-    def keys(self) -> np.ndarray:
-        """All stored keys."""
-        with self._lock:
-            self._check_open()
-            return self.index.items()[0]
-
-    def __len__(self) -> int:
-        return len(self.index)
-
-    def scan(self, chunk_rows: int = 65536) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """Yield ``(keys, records)`` chunks in slot order."""
-        chunk_rows = check_chunk_rows(chunk_rows)
-        with self._lock:
-            self._check_open()
-            keys, slots = self.index.items()
-        keys = keys[np.argsort(slots, kind="stable")]
-        for i in range(0, keys.size, chunk_rows):
-            ck = keys[i : i + chunk_rows]
-            found, recs = self.get(ck)
-            if not found.all():
-                ck, recs = ck[found], recs[found]
-            if ck.size:
-                yield ck, recs
 
     # ----------------------------------------------------------------- checks
     def check(self) -> list[str]:

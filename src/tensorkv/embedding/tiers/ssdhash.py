@@ -20,14 +20,13 @@ import fcntl
 import json
 import os
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
 from tensorkv import config
 from tensorkv.embedding.tiers import ssdhash_files as sf
-from tensorkv.embedding.tiers.base import LowerTier, RecordLayout, as_keys, check_chunk_rows
+from tensorkv.embedding.tiers.base import IndexedTier, RecordLayout, as_keys
 from tensorkv.embedding.tiers.ssdhash_files import REC_BITS, REC_MASK, SEG_HEADER, Segment
 from tensorkv.errors import (
     ConfigError,
@@ -46,7 +45,7 @@ DEFAULT_SNAPSHOT_MIN_BYTES = 64 * 1024 * 1024
 DEFAULT_COMPACTION_THRESHOLD = 0.5
 
 
-class SSDHashTier(LowerTier):
+class SSDHashTier(IndexedTier):
     """Append-only segment files plus an in-memory hash index.
 
     Parameters
@@ -493,36 +492,6 @@ class SSDHashTier(LowerTier):
             self._counters["reads"] += n
         return found, out.view(np.uint8)
 
-    def contains(self, keys: np.ndarray) -> np.ndarray:
-        """``bool[n]``: which keys are stored."""
-        keys = as_keys(keys)
-        with self._lock:
-            self._check_open()
-            return self.index.lookup(keys) >= 0
-
-    def keys(self) -> np.ndarray:
-        """All stored keys."""
-        with self._lock:
-            self._check_open()
-            return self.index.items()[0]
-
-    def __len__(self) -> int:
-        return len(self.index)
-
-    def scan(self, chunk_rows: int = 65536) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """Yield ``(keys, records)`` chunks in on-disk order; safe against concurrent writes."""
-        chunk_rows = check_chunk_rows(chunk_rows)
-        with self._lock:
-            self._check_open()
-            keys, locs = self.index.items()
-        keys = keys[np.argsort(locs, kind="stable")]
-        for i in range(0, keys.size, chunk_rows):
-            ck = keys[i : i + chunk_rows]
-            found, recs = self.get(ck)
-            if not found.all():
-                ck, recs = ck[found], recs[found]
-            if ck.size:
-                yield ck, recs
 
     # ================================================================= compaction
     def _candidates(self) -> list[Segment]:
