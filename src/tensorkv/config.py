@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import re
+from typing import Any
 
 from tensorkv.errors import ConfigError
 
@@ -41,6 +42,24 @@ ENV_EVICTION_THREADS = "TENSORKV_EVICTION_THREADS"
 ENV_SSDHASH_ASYNC_COMPACTION = "TENSORKV_SSDHASH_ASYNC_COMPACTION"
 ENV_REDIS_CONFIG_PATH = "TENSORKV_REDIS_CONFIG_PATH"
 ENV_PROGRESS = "TENSORKV_PROGRESS"
+
+
+def parse_scalar(text: str) -> Any:
+    """Turn option text into a bool, int or float where it reads as one (else the text).
+
+    Used for URL query strings and ``-p KEY=VALUE`` command-line options.
+    """
+    low = text.lower()
+    if low in {"true", "yes", "on"}:
+        return True
+    if low in {"false", "no", "off"}:
+        return False
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
 
 
 def env_int(name: str, default: int, *, minimum: int | None = None) -> int:

@@ -9,6 +9,8 @@ import time
 
 import click
 
+from tensorkv.config import parse_scalar
+
 #: Modules of tensorkv.bench that are machinery, not workloads.
 NOT_WORKLOADS = frozenset({"common", "redis_server"})
 
@@ -24,18 +26,6 @@ def workloads() -> list[str]:
     )
 
 
-def _convert(text: str) -> object:
-    low = text.lower()
-    if low in {"true", "yes", "on"}:
-        return True
-    if low in {"false", "no", "off"}:
-        return False
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return text
 
 
 def parse_params(pairs: tuple[str, ...], run_fn: object, name: str) -> dict[str, object]:
@@ -60,7 +50,7 @@ def parse_params(pairs: tuple[str, ...], run_fn: object, name: str) -> dict[str,
                 f"workload {name!r} takes no parameter {key!r}; it takes: {hint}",
                 param_hint="--param",
             )
-        out[key] = _convert(value)
+        out[key] = parse_scalar(value)
     return out
 
 

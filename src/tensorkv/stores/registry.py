@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
+from tensorkv.config import parse_scalar
 from tensorkv.errors import InvalidURLError, MissingDependencyError, UnknownSchemeError
 from tensorkv.stores.base import KVStore
 
@@ -92,18 +93,6 @@ class StoreURL:
     options: dict[str, Any] = field(default_factory=dict)
 
 
-def _convert(value: str) -> Any:
-    low = value.lower()
-    if low in {"true", "yes", "on"}:
-        return True
-    if low in {"false", "no", "off"}:
-        return False
-    for cast in (int, float):
-        try:
-            return cast(value)
-        except ValueError:
-            pass
-    return value
 
 
 def parse_url(url: str) -> StoreURL:
@@ -155,7 +144,7 @@ def parse_url(url: str) -> StoreURL:
                 if not 0 < port < 65536:
                     raise InvalidURLError(f"store URL {url!r}: port {port} is out of range")
             hosts.append((host, port))
-    options = {k: _convert(v) for k, v in parse_qsl(parts.query, keep_blank_values=True)}
+    options = {k: parse_scalar(v) for k, v in parse_qsl(parts.query, keep_blank_values=True)}
     return StoreURL(url, scheme, hosts, unquote(parts.path), username, password, options)
 
 
