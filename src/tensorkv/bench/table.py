@@ -194,8 +194,10 @@ def _torch_adagrad_steps(n: int, dim: int, rows: np.ndarray, g: np.ndarray):
     def step(threads: int) -> None:
         torch.set_num_threads(threads)
         try:
-            emb.weight.grad = torch.sparse_coo_tensor(idx, gt, (n, dim), check_invariants=False)
-            opt.step()
+            # explicit opt-out of torch's sparse invariant checks (the baseline's fast path)
+            with torch.sparse.check_sparse_tensor_invariants(enable=False):
+                emb.weight.grad = torch.sparse_coo_tensor(idx, gt, (n, dim))
+                opt.step()
         finally:
             torch.set_num_threads(default)
 
