@@ -6,6 +6,7 @@ import pytest
 import tensorkv
 from tensorkv.embedding.optimizers import SGD, Adagrad
 from tensorkv.embedding.table import EmbeddingTable, ExportChunk
+from tensorkv.errors import CapacityError, ConfigError
 
 I64 = np.iinfo(np.int64)
 
@@ -342,3 +343,29 @@ def test_random_operations_match_a_reference_model():
             np.testing.assert_array_equal(t.lookup(keys, insert=False), want)
 
     run()
+
+
+def test_step_setter_and_reserve():
+    t = EmbeddingTable(4, optimizer="adagrad")
+    t.step = 41
+    t.apply_gradients([1, 2], np.ones((2, 4)))
+    assert t.step == 42 and t.version([1])[0] == 42
+    for bad in (-1, 2.5, True, "3"):
+        with pytest.raises(ConfigError, match="step="):
+            t.step = bad
+    assert t.step == 42
+    t.reserve(5000)
+    cap = t.stats()["capacity"]
+    assert cap >= 5000
+    t.lookup(np.arange(5000))
+    assert t.stats()["capacity"] == cap  # no regrowth while filling the reserved rows
+    with pytest.raises(ConfigError, match="n_keys="):
+        t.reserve(-3)
+
+
+def test_reserve_beyond_fixed_capacity_is_refused():
+    t = EmbeddingTable(4, capacity=100, growth=False)
+    t.lookup(np.arange(10))
+    with pytest.raises(CapacityError, match="100"):
+        t.reserve(1000)
+    assert len(t) == 10

@@ -229,8 +229,8 @@ def _restore_meta(table: Any, meta: dict[str, Any]) -> None:
     opt = getattr(table, "optimizer", None)
     if opt_state is not None and opt is not None and hasattr(opt, "load_state"):
         opt.load_state(opt_state)
-    if "step" in meta and hasattr(table, "_step"):
-        table._step = int(meta["step"])
+    if "step" in meta:
+        table.step = int(meta["step"])
 
 
 def _select(

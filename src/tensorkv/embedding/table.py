@@ -450,6 +450,26 @@ class EmbeddingTable:
         """The table's step: the last ``apply_gradients`` step."""
         return self._step
 
+    @step.setter
+    def step(self, value: int) -> None:
+        """Set the step, e.g. when restoring a checkpoint into an existing table."""
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+            raise ConfigError(f"step={value!r} must be a non-negative integer")
+        with self._lock.write():
+            self._step = int(value)
+
+    def reserve(self, n_keys: int) -> None:
+        """Allocate room for ``n_keys`` rows in total now, so inserting them does not regrow.
+
+        Loading a checkpoint of known size calls this first: one allocation instead of a
+        series of doublings and rehashes.
+        """
+        if isinstance(n_keys, bool) or not isinstance(n_keys, (int, np.integer)) or n_keys < 0:
+            raise ConfigError(f"n_keys={n_keys!r} must be a non-negative integer")
+        with self._lock.write():
+            self._arena.check_room(max(0, int(n_keys) - len(self._arena)))
+            self._arena.reserve(int(n_keys))
+
     @property
     def mutation_seq(self) -> int:
         """Counter bumped by every mutating call; rows remember the value of their last change."""
