@@ -172,6 +172,37 @@ def index_insert(
     return n
 
 
+@njit(nogil=True, cache=True, inline="always")
+def probe(index, k, mask):  # pragma: no cover - compiled
+    """Slot holding key ``k``, or the empty slot that ends its probe run."""
+    h = home_slot(k, mask)
+    while index[h, 1] >= 0 and index[h, 0] != k:
+        h = (h + 1) & mask
+    return h
+
+
+@njit(nogil=True, cache=True, inline="always")
+def shift_out(index, h, mask):  # pragma: no cover - compiled
+    """Empty slot ``h`` by backward shift (no tombstones, probe runs never grow).
+
+    Later members of its cluster move into the hole when their home slot allows.
+    """
+    hole = h
+    j = h
+    while True:
+        j = (j + 1) & mask
+        if index[j, 1] < 0:
+            break
+        home = home_slot(index[j, 0], mask)
+        # the entry at j may move to `hole` iff its home is not cyclically in (hole, j]
+        stays = (hole < home <= j) if hole <= j else (home > hole or home <= j)
+        if not stays:
+            index[hole, 0] = index[j, 0]
+            index[hole, 1] = index[j, 1]
+            hole = j
+    index[hole, 1] = -1
+
+
 @njit(nogil=True, cache=True)
 def index_remove(index, keys, rows_out, state, row_key, live):  # pragma: no cover
     """Remove keys (backward-shift deletion); freed rows go on the free list.
@@ -182,12 +213,8 @@ def index_remove(index, keys, rows_out, state, row_key, live):  # pragma: no cov
     mask = np.int64(index.shape[0] - 1)
     removed = 0
     for i in range(keys.shape[0]):
-        k = keys[i]
-        h = home_slot(k, mask)
+        h = probe(index, keys[i], mask)
         r = index[h, 1]
-        while r >= 0 and index[h, 0] != k:
-            h = (h + 1) & mask
-            r = index[h, 1]
         rows_out[i] = r
         if r < 0:
             continue
@@ -198,21 +225,7 @@ def index_remove(index, keys, rows_out, state, row_key, live):  # pragma: no cov
         state[FREE_HEAD] = r
         state[N_FREE] += 1
         state[SIZE] -= 1
-        # backward shift: pull later members of the cluster into the hole when allowed
-        hole = h
-        j = h
-        while True:
-            j = (j + 1) & mask
-            if index[j, 1] < 0:
-                break
-            home = home_slot(index[j, 0], mask)
-            # the entry at j may move to `hole` iff its home is not cyclically in (hole, j]
-            stays = (hole < home <= j) if hole <= j else (home > hole or home <= j)
-            if not stays:
-                index[hole, 0] = index[j, 0]
-                index[hole, 1] = index[j, 1]
-                hole = j
-        index[hole, 1] = -1
+        shift_out(index, h, mask)
     return removed
 
 
@@ -289,29 +302,12 @@ def count_map_remove(index, keys, state):  # pragma: no cover - compiled
     mask = np.int64(index.shape[0] - 1)
     removed = 0
     for i in range(keys.shape[0]):
-        k = keys[i]
-        h = home_slot(k, mask)
-        c = index[h, 1]
-        while c >= 0 and index[h, 0] != k:
-            h = (h + 1) & mask
-            c = index[h, 1]
-        if c < 0:
+        h = probe(index, keys[i], mask)
+        if index[h, 1] < 0:
             continue
         removed += 1
         state[SIZE] -= 1
-        hole = h
-        j = h
-        while True:
-            j = (j + 1) & mask
-            if index[j, 1] < 0:
-                break
-            home = home_slot(index[j, 0], mask)
-            stays = (hole < home <= j) if hole <= j else (home > hole or home <= j)
-            if not stays:
-                index[hole, 0] = index[j, 0]
-                index[hole, 1] = index[j, 1]
-                hole = j
-        index[hole, 1] = -1
+        shift_out(index, h, mask)
     return removed
 
 
@@ -320,10 +316,5 @@ def count_map_get(index, keys, out):  # pragma: no cover - compiled
     """Current count of each key (0 when absent)."""
     mask = np.int64(index.shape[0] - 1)
     for i in range(keys.shape[0]):
-        k = keys[i]
-        h = home_slot(k, mask)
-        c = index[h, 1]
-        while c >= 0 and index[h, 0] != k:
-            h = (h + 1) & mask
-            c = index[h, 1]
+        c = index[probe(index, keys[i], mask), 1]
         out[i] = c if c > 0 else 0
