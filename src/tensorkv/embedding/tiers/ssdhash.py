@@ -385,26 +385,7 @@ class SSDHashTier(IndexedTier):
 
     def delete(self, keys: np.ndarray) -> int:
         """Remove keys (tombstones are appended so deletes survive reopening)."""
-        keys = as_keys(keys)
-        with self._lock:
-            self._check_open()
-            if keys.size == 0:
-                return 0
-            keys = keys[K.last_occurrence(keys)]
-            keys = keys[self.index.lookup(keys) >= 0]
-            n = keys.size
-            if n == 0:
-                return 0
-            tomb = self.layout.empty(n)
-            self.layout.record_keys(tomb)[:] = keys
-            stored = np.empty((n, self.words), np.uint64)
-            K.seal(tomb.view(np.uint64), K.FLAG_TOMB, stored)
-            self._append(stored)
-            old = self.index.remove(keys)
-            self._account(old, None)
-            self._counters["deletes"] += n
-            self._after_write()
-            return n
+        return self._remove(keys, tombstones=True)
 
     def discard(self, keys: np.ndarray) -> int:
         """Remove keys from the index without appending tombstones; return how many were here.
@@ -413,6 +394,9 @@ class SSDHashTier(IndexedTier):
         spill tier: the records become dead (compaction reclaims them), but a key whose last
         put was appended after the latest index snapshot comes back after a reopen.
         """
+        return self._remove(keys, tombstones=False)
+
+    def _remove(self, keys: np.ndarray, *, tombstones: bool) -> int:
         keys = as_keys(keys)
         with self._lock:
             self._check_open()
@@ -423,6 +407,12 @@ class SSDHashTier(IndexedTier):
             n = keys.size
             if n == 0:
                 return 0
+            if tombstones:
+                tomb = self.layout.empty(n)
+                self.layout.record_keys(tomb)[:] = keys
+                stored = np.empty((n, self.words), np.uint64)
+                K.seal(tomb.view(np.uint64), K.FLAG_TOMB, stored)
+                self._append(stored)
             old = self.index.remove(keys)
             self._account(old, None)
             self._counters["deletes"] += n
