@@ -98,10 +98,20 @@ class RowArena:
         self._alloc(self._initial)
 
     # --- allocation ---------------------------------------------------------------------------
-    def _alloc(self, cap: int) -> None:
-        cap = max(int(cap), 1)
+    def _alloc_row_arrays(self, cap: int) -> None:
+        """Allocate ``values`` and ``slots`` (the hook a device arena overrides)."""
         self.values = np.zeros((cap, self.dim), np.uint16 if self.raw else np.float32)
         self.slots = np.zeros((cap, self.slot_width), np.float32)
+
+    def _resize_row_arrays(self, new: int) -> None:
+        """Grow ``values`` and ``slots`` to ``new`` rows, keeping their contents."""
+        for name in ("values", "slots"):
+            arr = getattr(self, name)
+            arr.resize((new, arr.shape[1]), refcheck=False)
+
+    def _alloc(self, cap: int) -> None:
+        cap = max(int(cap), 1)
+        self._alloc_row_arrays(cap)
         self.freq = np.zeros(cap, np.int64)
         self.version = np.zeros(cap, np.int64)
         self.seq = np.zeros(cap, np.int64)
@@ -141,9 +151,7 @@ class RowArena:
         new = max(need, int(cap * ROW_GROWTH) + 1)
         if self.max_rows is not None and not self.growth:
             new = min(new, self.max_rows)
-        for name in ("values", "slots"):
-            arr = getattr(self, name)
-            arr.resize((new, arr.shape[1]), refcheck=False)
+        self._resize_row_arrays(new)
         for name in ("freq", "version", "seq", "row_key", "live"):
             getattr(self, name).resize(new, refcheck=False)
 

@@ -35,10 +35,9 @@ from typing import Any
 import numpy as np
 
 from tensorkv import config
-from tensorkv.embedding.arena import ROW_GROWTH, RowArena, _pow2_at_least
+from tensorkv.embedding.arena import RowArena
 from tensorkv.embedding.tiers.base import LowerTier, RecordLayout, as_keys, check_chunk_rows
 from tensorkv.errors import ConfigError
-from tensorkv.kernels import hashindex as hk
 
 
 def _torch():
@@ -105,19 +104,10 @@ class HBMArena(RowArena):
         super().__init__(dim, slot_width, capacity=capacity, growth=growth, max_load=max_load)
 
     # --- allocation ---------------------------------------------------------------------------
-    def _alloc(self, cap: int) -> None:
+    def _alloc_row_arrays(self, cap: int) -> None:
         torch = _torch()
-        cap = max(int(cap), 1)
         self.values = torch.zeros((cap, self.dim), dtype=torch.float32, device=self.device)
         self.slots = torch.zeros((cap, self.slot_width), dtype=torch.float32, device=self.device)
-        self.freq = np.zeros(cap, np.int64)
-        self.version = np.zeros(cap, np.int64)
-        self.seq = np.zeros(cap, np.int64)
-        self.row_key = np.zeros(cap, np.int64)
-        self.live = np.zeros(cap, np.uint8)
-        n_slots = _pow2_at_least(int(cap / self.max_load) + 1)
-        self.index = hk.new_index(n_slots)
-        self.state = np.array([0, 0, -1, 0], np.int64)
 
     @property
     def nbytes(self) -> int:
@@ -132,19 +122,14 @@ class HBMArena(RowArena):
         """Bytes of the row tensors on the device."""
         return int((self.values.numel() + self.slots.numel()) * 4)
 
-    def _grow_rows(self, need: int) -> None:
+    def _resize_row_arrays(self, new: int) -> None:
         torch = _torch()
         cap = self.capacity
-        new = max(need, int(cap * ROW_GROWTH) + 1)
-        if self.max_rows is not None and not self.growth:
-            new = min(new, self.max_rows)
         for name in ("values", "slots"):
             old = getattr(self, name)
             t = torch.zeros((new, old.shape[1]), dtype=old.dtype, device=self.device)
             t[:cap] = old
             setattr(self, name, t)
-        for name in ("freq", "version", "seq", "row_key", "live"):
-            getattr(self, name).resize(new, refcheck=False)
 
     # --- transfers ------------------------------------------------------------------------------
     def _rows_t(self, rows: np.ndarray):
