@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from tensorkv.kernels.hashindex import home_slot, prefetch, prefetch1
+from tensorkv.kernels.hashindex import home_slot, index_find, prefetch, prefetch1
 
 #: How many keys ahead the lookup kernels prefetch (index slots, then value rows).
 PREFETCH_DISTANCE = 16
@@ -46,21 +46,7 @@ def find_gather(index, keys, values, out, rows_out):  # pragma: no cover
     ``PREFETCH_DISTANCE`` ahead), then all copies (prefetching the value row ahead), so
     independent cache misses overlap instead of stalling one by one.
     """
-    mask = np.int64(index.shape[0] - 1)
-    n = keys.shape[0]
-    misses = 0
-    for i in range(n):
-        if i + PREFETCH_DISTANCE < n:
-            prefetch(index, home_slot(keys[i + PREFETCH_DISTANCE], mask), 0)
-        k = keys[i]
-        h = home_slot(k, mask)
-        r = index[h, 1]
-        while r >= 0 and index[h, 0] != k:
-            h = (h + 1) & mask
-            r = index[h, 1]
-        rows_out[i] = r
-        if r < 0:
-            misses += 1
+    misses = index_find(index, keys, rows_out)
     gather_rows(values, rows_out, out)
     return misses
 

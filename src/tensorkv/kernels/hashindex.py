@@ -104,6 +104,37 @@ def new_index(n_slots: int) -> np.ndarray:
     return index
 
 
+@njit(nogil=True, cache=True, inline="always")
+def probe(index, k, mask):  # pragma: no cover - compiled
+    """Slot holding key ``k``, or the empty slot that ends its probe run."""
+    h = home_slot(k, mask)
+    while index[h, 1] >= 0 and index[h, 0] != k:
+        h = (h + 1) & mask
+    return h
+
+
+@njit(nogil=True, cache=True, inline="always")
+def shift_out(index, h, mask):  # pragma: no cover - compiled
+    """Empty slot ``h`` by backward shift (no tombstones, probe runs never grow).
+
+    Later members of its cluster move into the hole when their home slot allows.
+    """
+    hole = h
+    j = h
+    while True:
+        j = (j + 1) & mask
+        if index[j, 1] < 0:
+            break
+        home = home_slot(index[j, 0], mask)
+        # the entry at j may move to `hole` iff its home is not cyclically in (hole, j]
+        stays = (hole < home <= j) if hole <= j else (home > hole or home <= j)
+        if not stays:
+            index[hole, 0] = index[j, 0]
+            index[hole, 1] = index[j, 1]
+            hole = j
+    index[hole, 1] = -1
+
+
 @njit(nogil=True, cache=True)
 def index_find(index, keys, rows_out):  # pragma: no cover - compiled
     """Row of each key into ``rows_out`` (``-1`` when absent); returns the number of misses."""
@@ -113,12 +144,7 @@ def index_find(index, keys, rows_out):  # pragma: no cover - compiled
     for i in range(n):
         if i + 16 < n:
             prefetch(index, home_slot(keys[i + 16], mask), 0)
-        k = keys[i]
-        h = home_slot(k, mask)
-        r = index[h, 1]
-        while r >= 0 and index[h, 0] != k:
-            h = (h + 1) & mask
-            r = index[h, 1]
+        r = index[probe(index, keys[i], mask), 1]
         rows_out[i] = r
         if r < 0:
             misses += 1
@@ -170,37 +196,6 @@ def index_insert(
                 break
             h = (h + 1) & mask
     return n
-
-
-@njit(nogil=True, cache=True, inline="always")
-def probe(index, k, mask):  # pragma: no cover - compiled
-    """Slot holding key ``k``, or the empty slot that ends its probe run."""
-    h = home_slot(k, mask)
-    while index[h, 1] >= 0 and index[h, 0] != k:
-        h = (h + 1) & mask
-    return h
-
-
-@njit(nogil=True, cache=True, inline="always")
-def shift_out(index, h, mask):  # pragma: no cover - compiled
-    """Empty slot ``h`` by backward shift (no tombstones, probe runs never grow).
-
-    Later members of its cluster move into the hole when their home slot allows.
-    """
-    hole = h
-    j = h
-    while True:
-        j = (j + 1) & mask
-        if index[j, 1] < 0:
-            break
-        home = home_slot(index[j, 0], mask)
-        # the entry at j may move to `hole` iff its home is not cyclically in (hole, j]
-        stays = (hole < home <= j) if hole <= j else (home > hole or home <= j)
-        if not stays:
-            index[hole, 0] = index[j, 0]
-            index[hole, 1] = index[j, 1]
-            hole = j
-    index[hole, 1] = -1
 
 
 @njit(nogil=True, cache=True)
