@@ -205,7 +205,7 @@ class Optimizer:
 
     # -- the update
     def apply(self, values: np.ndarray, slots: np.ndarray | None, rows: np.ndarray,
-              grads: np.ndarray, step: int) -> None:
+              grads: np.ndarray, step: int, parallel: bool | None = None) -> None:
         """Update ``values[rows]`` and ``slots[rows]`` in place from ``grads``.
 
         Parameters
@@ -222,6 +222,9 @@ class Optimizer:
             ``[m, dim]`` finite gradients (converted to C-contiguous float32 if needed).
         step : int
             The table's step, passed to a learning-rate schedule.
+        parallel : bool, optional
+            Force the multi-threaded (True) or the serial (False) kernel; by default large
+            updates run on all cores (see :func:`tensorkv.kernels.optimizers.get_kernel`).
 
         Raises
         ------
@@ -245,7 +248,7 @@ class Optimizer:
         m, dim = grads.shape
         if m == 0 or dim == 0:
             return
-        get_kernel(self._kernel, m * dim)(values, slots, rows, grads, *scalars)
+        get_kernel(self._kernel, m * dim, parallel)(values, slots, rows, grads, *scalars)
 
     def _check_lr_value(self, lr: float, step: int) -> None:
         """Hook for optimizers that cannot run with a zero learning rate."""

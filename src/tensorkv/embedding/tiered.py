@@ -39,10 +39,11 @@ import numpy as np
 from tensorkv.embedding.arena import RowArena
 from tensorkv.embedding.filters import Eviction
 from tensorkv.embedding.table import ExportChunk
-from tensorkv.embedding.tiers.base import LowerTier, RecordLayout
+from tensorkv.embedding.tiers.base import LowerTier, RecordLayout, RowSink
 from tensorkv.embedding.writeback import WriteQueue
 from tensorkv.errors import ConfigError, StoreClosedError
 from tensorkv.kernels import cache as ck
+from tensorkv.kernels import records as kr
 
 DEFAULT_MAX_PENDING_BYTES = 256 * 1024 * 1024
 CASCADE_LOW_WATER = 0.9  # a full lower tier cascades down to this share of its budget
@@ -156,7 +157,8 @@ class TierChain:
         self.max_pending_bytes = int(max_pending_bytes)
         self.tick = np.zeros(arena.capacity, np.int64)
         self.cur = 0
-        self._batch: tuple | None = None
+        self._batch: tuple | None = None  # (keys, rows, state, state copy) of promote()
+        self._last: tuple | None = None  # the same, left by after() for the next operation
         self.lock = threading.RLock()
         self.pending: list[_Pending] = []
         self.pending_bytes = 0
@@ -180,21 +182,17 @@ class TierChain:
         parts = [p.keys[~p.live] for p in self.pending if not p.live.all()] + self.stale
         return np.concatenate(parts) if parts else np.empty(0, np.int64)
 
-    def lookup_lower(self, keys: np.ndarray, take: bool) -> tuple[np.ndarray, np.ndarray,
-                                                                  np.ndarray]:
-        """Find distinct ``keys`` below tier 0: ``(found, records, where)`` (call under lock).
+    def lookup_lower(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(found, records)`` of distinct ``keys`` below tier 0, without moving them.
 
-        ``where`` is 0 for the pending buffer, ``i`` for lower tier ``i`` (-1: absent). With
-        ``take`` the rows are removed from where they were (promotion): pending rows at once,
-        lower-tier copies by a queued background delete (until it runs, they are ignored).
+        Call under the chain lock. The pending buffer is searched first, then each lower
+        tier; copies whose delete is still queued are ignored.
         """
         n = keys.size
         found = np.zeros(n, np.bool_)
-        where = np.full(n, -1, np.int64)
-        recs = np.empty((n, self.layout.record_bytes), np.uint8)
+        recs = np.zeros((n, self.layout.record_bytes), np.uint8)
         if n == 0:
-            return found, recs, where
-        stale = self._stale()
+            return found, recs
         for p in self.pending:
             left = np.flatnonzero(~found)
             if left.size == 0:
@@ -202,35 +200,20 @@ class TierChain:
             idx = p.find(keys[left])
             hit = idx >= 0
             if hit.any():
-                pos, j = left[hit], idx[hit]
-                recs[pos] = p.records[j]
-                found[pos] = True
-                where[pos] = 0
-                if take:
-                    p.live[j] = False
-        for ti, (tier, _) in enumerate(self.lowers):
+                recs[left[hit]] = p.records[idx[hit]]
+                found[left[hit]] = True
+        stale = self._stale()
+        for tier, _ in self.lowers:
             left = np.flatnonzero(~found)
             if stale.size and left.size:
                 left = left[~np.isin(keys[left], stale)]
             if left.size == 0:
                 break
-            q = keys[left]
-            f, r = tier.get(q)
-            if left.size == n and ti == 0:  # nothing found above: use the tier's buffer
-                recs, found = r, f.copy()
-                where[f] = 1
-                continue
+            f, r = tier.get(keys[left])
             if f.any():
-                pos = left[f]
-                recs[pos] = r[f]
-                found[pos] = True
-                where[pos] = ti + 1
-        recs[~found] = 0
-        if take and (where > 0).any():
-            gone = keys[where > 0]
-            self.stale.append(gone)
-            self.queue.submit(lambda: self._drop(gone))
-        return found, recs, where
+                recs[left[f]] = r[f]
+                found[left[f]] = True
+        return found, recs
 
     def _drop(self, keys: np.ndarray) -> None:
         """Background job: delete promoted keys' copies from every lower tier."""
@@ -255,6 +238,16 @@ class TierChain:
         self.queue.check()
         self.cur += 1
         a = self.arena
+        last, self._last = self._last, None
+        if last is not None and last[2] is a.state and np.array_equal(last[3], a.state) and \
+                (last[0] is keys or np.array_equal(last[0], keys)):
+            # the same batch as the previous operation (lookup, then apply_gradients), and no
+            # row was inserted or removed since: every key that exists anywhere is resident
+            rows = last[1]
+            if count:
+                self.counters["tier0"]["hits"] += keys.size
+            self._batch = (keys, rows, a.state, a.state.copy())
+            return 0
         rows = a.find(keys)
         miss = rows < 0
         if not miss.any():
@@ -271,21 +264,72 @@ class TierChain:
         if not self.lowers and not self.pending:
             return 0
         with self.lock:
-            found, recs, where = self.lookup_lower(mk, take=True)
-        if not found.any():
-            return 0
-        fk_ = mk[found]
-        recs = recs if found.all() else recs[found]
-        new_rows, _ = a.insert(fk_)
-        self._write_rows(new_rows, recs)
-        self._ensure_tick()
-        ck.touch(self.tick, new_rows, self.cur)
-        w = where[found]
-        for ti in range(1, len(self.lowers) + 1):  # pending rows count for tier 1
-            c = int(((w == ti) | (w == 0)).sum()) if ti == 1 else int((w == ti).sum())
-            if c:
-                self.counters[f"tier{ti}"]["promotions"] += c
-        return int(fk_.size)
+            mrows, where = self._take_lower(mk)
+        got = mrows >= 0
+        if got.any():
+            self._ensure_tick()
+            ck.touch(self.tick, mrows, self.cur)
+            for ti in range(1, len(self.lowers) + 1):  # pending rows count for tier 1
+                c = int(((where == ti) | (where == 0)).sum()) if ti == 1 \
+                    else int((where == ti).sum())
+                if c:
+                    self.counters[f"tier{ti}"]["promotions"] += c
+        # the batch's rows now, so after() need not look them up again
+        rows[miss] = a.find(keys[miss])
+        self._batch = (keys, rows, a.state, a.state.copy())
+        return int(got.sum())
+
+    def _take_lower(self, mk: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Move the distinct keys ``mk`` found below tier 0 into tier 0 (call under lock).
+
+        Returns ``(rows, where)``: each key's new tier-0 row (-1: not found) and where it came
+        from (0: the pending buffer, ``i``: lower tier ``i``, -1: nowhere). Pending rows are
+        taken at once; lower-tier copies are deleted by a queued background job (until it
+        runs, readers ignore them).
+        """
+        a = self.arena
+        n = mk.size
+        rows = np.full(n, -1, np.int64)
+        where = np.full(n, -1, np.int64)
+        sink = RowSink(a, self.layout)
+        for p in self.pending:
+            left = np.flatnonzero(rows < 0)
+            if left.size == 0:
+                break
+            idx = p.find(mk[left])
+            hit = idx >= 0
+            if hit.any():
+                pos, j = left[hit], idx[hit]
+                p.live[j] = False
+                new_rows, _ = a.insert(mk[pos])
+                sink.write(p.records, j, new_rows)
+                rows[pos] = new_rows
+                where[pos] = 0
+        stale = self._stale()
+        for ti, (tier, _) in enumerate(self.lowers):
+            left = np.flatnonzero(rows < 0)
+            if stale.size and left.size:
+                left = left[~np.isin(mk[left], stale)]
+            if left.size == 0:
+                break
+            q = mk[left]
+            placed: list[np.ndarray] = []
+
+            def alloc(found: np.ndarray, q: np.ndarray = q, placed: list = placed) -> np.ndarray:
+                new_rows, _ = a.insert(q[found])
+                placed.append(new_rows)
+                return new_rows
+
+            found = tier.read_into(q, alloc, sink)
+            if placed:
+                pos = left[found]
+                rows[pos] = placed[0]
+                where[pos] = ti + 1
+        if (where > 0).any():
+            gone = mk[where > 0]
+            self.stale.append(gone)
+            self.queue.submit(lambda: self._drop(gone))
+        return rows, where
 
     def after(self, keys: np.ndarray, protect: bool = True) -> int:
         """Mark the batch's rows as used now and move tier-0 excess down; returns rows moved.
@@ -301,42 +345,18 @@ class TierChain:
         else:
             rows = a.find(keys)
         ck.touch(self.tick, rows, self.cur)
-        if self.budget is None or not self.lowers:
-            return 0
-        excess = len(a) - self.budget
-        if excess <= 0:
-            return 0
-        victims = ck.select_victims(a.live, self.tick, a.freq, a.high_water,
-                                    self.cur if protect else -1, excess, self.policy)
-        if victims.size == 0:
-            return 0
-        self.demote_rows(victims)
-        return int(victims.size)
-
-    def _record_views(self, buf: np.ndarray) -> tuple[np.ndarray, ...]:
-        """Field views (key, freq, version, seq, values, slots) of a record buffer.
-
-        Values are viewed with tier 0's array dtype (16-bit rows as their raw bits).
-        """
-        lay = self.layout
-        vo, so = lay.values_offset, lay.slots_offset
-        return (buf[:, 0:8].view(np.int64)[:, 0], buf[:, 8:16].view(np.int64)[:, 0],
-                buf[:, 16:24].view(np.int64)[:, 0], buf[:, 24:32].view(np.int64)[:, 0],
-                buf[:, vo:vo + lay.values_bytes].view(self.arena.values.dtype),
-                buf[:, so:so + 4 * lay.slot_width].view(np.float32))
-
-    def _write_rows(self, rows: np.ndarray, recs: np.ndarray) -> None:
-        """Write whole records (values, slots, freq, version, seq) into tier-0 rows."""
-        a = self.arena
-        if not isinstance(a.values, np.ndarray):  # device rows
-            f = self.layout.unpack(recs)
-            a.scatter(rows, np.ascontiguousarray(f.values))
-            if a.slot_width:
-                a.scatter_slots(rows, np.ascontiguousarray(f.slots))
-            a.freq[rows], a.version[rows], a.seq[rows] = f.freq, f.version, f.change_seq
-            return
-        _, fr, ve, sq, va, sl = self._record_views(recs)
-        ck.records_to_rows(fr, ve, sq, va, sl, rows, a.values, a.slots, a.freq, a.version, a.seq)
+        moved = 0
+        if self.budget is not None and self.lowers:
+            excess = len(a) - self.budget
+            if excess > 0:
+                victims = ck.select_victims(a.live, self.tick, a.freq, a.high_water,
+                                            self.cur if protect else -1, excess, self.policy)
+                if victims.size:
+                    self.demote_rows(victims)
+                    moved = int(victims.size)
+        if protect:  # demotion spared the batch: its rows stay valid for the next operation
+            self._last = (keys, rows, a.state, a.state.copy())
+        return moved
 
     def _read_rows(self, rows: np.ndarray) -> np.ndarray:
         """Whole records of tier-0 rows (padding zeroed)."""
@@ -352,8 +372,11 @@ class TierChain:
         end_s = lay.slots_offset + 4 * lay.slot_width
         if end_s < lay.record_bytes:
             buf[:, end_s:] = 0
-        ck.rows_to_records(a.values, a.slots, a.freq, a.version, a.seq, a.row_key, rows,
-                           *self._record_views(buf))
+        wd = kr.word_dtype(lay.values_offset, lay.values_bytes, lay.slots_offset,
+                           4 * lay.slot_width)
+        kr.rows_to_records(a.values.view(wd), a.slots.view(wd), a.freq, a.version, a.seq,
+                           a.row_key, rows, buf.view(wd), buf.view(np.int64),
+                           lay.values_offset // wd.itemsize, lay.slots_offset // wd.itemsize)
         return buf
 
     def _values_of(self, rows: np.ndarray) -> np.ndarray:
@@ -436,8 +459,7 @@ class TierChain:
         self._check_open()
         self.queue.check()
         with self.lock:
-            found, recs, _ = self.lookup_lower(keys, take=False)
-        return found, recs
+            return self.lookup_lower(keys)
 
     def export(self, chunk_rows: int, since: int) -> Iterator[ExportChunk]:
         """Chunks of the rows below tier 0 changed after ``since``."""
@@ -507,6 +529,7 @@ class TierChain:
         for tier, _ in self.lowers:
             tier.clear()
         self.tick[:] = 0
+        self._last = None
 
     def flush(self) -> None:
         """Land pending writes and make the lower tiers durable."""

@@ -138,6 +138,11 @@ class TieredEmbeddingTable(EmbeddingTable):
                 for t, _ in lowers:
                     t.close()
                 raise
+        # The write-back pool keeps cores busy while the table trains: a multi-threaded
+        # optimizer kernel would wait for its slowest thread (the one sharing a core with a
+        # writer), so it runs serially unless cores outnumber the training plus writer threads.
+        self._parallel = None if not lowers or (os.cpu_count() or 1) > 2 * (
+            1 + config.eviction_threads()) else False
         self._chain = TierChain(self._arena, layout, budget, lowers, policy,
                                 name=f"table(dim={self.dim})",
                                 max_pending_bytes=max_pending_bytes)
@@ -152,7 +157,8 @@ class TieredEmbeddingTable(EmbeddingTable):
         if isinstance(self._arena, HBMArena):
             self._arena.apply_optimizer(self.optimizer, rows, sums, self._step)
         else:
-            self.optimizer.apply(self._arena.values, self._arena.slots, rows, sums, self._step)
+            self.optimizer.apply(self._arena.values, self._arena.slots, rows, sums, self._step,
+                                 parallel=self._parallel)
 
     def _init_rows(self, rows: np.ndarray, keys: np.ndarray) -> None:
         if isinstance(self._arena, HBMArena):

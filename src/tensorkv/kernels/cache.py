@@ -242,41 +242,6 @@ def lru_hit_ratio(keys: np.ndarray, capacity: int) -> float:
 
 
 
-@njit(nogil=True, cache=True)
-def rows_to_records(values, slots, freq, version, seq, row_key, rows,
-                    r_key, r_freq, r_ver, r_seq, r_val, r_slot):  # pragma: no cover - compiled
-    """Copy arena rows into record fields (views of one record buffer), one pass per row."""
-    dim = values.shape[1]
-    sw = slots.shape[1]
-    for i in range(rows.shape[0]):
-        r = rows[i]
-        r_key[i] = row_key[r]
-        r_freq[i] = freq[r]
-        r_ver[i] = version[r]
-        r_seq[i] = seq[r]
-        for c in range(dim):
-            r_val[i, c] = values[r, c]
-        for c in range(sw):
-            r_slot[i, c] = slots[r, c]
-
-
-@njit(nogil=True, cache=True)
-def records_to_rows(r_freq, r_ver, r_seq, r_val, r_slot, rows,
-                    values, slots, freq, version, seq):  # pragma: no cover - compiled
-    """Copy record fields into arena rows (the inverse of :func:`rows_to_records`)."""
-    dim = values.shape[1]
-    sw = slots.shape[1]
-    for i in range(rows.shape[0]):
-        r = rows[i]
-        freq[r] = r_freq[i]
-        version[r] = r_ver[i]
-        seq[r] = r_seq[i]
-        for c in range(dim):
-            values[r, c] = r_val[i, c]
-        for c in range(sw):
-            slots[r, c] = r_slot[i, c]
-
-
 __all__ = [
-    "lru_hit_ratio", "lru_hits", "records_to_rows", "rows_to_records", "select_victims", "touch",
+    "lru_hit_ratio", "lru_hits", "select_victims", "touch",
 ]

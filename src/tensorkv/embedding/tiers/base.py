@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from tensorkv.errors import ConfigError, KeyTypeError, ShapeError, StoreClosedError
+from tensorkv.kernels import records as kr
 
 HEADER_BYTES = 32  # key, freq, version, change_seq
 
@@ -385,6 +386,21 @@ class LowerTier(ABC):
     def scan(self, chunk_rows: int = 65536) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """Yield ``(keys, records)`` chunks covering every row once."""
 
+    def read_into(self, keys: np.ndarray, alloc: Callable[[np.ndarray], np.ndarray],
+                  sink: RowSink) -> np.ndarray:
+        """Copy the records of ``keys`` that are stored here straight into tier-0 rows.
+
+        ``alloc(found)`` is called once, with the ``bool[n]`` mask of stored keys, and
+        returns the tier-0 rows for ``keys[found]``; the records then land in those rows
+        through ``sink``. Returns ``found``. This default reads through :meth:`get`; tiers
+        that can read their records in place (SSDHASH's mmap) copy them without a buffer.
+        """
+        found, recs = self.get(keys)
+        if found.any():
+            rows = alloc(found)
+            sink.write(recs if found.all() else recs[found], None, rows)
+        return found
+
     # ----------------------------------------------------------------- lifecycle
     @property
     def closed(self) -> bool:
@@ -411,6 +427,46 @@ class LowerTier(ABC):
     def clear(self) -> None:
         """Remove every row."""
         self.delete(self.keys())
+
+
+class RowSink:
+    """Where promoted records land: the row arrays of tier 0 (a DRAM or HBM arena).
+
+    Parameters
+    ----------
+    arena
+        Tier 0 (:class:`~tensorkv.embedding.arena.RowArena` or an HBM arena).
+    layout
+        The record layout of the lower tiers.
+    """
+
+    def __init__(self, arena: Any, layout: RecordLayout) -> None:
+        self.arena = arena
+        self.layout = layout
+        self.word = kr.word_dtype(layout.values_offset, layout.values_bytes,
+                                  layout.slots_offset, 4 * layout.slot_width)
+
+    def write(self, src: np.ndarray, src_rows: np.ndarray | None, rows: np.ndarray) -> None:
+        """Copy records ``src[src_rows]`` (all of ``src`` when None) into tier-0 ``rows``.
+
+        ``src`` is a C-contiguous ``uint8[m, width]`` buffer whose rows start with a record
+        (``width >= record_bytes``, a multiple of 8), e.g. a memory-mapped SSDHASH segment.
+        Every field but the key is written (the arena already maps the key to its row).
+        """
+        a, lay = self.arena, self.layout
+        if src_rows is None:
+            src_rows = np.arange(rows.shape[0], dtype=np.int64)
+        if not isinstance(a.values, np.ndarray):  # rows on a device
+            f = lay.unpack(np.ascontiguousarray(src[src_rows, :lay.record_bytes]))
+            a.scatter(rows, np.ascontiguousarray(f.values))
+            if a.slot_width:
+                a.scatter_slots(rows, np.ascontiguousarray(f.slots))
+            a.freq[rows], a.version[rows], a.seq[rows] = f.freq, f.version, f.change_seq
+            return
+        wd = self.word
+        kr.records_to_rows(src.view(wd), src.view(np.int64), src_rows, rows,
+                           lay.values_offset // wd.itemsize, lay.slots_offset // wd.itemsize,
+                           a.values.view(wd), a.slots.view(wd), a.freq, a.version, a.seq)
 
 
 def check_chunk_rows(chunk_rows: object) -> int:

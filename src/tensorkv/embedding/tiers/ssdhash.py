@@ -26,7 +26,7 @@ import numpy as np
 
 from tensorkv import config
 from tensorkv.embedding.tiers import ssdhash_files as sf
-from tensorkv.embedding.tiers.base import IndexedTier, RecordLayout, as_keys
+from tensorkv.embedding.tiers.base import IndexedTier, RecordLayout, RowSink, as_keys
 from tensorkv.embedding.tiers.ssdhash_files import REC_BITS, REC_MASK, SEG_HEADER, Segment
 from tensorkv.errors import (
     ConfigError,
@@ -124,6 +124,12 @@ class SSDHashTier(IndexedTier):
         self._since_snapshot = 0  # bytes appended since the last snapshot
         self._dirty = False
         self._lock_fd: int | None = None
+        # Writers (put, delete, flush, compaction, close) hold ``_wlock`` and ``_lock``;
+        # readers only ``_lock``. A writer lets go of ``_lock`` during file I/O (``_io``), so
+        # reads are not stalled by a write or an fsync: the rows being written are not yet
+        # indexed, and rows past ``written`` are served from the unchanged buffer meanwhile.
+        self._wlock = threading.RLock()
+        self._writers = 0
         self._open(repair)
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -294,10 +300,33 @@ class SSDHashTier(IndexedTier):
         sf.fsync_dir(self.path)
 
     # ================================================================= writing
+    @contextlib.contextmanager
+    def _writing(self) -> Any:
+        """Hold the writer lock and the state lock (see ``_io``)."""
+        with self._wlock, self._lock:
+            self._writers += 1
+            try:
+                yield
+            finally:
+                self._writers -= 1
+
+    @contextlib.contextmanager
+    def _io(self) -> Any:
+        """Release the state lock around a system call, inside one ``_writing`` section."""
+        if self._writers != 1:  # opening, closing or nested: keep the lock
+            yield
+            return
+        self._lock.release()
+        try:
+            yield
+        finally:
+            self._lock.acquire()
+
     def _write_buffer(self) -> None:
         if self._buf_n:
             seg = self._active
-            sf.pwrite_all(seg.fd, self._buf[: self._buf_n], self._offset(seg.written))
+            with self._io():  # readers still see these rows in the buffer
+                sf.pwrite_all(seg.fd, self._buf[: self._buf_n], self._offset(seg.written))
             seg.written += self._buf_n
             self._buf_n = 0
             self._counters["write_calls"] += 1
@@ -306,7 +335,8 @@ class SSDHashTier(IndexedTier):
         self._write_buffer()
         seg = self._active
         os.ftruncate(seg.fd, self._offset(seg.written))  # drop the preallocated tail
-        os.fsync(seg.fd)
+        with self._io():
+            os.fsync(seg.fd)
         os.close(seg.fd)
         seg.fd = None
         seg.unmap()  # remapped at its final size when next read
@@ -338,7 +368,9 @@ class SSDHashTier(IndexedTier):
             else:
                 self._write_buffer()
                 if take >= self.buffer_rows:
-                    sf.pwrite_all(seg.fd, np.ascontiguousarray(chunk), self._offset(seg.written))
+                    with self._io():  # rows not indexed yet: no reader looks at them
+                        sf.pwrite_all(seg.fd, np.ascontiguousarray(chunk),
+                                      self._offset(seg.written))
                     seg.written += take
                     self._counters["write_calls"] += 1
                 else:
@@ -367,7 +399,7 @@ class SSDHashTier(IndexedTier):
             return
         stored = np.empty((n, self.words), np.uint64)
         K.seal(records.view(np.uint64), K.FLAG_PUT, stored)
-        with self._lock:
+        with self._writing():
             self._check_open()
             try:
                 locs = self._append(stored)
@@ -398,7 +430,7 @@ class SSDHashTier(IndexedTier):
 
     def _remove(self, keys: np.ndarray, *, tombstones: bool) -> int:
         keys = as_keys(keys)
-        with self._lock:
+        with self._writing():
             self._check_open()
             if keys.size == 0:
                 return 0
@@ -421,13 +453,14 @@ class SSDHashTier(IndexedTier):
 
     def flush(self) -> None:
         """Write the buffer and fsync the head segment (and maybe snapshot the index)."""
-        with self._lock:
+        with self._writing():
             self._check_open()
             self._flush(force_snapshot=False)
 
     def _flush(self, force_snapshot: bool) -> None:
         self._write_buffer()
-        os.fsync(self._active.fd)
+        with self._io():
+            os.fsync(self._active.fd)
         self._counters["fsyncs"] += 1
         limit = max(self.snapshot_min_bytes, 16 * len(self.index))
         if force_snapshot or self._since_snapshot >= limit:
@@ -444,7 +477,8 @@ class SSDHashTier(IndexedTier):
             "rows": int(keys.size),
             "layout": self.layout.to_dict(),
         }
-        sf.write_snapshot(os.path.join(self.path, sf.SNAP_NAME), header, keys, locs)
+        with self._io():  # the copies above are the snapshot; writers are excluded
+            sf.write_snapshot(os.path.join(self.path, sf.SNAP_NAME), header, keys, locs)
         self._since_snapshot = 0
         self._dirty = False
         self._counters["snapshots"] += 1
@@ -467,6 +501,41 @@ class SSDHashTier(IndexedTier):
                 K.gather_tail(arr, seg.written, self._buf, rows, out, pos[sel])
             else:
                 K.gather(arr, rows, out, pos[sel])
+
+    def read_into(self, keys: np.ndarray, alloc: Any, sink: RowSink) -> np.ndarray:
+        """Copy stored records of ``keys`` from the mapped segments straight into tier-0 rows.
+
+        See :meth:`LowerTier.read_into`; no intermediate record buffer is made.
+        """
+        keys = as_keys(keys)
+        with self._lock:
+            self._check_open()
+            locs = self.index.lookup(keys)
+            found = locs >= 0
+            if found.any():
+                rows = alloc(found)
+                self._copy_to_rows(locs[found], rows, sink)
+            self._counters["reads"] += keys.size
+        return found
+
+    def _copy_to_rows(self, locs: np.ndarray, rows: np.ndarray, sink: RowSink) -> None:
+        """Copy the records at ``locs`` into tier-0 ``rows`` through ``sink``, by segment."""
+        sids = locs >> REC_BITS
+        lo = int(sids.min())
+        order, starts = K.group_by(sids - lo, int(sids.max()) - lo + 1)
+        rows_all = locs & REC_MASK
+        for g in np.flatnonzero(np.diff(starts)).tolist():
+            sel = order[starts[g] : starts[g + 1]]
+            seg = self._segs[lo + g]
+            src, dst = rows_all[sel], rows[sel]
+            if seg is self._active and self._buf_n:
+                tail = src >= seg.written
+                if tail.any():
+                    sink.write(self._buf[: self._buf_n].view(np.uint8), src[tail] - seg.written,
+                               dst[tail])
+                    src, dst = src[~tail], dst[~tail]
+            if src.size:
+                sink.write(seg.mapped(self.words, seg.written).view(np.uint8), src, dst)
 
     def get(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Return ``(found, records)``; absent rows are zero."""
@@ -544,7 +613,7 @@ class SSDHashTier(IndexedTier):
 
     def compact(self) -> int:
         """Compact every candidate segment now; return how many segments were removed."""
-        with self._lock:
+        with self._writing():
             self._check_open()
             victims = self._candidates()
             if victims:
@@ -558,19 +627,19 @@ class SSDHashTier(IndexedTier):
             if self._stop.is_set():
                 return
             try:
-                with self._lock:
+                with self._writing():
                     if self._closed:
                         return
                     victims = self._candidates()
                 done = []
                 for seg in victims:  # copy one segment per lock hold; writers interleave
-                    with self._lock:
+                    with self._writing():
                         if self._closed or self._stop.is_set():
                             return
                         self._copy_live(seg)
                         done.append(seg)
                 if done:
-                    with self._lock:
+                    with self._writing():
                         if self._closed:
                             return
                         self._retire(done)
@@ -646,15 +715,22 @@ class SSDHashTier(IndexedTier):
             }
 
     # ================================================================= lifecycle
+    def close(self) -> None:
+        """Flush and release the tier; closing twice is harmless."""
+        with self._wlock:  # writers first, as everywhere: then the state lock
+            super().close()
+
     def _close(self) -> None:
         if self._thread is not None:
             self._stop.set()
             self._wake.set()
             if self._thread is not threading.current_thread():
                 self._lock.release()  # let the compaction thread finish its step
+                self._wlock.release()
                 try:
                     self._thread.join()
                 finally:
+                    self._wlock.acquire()
                     self._lock.acquire()
             self._thread = None
         try:

@@ -1,0 +1,71 @@
+"""Numba kernels that move embedding rows between a DRAM arena and fixed-size records.
+
+A record (see :mod:`tensorkv.embedding.tiers.base`) is ``key, freq, version, change_seq``
+(int64 each) followed by the values and the optimizer slots at fixed offsets. The kernels
+take the record buffers as C-contiguous 2-D arrays of unsigned words (``width`` words per
+row, possibly more than a record, e.g. an SSDHASH stored record with its trailer), an
+``int64`` view of the same memory for the header, and the arena's value and slot arrays
+viewed as the same word type, so every field is a plain word loop per row.
+:func:`word_views` picks the widest word that divides every offset and size.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+
+def word_dtype(*sizes: int) -> np.dtype:
+    """The widest of uint64/32/16/8 that divides every byte size/offset in ``sizes``."""
+    for w in (8, 4, 2):
+        if all(s % w == 0 for s in sizes):
+            return np.dtype(f"uint{8 * w}")
+    return np.dtype(np.uint8)
+
+
+@njit(nogil=True, cache=True)
+def rows_to_records(vals, slots, freq, version, seq, row_key, rows,
+                    out, out64, vo, so):  # pragma: no cover - compiled
+    """Pack arena ``rows`` into records ``out[i]`` (``out64``: ``out`` as int64 words).
+
+    ``vo``/``so``: offsets of the values and slots in a record, in words of ``out``'s
+    dtype (the arena arrays are viewed with the same dtype). Padding is left as it is (the
+    caller zeroes it once).
+    """
+    vw = vals.shape[1]
+    sw = slots.shape[1]
+    for i in range(rows.shape[0]):
+        r = rows[i]
+        out64[i, 0] = row_key[r]
+        out64[i, 1] = freq[r]
+        out64[i, 2] = version[r]
+        out64[i, 3] = seq[r]
+        for c in range(vw):
+            out[i, vo + c] = vals[r, c]
+        for c in range(sw):
+            out[i, so + c] = slots[r, c]
+
+
+@njit(nogil=True, cache=True)
+def records_to_rows(src, src64, src_rows, rows, vo, so,
+                    vals, slots, freq, version, seq):  # pragma: no cover - compiled
+    """Copy record ``src_rows[i]`` of ``src`` into arena row ``rows[i]`` (all fields but key).
+
+    ``src`` may be a memory-mapped file (an SSDHASH segment): the rows go from the page
+    cache straight into the arena, with no intermediate buffer.
+    """
+    vw = vals.shape[1]
+    sw = slots.shape[1]
+    for i in range(rows.shape[0]):
+        s = src_rows[i]
+        r = rows[i]
+        freq[r] = src64[s, 1]
+        version[r] = src64[s, 2]
+        seq[r] = src64[s, 3]
+        for c in range(vw):
+            vals[r, c] = src[s, vo + c]
+        for c in range(sw):
+            slots[r, c] = src[s, so + c]
+
+
+__all__ = ["records_to_rows", "rows_to_records", "word_dtype"]
