@@ -205,11 +205,17 @@ def test_compaction_survives_reopen_and_deletes_stay_deleted(tmp_path):
     t.close()
 
 
-@pytest.mark.parametrize("async_c", [False, True])
-def test_concurrent_readers_and_writer(tmp_path, async_c):
+@pytest.mark.parametrize("async_c,buffer_bytes", [(False, 2048), (True, 2048), (False, 1 << 20)])
+def test_concurrent_readers_and_writer(tmp_path, async_c, buffer_bytes):
+    # writers let go of the state lock during file I/O: readers must still see whole records
+    # (a small buffer sends puts through the direct-write path, a large one through the buffer)
     import threading
 
-    t = open_tier(tmp_path, segment_bytes=4096, async_compaction=async_c)
+    from tensorkv.embedding.arena import RowArena
+    from tensorkv.embedding.tiers.base import RowSink
+
+    t = open_tier(tmp_path, segment_bytes=4096, async_compaction=async_c,
+                  buffer_bytes=buffer_bytes)
     keys = np.arange(300, dtype=np.int64)
     t.put(keys, make_records(LAY, keys, 0))
     stop = threading.Event()
@@ -225,7 +231,22 @@ def test_concurrent_readers_and_writer(tmp_path, async_c):
                 for i in (0, 150, 299):  # each row is exactly one written version
                     match = [x for x, r in versions.items() if (r[i] == got[i]).all()]
                     assert match, (i, v[i])
-                t.scan(100)
+                arena = RowArena(LAY.dim, LAY.slot_width)
+                found = t.read_into(keys, lambda f, a=arena: a.insert(keys[f])[0],
+                                    RowSink(arena, LAY))
+                assert found.all()
+                rows = arena.find(keys)
+                for i in (0, 150, 299):
+                    r = rows[i]
+                    match = [x for x, rec in versions.items()
+                             if LAY.unpack(rec[i:i + 1]).version[0] == arena.version[r]]
+                    assert match, i
+                    want = LAY.unpack(versions[match[0]][i:i + 1])
+                    assert arena.freq[r] == want.freq[0]
+                    assert arena.seq[r] == want.change_seq[0]
+                    assert np.array_equal(arena.values[r], want.values[0])
+                    assert np.array_equal(arena.slots[r], want.slots[0])
+                list(t.scan(100))
         except BaseException as exc:  # pragma: no cover - reported below
             errors.append(exc)
 

@@ -67,11 +67,13 @@ def _fill(table, n_keys: int, dim: int, num_slots: int, chunk: int) -> None:
 
 
 def _train(table, batches: list[np.ndarray], grads: np.ndarray, warmup: int,
-           stats: list | None = None) -> float:
+           stats: list | None = None, passes: int = 1) -> float:
     """Seconds of the timed batches (after ``warmup`` untimed ones), final flush included.
 
     With ``stats`` (a list), the tiered table's tier-0 counters before and after the timed
-    batches are appended to it.
+    batches are appended to it. ``passes`` > 1 runs the timed batches that many times and
+    returns the fastest pass (for the DRAM-only baseline, whose cost does not depend on
+    what ran before).
     """
     for b in batches[:warmup]:
         table.lookup(b)
@@ -80,16 +82,18 @@ def _train(table, batches: list[np.ndarray], grads: np.ndarray, warmup: int,
         table.wait_writes()
     if stats is not None:
         stats.append(table.stats()["tiers"][0])
-    t0 = time.perf_counter()
-    for b in batches[warmup:]:
-        table.lookup(b)
-        table.apply_gradients(b, grads)
-    if hasattr(table, "wait_writes"):
-        table.wait_writes()  # every evicted row has landed in its tier
-    secs = time.perf_counter() - t0
+    best = float("inf")
+    for _ in range(passes):
+        t0 = time.perf_counter()
+        for b in batches[warmup:]:
+            table.lookup(b)
+            table.apply_gradients(b, grads)
+        if hasattr(table, "wait_writes"):
+            table.wait_writes()  # every evicted row has landed in its tier
+        best = min(best, time.perf_counter() - t0)
     if stats is not None:
         stats.append(table.stats()["tiers"][0])
-    return secs
+    return best
 
 
 def _as_tuple(value, cast) -> tuple:
@@ -125,7 +129,8 @@ def run(
     batch: int = BATCH,
     dim: int = DIM,
     steps: int | None = None,
-    warmup: int = 1,
+    warmup: int = 3,
+    baseline_passes: int = 3,
     fractions: tuple[float, ...] = FRACTIONS,
     zipfs: tuple[float, ...] = ZIPFS,
     backends: tuple[str, ...] = BACKENDS,
@@ -141,11 +146,12 @@ def run(
     zipfs = _as_tuple(zipfs, float)
     backends = _as_tuple(backends, lambda b: str(b).upper())
     n_keys = n_keys or (200_000 if quick else 5_000_000)
-    steps = steps or (4 if quick else 12)
+    steps = steps or (8 if quick else 40)
     lay = RecordLayout(dim, num_slots=1)
     report.params.update({
         "n_keys": n_keys, "dim": dim, "batch": batch, "optimizer": "adagrad",
-        "timed_steps": steps, "warmup_steps": warmup, "fractions": list(fractions),
+        "timed_steps": steps, "warmup_steps": warmup, "baseline_passes": baseline_passes,
+        "fractions": list(fractions),
         "zipf": list(zipfs), "backends": list(backends), "cache_strategy": "lru",
         "record_bytes": lay.record_bytes,
         "note": "full size is 5M keys (20M x 128 floats does not fit beside the DRAM-only "
@@ -165,7 +171,7 @@ def run(
             timed = trace[warmup * batch:]
             ref = EmbeddingTable(dim, optimizer="adagrad", capacity=n_keys)
             _fill(ref, n_keys, dim, 1, batch)
-            t_ref = _train(ref, batches, grads, warmup)
+            t_ref = _train(ref, batches, grads, warmup, passes=baseline_passes)
             dram = timed.size / t_ref / 1e6
             del ref
             gc.collect()
@@ -198,7 +204,8 @@ def run(
                     mk = timed.size / secs / 1e6
                     by_backend[(name, frac)] = mk
                     report.add(case, "Mkeys/s", mk, "DRAM-only table", dram,
-                               note="lookup+apply, incl. landing all write-backs")
+                               note="lookup+apply, incl. landing all write-backs; baseline: "
+                                    f"best of {baseline_passes} passes")
                     # lookups only: the chain counts hits/misses of lookup batches
                     hits = after["hits"] - before["hits"]
                     misses = after["misses"] - before["misses"]

@@ -514,7 +514,9 @@ class SSDHashTier(IndexedTier):
             found = locs >= 0
             if found.any():
                 rows = alloc(found)
-                self._copy_to_rows(locs[found], rows, sink)
+                locs = locs[found]
+                order = np.argsort(locs)  # read the files front to back
+                self._copy_to_rows(locs[order], rows[order], sink)
             self._counters["reads"] += keys.size
         return found
 
