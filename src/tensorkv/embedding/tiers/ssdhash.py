@@ -43,6 +43,7 @@ DEFAULT_SEGMENT_BYTES = 256 * 1024 * 1024
 DEFAULT_BUFFER_BYTES = 4 * 1024 * 1024
 DEFAULT_SNAPSHOT_MIN_BYTES = 64 * 1024 * 1024
 DEFAULT_COMPACTION_THRESHOLD = 0.5
+COMPACTION_CHUNK_ROWS = 16384  # records copied per hold of the state lock
 
 
 class SSDHashTier(IndexedTier):
@@ -581,20 +582,28 @@ class SSDHashTier(IndexedTier):
                 self._compact(victims)
 
     def _copy_live(self, seg: Segment) -> None:
-        """Append the live records of ``seg`` to the head and point the index at them."""
+        """Append the live records of ``seg`` to the head and point the index at them.
+
+        Works in chunks of ``COMPACTION_CHUNK_ROWS`` records and lets readers in between
+        chunks: after each chunk the index points at either copy, and both are readable.
+        """
         if self._segs.get(seg.seg_id) is not seg:  # already retired by another compaction
             return
         arr = seg.mapped(self.words, seg.written)
         n = arr.shape[0]
-        rkeys = np.ascontiguousarray(arr[:, 0]).view(np.int64)
-        here = (np.int64(seg.seg_id) << REC_BITS) | np.arange(n, dtype=np.int64)
-        rows = np.flatnonzero(self.index.lookup(rkeys) == here)
-        if rows.size:
-            copies = arr[rows]  # sealed records keep their checksums
-            locs = self._append(copies)
-            old = self.index.upsert(rkeys[rows], locs)
-            self._account(old, locs)
-            self._counters["compacted_records"] += int(rows.size)
+        for lo in range(0, n, COMPACTION_CHUNK_ROWS):
+            hi = min(n, lo + COMPACTION_CHUNK_ROWS)
+            rkeys = np.ascontiguousarray(arr[lo:hi, 0]).view(np.int64)
+            here = (np.int64(seg.seg_id) << REC_BITS) | np.arange(lo, hi, dtype=np.int64)
+            live = np.flatnonzero(self.index.lookup(rkeys) == here)
+            if live.size:
+                copies = arr[lo + live]  # sealed records keep their checksums
+                locs = self._append(copies)
+                old = self.index.upsert(rkeys[live], locs)
+                self._account(old, locs)
+                self._counters["compacted_records"] += int(live.size)
+            with self._io():  # a reader waiting for the lock goes first
+                pass
 
     def _retire(self, victims: list[Segment]) -> None:
         """Make the copies durable, snapshot, then delete the victims' files."""
