@@ -284,8 +284,9 @@ class TierChain:
 
         Returns ``(rows, where)``: each key's new tier-0 row (-1: not found) and where it came
         from (0: the pending buffer, ``i``: lower tier ``i``, -1: nowhere). Pending rows are
-        taken at once; lower-tier copies are deleted by a queued background job (until it
-        runs, readers ignore them).
+        taken at once, and so are the rows of tiers that move on read (SSDHASH); other
+        lower-tier copies are deleted by a queued background job (until it runs, readers
+        ignore them).
         """
         a = self.arena
         n = mk.size
@@ -306,6 +307,7 @@ class TierChain:
                 rows[pos] = new_rows
                 where[pos] = 0
         stale = self._stale()
+        queued: list[np.ndarray] = []  # keys whose lower-tier copy a background job deletes
         for ti, (tier, _) in enumerate(self.lowers):
             left = np.flatnonzero(rows < 0)
             if stale.size and left.size:
@@ -320,13 +322,15 @@ class TierChain:
                 placed.append(new_rows)
                 return new_rows
 
-            found = tier.read_into(q, alloc, sink)
+            found = tier.read_into(q, alloc, sink, take=True)
             if placed:
                 pos = left[found]
                 rows[pos] = placed[0]
                 where[pos] = ti + 1
-        if (where > 0).any():
-            gone = mk[where > 0]
+                if not tier.takes_on_read:
+                    queued.append(mk[pos])
+        if queued:
+            gone = np.concatenate(queued)
             self.stale.append(gone)
             self.queue.submit(lambda: self._drop(gone))
         return rows, where

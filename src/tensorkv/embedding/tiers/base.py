@@ -386,14 +386,19 @@ class LowerTier(ABC):
     def scan(self, chunk_rows: int = 65536) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """Yield ``(keys, records)`` chunks covering every row once."""
 
+    #: :meth:`read_into` with ``take=True`` removes the rows it read (else the caller must).
+    takes_on_read: bool = False
+
     def read_into(self, keys: np.ndarray, alloc: Callable[[np.ndarray], np.ndarray],
-                  sink: RowSink) -> np.ndarray:
+                  sink: RowSink, take: bool = False) -> np.ndarray:
         """Copy the records of ``keys`` that are stored here straight into tier-0 rows.
 
         ``alloc(found)`` is called once, with the ``bool[n]`` mask of stored keys, and
         returns the tier-0 rows for ``keys[found]``; the records then land in those rows
         through ``sink``. Returns ``found``. This default reads through :meth:`get`; tiers
         that can read their records in place (SSDHASH's mmap) copy them without a buffer.
+        With ``take``, a tier whose :attr:`takes_on_read` is True also removes the rows it
+        read (a move, not a copy); others ignore it and the caller deletes them.
         """
         found, recs = self.get(keys)
         if found.any():

@@ -131,6 +131,8 @@ class SSDHashTier(IndexedTier):
         # indexed, and rows past ``written`` are served from the unchanged buffer meanwhile.
         self._wlock = threading.RLock()
         self._writers = 0
+        self._retired: list[Segment] = []  # compacted, deleted by the next snapshot
+        self._retired_bytes = 0
         self._open(repair)
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -388,9 +390,11 @@ class SSDHashTier(IndexedTier):
         for locs, sign in ((old[old >= 0], -1), (new_locs, 1)):
             if locs is None or locs.size == 0:
                 continue
-            ids, counts = np.unique(locs >> REC_BITS, return_counts=True)
-            for sid, c in zip(ids.tolist(), counts.tolist(), strict=True):
-                self._segs[sid].live += sign * c
+            sids = locs >> REC_BITS
+            lo = int(sids.min())
+            counts = np.bincount(sids - lo)
+            for i in np.flatnonzero(counts).tolist():
+                self._segs[lo + i].live += sign * int(counts[i])
 
     def put(self, keys: np.ndarray, records: np.ndarray) -> None:
         """Store one record per key; later duplicates in the batch win."""
@@ -480,6 +484,13 @@ class SSDHashTier(IndexedTier):
         }
         with self._io():  # the copies above are the snapshot; writers are excluded
             sf.write_snapshot(os.path.join(self.path, sf.SNAP_NAME), header, keys, locs)
+            # compacted segments are referenced by no durable snapshot any more
+            for seg in self._retired:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(seg.path)
+            if self._retired:
+                sf.fsync_dir(self.path)
+        self._retired, self._retired_bytes = [], 0
         self._since_snapshot = 0
         self._dirty = False
         self._counters["snapshots"] += 1
@@ -503,10 +514,16 @@ class SSDHashTier(IndexedTier):
             else:
                 K.gather(arr, rows, out, pos[sel])
 
-    def read_into(self, keys: np.ndarray, alloc: Any, sink: RowSink) -> np.ndarray:
+    takes_on_read = True
+
+    def read_into(self, keys: np.ndarray, alloc: Any, sink: RowSink,
+                  take: bool = False) -> np.ndarray:
         """Copy stored records of ``keys`` from the mapped segments straight into tier-0 rows.
 
-        See :meth:`LowerTier.read_into`; no intermediate record buffer is made.
+        See :meth:`LowerTier.read_into`; no intermediate record buffer is made. ``take``
+        also drops the rows from the index like :meth:`discard`, under the same hold of the
+        state lock (readers never wait for writers' I/O; compaction, which may run between
+        its lock holds, re-checks the index before repointing a key).
         """
         keys = as_keys(keys)
         with self._lock:
@@ -518,6 +535,11 @@ class SSDHashTier(IndexedTier):
                 locs = locs[found]
                 order = np.argsort(locs)  # read the files front to back
                 self._copy_to_rows(locs[order], rows[order], sink)
+                if take:
+                    self._account(self.index.remove(keys[found]), None)
+                    self._counters["deletes"] += int(locs.size)
+                    if self.async_compaction and self._candidates():
+                        self._wake.set()  # synchronous compaction runs on the next write
             self._counters["reads"] += keys.size
         return found
 
@@ -598,24 +620,40 @@ class SSDHashTier(IndexedTier):
             live = np.flatnonzero(self.index.lookup(rkeys) == here)
             if live.size:
                 copies = arr[lo + live]  # sealed records keep their checksums
-                locs = self._append(copies)
-                old = self.index.upsert(rkeys[live], locs)
-                self._account(old, locs)
-                self._counters["compacted_records"] += int(live.size)
+                locs = self._append(copies)  # lets readers in during the write
+                # a reader may have taken (read_into) some of these keys meanwhile: repoint
+                # only keys still at their old place; the other copies are dead on arrival
+                still = self.index.lookup(rkeys[live]) == here[live]
+                old = self.index.upsert(rkeys[live][still], locs[still])
+                self._account(old, locs[still])
+                self._counters["compacted_records"] += int(still.sum())
             with self._io():  # a reader waiting for the lock goes first
                 pass
 
     def _retire(self, victims: list[Segment]) -> None:
-        """Make the copies durable, snapshot, then delete the victims' files."""
-        victims = [v for v in victims if self._segs.get(v.seg_id) is v]
-        self._flush(force_snapshot=True)
+        """Drop compacted segments; their files go with the next index snapshot.
+
+        The index no longer points into ``victims`` (their live records were copied), so no
+        read touches them. Until a snapshot that does not reference them is durable, a crash
+        reopens from the older snapshot, which may, so the files stay until then. A snapshot
+        is forced once the retired files pass :meth:`_retired_limit` bytes, which spreads the
+        snapshot and fsync cost over several compactions.
+        """
         for seg in victims:
+            if self._segs.get(seg.seg_id) is not seg:
+                continue
             seg.unmap()
-            self._segs.pop(seg.seg_id, None)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(seg.path)
-        sf.fsync_dir(self.path)
+            self._segs.pop(seg.seg_id)
+            self._retired.append(seg)
+            self._retired_bytes += SEG_HEADER + seg.rows * self.stored_bytes
         self._counters["compactions"] += 1
+        if self._retired_bytes >= self._retired_limit():
+            self._flush(force_snapshot=True)
+
+    def _retired_limit(self) -> int:
+        """Bytes of compacted segment files kept until the next snapshot deletes them."""
+        return max(4 * self.segment_rows * self.stored_bytes,
+                   len(self.index) * self.stored_bytes // 4)
 
     def _compact(self, victims: list[Segment]) -> None:
         for seg in victims:
@@ -629,6 +667,8 @@ class SSDHashTier(IndexedTier):
             victims = self._candidates()
             if victims:
                 self._compact(victims)
+            if self._retired:  # reclaim the space now
+                self._flush(force_snapshot=True)
             return len(victims)
 
     def _compaction_loop(self) -> None:
@@ -718,6 +758,7 @@ class SSDHashTier(IndexedTier):
                 "live_bytes": len(self.index) * self.stored_bytes,
                 "dead_records": sum(s.dead for s in segs),
                 "segments": len(segs),
+                "retired_segments": len(self._retired),
                 "record_bytes": self.record_bytes,
                 "index_bytes": self.index.nbytes,
                 "buffered_rows": self._buf_n,
@@ -745,7 +786,7 @@ class SSDHashTier(IndexedTier):
                     self._lock.acquire()
             self._thread = None
         try:
-            if self._dirty or self._buf_n:
+            if self._dirty or self._buf_n or self._retired:
                 self._flush(force_snapshot=True)
         finally:
             self._release_files()
