@@ -75,10 +75,10 @@ def _train(table, batches: list[np.ndarray], grads: np.ndarray, warmup: int,
            stats: list | None = None, passes: int = 1) -> float:
     """Seconds of the timed batches (after ``warmup`` untimed ones), final flush included.
 
-    With ``stats`` (a list), the tiered table's tier-0 counters before and after the timed
-    batches are appended to it. ``passes`` > 1 runs the timed batches that many times and
-    returns the fastest pass (for the DRAM-only baseline, whose cost does not depend on
-    what ran before).
+    With ``stats`` (a list), the tiered table's per-tier counters (``stats()["tiers"]``)
+    before and after the timed batches are appended to it. ``passes`` > 1 runs the timed
+    batches that many times and returns the fastest pass (for the DRAM-only baseline, whose
+    cost does not depend on what ran before).
     """
     for b in batches[:warmup]:
         table.lookup(b)
@@ -86,7 +86,7 @@ def _train(table, batches: list[np.ndarray], grads: np.ndarray, warmup: int,
     if hasattr(table, "wait_writes"):
         table.wait_writes()
     if stats is not None:
-        stats.append(table.stats()["tiers"][0])
+        stats.append(table.stats()["tiers"])
     best = float("inf")
     for _ in range(passes):
         t0 = time.perf_counter()
@@ -97,7 +97,7 @@ def _train(table, batches: list[np.ndarray], grads: np.ndarray, warmup: int,
             table.wait_writes()  # every evicted row has landed in its tier
         best = min(best, time.perf_counter() - t0)
     if stats is not None:
-        stats.append(table.stats()["tiers"][0])
+        stats.append(table.stats()["tiers"])
     return best
 
 
@@ -208,12 +208,15 @@ def run(
                     case = f"{name} tier0={frac:.0%} zipf={a}"
                     mk = timed.size / secs / 1e6
                     by_backend[(name, frac)] = mk
+                    compactions = after[1].get("compactions", 0) - before[1].get("compactions", 0)
                     report.add(case, "Mkeys/s", mk, "DRAM-only table", dram,
                                note="lookup+apply, incl. landing all write-backs; baseline: "
-                                    f"best of {baseline_passes} passes")
+                                    f"best of {baseline_passes} passes"
+                                    + (f"; {compactions} compactions" if name == "DRAM_SSDHASH"
+                                       else ""))
                     # lookups only: the chain counts hits/misses of lookup batches
-                    hits = after["hits"] - before["hits"]
-                    misses = after["misses"] - before["misses"]
+                    hits = after[0]["hits"] - before[0]["hits"]
+                    misses = after[0]["misses"] - before[0]["misses"]
                     hit = 100.0 * hits / max(hits + misses, 1)
                     over = " (< one batch: tier 0 holds the batch while it runs)" \
                         if rows0 < distinct else ""

@@ -239,14 +239,12 @@ class TierChain:
         self.cur += 1
         a = self.arena
         last, self._last = self._last, None
-        if last is not None and last[2] is a.state and np.array_equal(last[3], a.state) and \
+        if not count and last is not None and last[2] is a.state and \
+                np.array_equal(last[3], a.state) and \
                 (last[0] is keys or np.array_equal(last[0], keys)):
             # the same batch as the previous operation (lookup, then apply_gradients), and no
             # row was inserted or removed since: every key that exists anywhere is resident
-            rows = last[1]
-            if count:
-                self.counters["tier0"]["hits"] += keys.size
-            self._batch = (keys, rows, a.state, a.state.copy())
+            self._batch = (keys, last[1], a.state, a.state.copy())
             return 0
         rows = a.find(keys)
         miss = rows < 0
