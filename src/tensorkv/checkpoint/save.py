@@ -117,17 +117,13 @@ def _save_table(
                 )
                 info["note"] = f"full save: {why}"
         if since is None:
-            blocks, key_parts = _tables.write_blocks(
-                w, table.export(chunk_rows=chunk_rows), bucket_bits
-            )
+            blocks, key_parts = _tables.write_table(w, table, chunk_rows, bucket_bits)
             keys = np.sort(np.concatenate(key_parts)) if key_parts else np.empty(0, np.int64)
             removed = np.empty(0, np.int64)
         else:
             assert parent_doc is not None and parent_info is not None
             entry["full"] = False
-            blocks, key_parts = _tables.write_blocks(
-                w, table.export(chunk_rows=chunk_rows, since=since), bucket_bits
-            )
+            blocks, key_parts = _tables.write_table(w, table, chunk_rows, bucket_bits, since)
             pdata = parent_doc["tables"][name].get("data_tag", parent_doc["tag"])
             ppref = layout.table_prefix(pdata, name, shard, hash_tag)
             pkeys = _tables.read_key_list(

@@ -61,6 +61,58 @@ def _pad8(n: int) -> int:
     return (n + 7) & ~7
 
 
+FieldSpec = tuple[np.dtype, tuple[int, ...]]  # (dtype, row shape) of one block field
+
+
+def new_block(
+    m: int, fields: tuple[FieldSpec, ...], alloc: Any = None
+) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Allocate a block record of ``m`` rows and write its header.
+
+    Returns
+    -------
+    (buf, payloads)
+        The uint8 record buffer (from ``alloc(nbytes)`` when given) and, per field, the
+        C-contiguous ``[m, *row shape]`` view of its payload, to be filled by the caller and
+        then sealed with :func:`seal_block`.
+    """
+    from tensorkv.codec import header_size
+
+    shapes = [(m, *rs) for _, rs in fields]
+    dtypes = [np.dtype(dt) for dt, _ in fields]
+    lengths = [
+        header_size(len(sh)) + int(np.prod(sh, dtype=np.int64)) * dt.itemsize
+        for sh, dt in zip(shapes, dtypes, strict=True)
+    ]
+    head_len = _BHEAD.size + 8 * len(fields)
+    size = head_len + sum(_pad8(n) for n in lengths)
+    buf = np.empty(size, dtype=np.uint8) if alloc is None else alloc(size)
+    buf[: _BHEAD.size] = np.frombuffer(
+        _BHEAD.pack(BLOCK_MAGIC, BLOCK_VERSION, len(fields), 0), dtype=np.uint8
+    )
+    buf[_BHEAD.size : head_len] = np.asarray(lengths, dtype="<u8").view(np.uint8)
+    payloads = []
+    off = head_len
+    for sh, dt, ln in zip(shapes, dtypes, lengths, strict=True):
+        hs = header_size(len(sh))
+        payloads.append(buf[off + hs : off + ln].view(dt).reshape(sh))
+        buf[off + ln : off + _pad8(ln)] = 0
+        off += _pad8(ln)
+    return buf, payloads
+
+
+def seal_block(buf: np.ndarray, payloads: list[np.ndarray]) -> None:
+    """Write each field's tensor-record header (shape, xxh3 of the filled payload)."""
+    from tensorkv.codec import header_size
+
+    off = _BHEAD.size + 8 * len(payloads)
+    for payload in payloads:
+        head, _ = encode_parts(payload)
+        hs = header_size(payload.ndim)
+        buf[off : off + hs] = np.frombuffer(head, dtype=np.uint8)
+        off += _pad8(hs + payload.nbytes)
+
+
 def encode_block(
     rows: Rows, index: np.ndarray | slice | None = None, alloc: Any = None
 ) -> np.ndarray:
@@ -69,48 +121,30 @@ def encode_block(
     With ``index``, the rows ``field[index]`` are gathered straight into the record, so a
     block costs one copy of its bytes. ``alloc(nbytes)`` may supply the uint8 buffer.
     """
-    from tensorkv.codec import header_size
-
-    arrays = list(rows)
+    arrays = [np.asarray(a) for a in rows]
     if index is None:
         index = slice(None)
     if isinstance(index, slice):
-        parts = [np.ascontiguousarray(a[index]) for a in arrays]
-        m = parts[0].shape[0]
-    else:
-        parts = None
-        m = int(index.shape[0])
-    shapes = [(m, *a.shape[1:]) for a in arrays]
-    dtypes = [a.dtype for a in arrays]
-    lengths = [
-        header_size(len(sh)) + int(np.prod(sh, dtype=np.int64)) * dt.itemsize
-        for sh, dt in zip(shapes, dtypes, strict=True)
-    ]
-    head_len = _BHEAD.size + 8 * len(arrays)
-    size = head_len + sum(_pad8(n) for n in lengths)
-    buf = np.empty(size, dtype=np.uint8) if alloc is None else alloc(size)
-    buf[: _BHEAD.size] = np.frombuffer(
-        _BHEAD.pack(BLOCK_MAGIC, BLOCK_VERSION, len(arrays), 0), dtype=np.uint8
+        index = np.arange(arrays[0].shape[0], dtype=np.int64)[index]
+    buf, payloads = new_block(
+        int(index.shape[0]), tuple((a.dtype, tuple(a.shape[1:])) for a in arrays), alloc
     )
-    buf[_BHEAD.size : head_len] = np.asarray(lengths, dtype="<u8").view(np.uint8)
-    off = head_len
-    for i, (a, sh, dt, ln) in enumerate(zip(arrays, shapes, dtypes, lengths, strict=True)):
-        hs = header_size(len(sh))
-        payload = buf[off + hs : off + ln].view(dt).reshape(sh)
-        if parts is not None:
-            payload[...] = parts[i]
-        elif payload.size:
-            from tensorkv.checkpoint.gather import gather_rows
-
-            if a.flags.c_contiguous and payload.flags.c_contiguous:
-                gather_rows(a, index, payload)
-            else:
-                np.take(a, index, axis=0, out=payload)
-        head, _ = encode_parts(payload)
-        buf[off : off + hs] = np.frombuffer(head, dtype=np.uint8)
-        buf[off + ln : off + _pad8(ln)] = 0
-        off += _pad8(ln)
+    for a, payload in zip(arrays, payloads, strict=True):
+        _fill(a, index, payload)
+    seal_block(buf, payloads)
     return buf
+
+
+def _fill(a: np.ndarray, index: np.ndarray, payload: np.ndarray) -> None:
+    """``payload[:] = a[index]`` (rows)."""
+    if not payload.size:
+        return
+    if a.flags.c_contiguous:
+        from tensorkv.checkpoint.gather import gather_rows
+
+        gather_rows(a, index, payload)
+    else:
+        np.take(a, index, axis=0, out=payload)
 
 
 def decode_block(buf: bytes | memoryview, what: str) -> Rows:
@@ -271,22 +305,13 @@ def write_blocks(
     blocks: list[list[int]] = []
     all_keys: list[np.ndarray] = []
     n = start
-    nb = 1 << bucket_bits
     for chunk in chunks:
         rows = as_rows(chunk)
         m = rows.keys.shape[0]
         if m == 0:
             continue
         all_keys.append(np.asarray(rows.keys, dtype=np.int64))
-        h = layout.splitmix64(rows.keys)
-        order: np.ndarray | None = None
-        if bucket_bits:
-            b = layout.bucket_of_hash(h, bucket_bits)
-            order = np.argsort(b, kind="stable")
-            h = h[order]
-            bounds = np.searchsorted(b[order], np.arange(nb + 1))
-        else:
-            bounds = np.array([0, m])
+        h, order, bounds = _bucket_order(rows.keys, bucket_bits)
         for bucket in range(len(bounds) - 1):
             lo, hi = int(bounds[bucket]), int(bounds[bucket + 1])
             if hi == lo:
@@ -297,6 +322,68 @@ def write_blocks(
             w.put(layout.block_key(w.prefix, n, bucket, w.hash_tag), record)
             blocks.append([bucket, n, hi - lo, int(hs.min()), int(hs.max())])
             n += 1
+    return blocks, all_keys
+
+
+def _bucket_order(
+    keys: np.ndarray, bucket_bits: int
+) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+    """(hashes in bucket order, the order (None: identity), bucket bounds) of a chunk."""
+    h = layout.splitmix64(keys)
+    if not bucket_bits:
+        return h, None, np.array([0, h.shape[0]])
+    # bucket ids fit in a byte, so the stable argsort is a radix (counting) sort
+    b = layout.bucket_of_hash(h, bucket_bits).astype(np.uint8)
+    order = np.argsort(b, kind="stable")
+    bounds = np.searchsorted(b[order], np.arange((1 << bucket_bits) + 1))
+    return h[order], order, bounds
+
+
+def write_table(
+    w: BlockWriter, table: Any, chunk_rows: int, bucket_bits: int, since: int | None = None
+) -> tuple[list[list[int]], list[np.ndarray]]:
+    """Write a table's rows (all, or those changed after ``since``) as hash-bucketed blocks.
+
+    Tables with ``export_into`` (:meth:`EmbeddingTable.export_into`) gather their rows
+    straight into the block records, so each row is copied once before the store's own copy;
+    other tables go through :func:`write_blocks`. Returns what :func:`write_blocks` returns.
+    """
+    if not hasattr(table, "export_into"):
+        chunks = table.export(chunk_rows=chunk_rows) if since is None else table.export(
+            chunk_rows=chunk_rows, since=since
+        )
+        return write_blocks(w, chunks, bucket_bits)
+    blocks: list[list[int]] = []
+    all_keys: list[np.ndarray] = []
+    pending: list[tuple[list[int], np.ndarray, list[np.ndarray]]] = []
+
+    def place(
+        keys: np.ndarray, fields: tuple[FieldSpec, ...]
+    ) -> list[tuple[np.ndarray, list[np.ndarray]]]:
+        # runs under the table's shared lock: only hashing, sorting and allocation here
+        keys = np.asarray(keys, dtype=np.int64)
+        all_keys.append(keys)
+        h, order, bounds = _bucket_order(keys, bucket_bits)
+        if order is None:
+            order = np.arange(keys.shape[0], dtype=np.int64)
+        groups = []
+        for bucket in range(len(bounds) - 1):
+            lo, hi = int(bounds[bucket]), int(bounds[bucket + 1])
+            if hi == lo:
+                continue
+            buf, payloads = new_block(hi - lo, fields, w.alloc)
+            hs = h[lo:hi]
+            pending.append(([bucket, 0, hi - lo, int(hs.min()), int(hs.max())], buf, payloads))
+            groups.append((order[lo:hi], payloads))
+        return groups
+
+    for _ in table.export_into(place, chunk_rows=chunk_rows, since=since):
+        for entry, buf, payloads in pending:
+            seal_block(buf, payloads)
+            entry[1] = len(blocks)
+            w.put(layout.block_key(w.prefix, entry[1], entry[0], w.hash_tag), buf)
+            blocks.append(entry)
+        pending.clear()
     return blocks, all_keys
 
 

@@ -18,7 +18,7 @@ separate mutex, so they stay exact.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, NamedTuple
 
@@ -652,6 +652,93 @@ class EmbeddingTable:
                     a.freq[rows], a.version[rows], a.seq[rows],
                 )
             yield chunk
+
+    def export_into(
+        self,
+        place: Callable[
+            [np.ndarray, tuple[tuple[np.dtype, tuple[int, ...]], ...]],
+            Sequence[tuple[np.ndarray, Sequence[np.ndarray]]],
+        ],
+        chunk_rows: int = 65536,
+        since: int | None = None,
+    ) -> Iterator[int]:
+        """Export rows straight into buffers the caller chooses (no intermediate chunk copy).
+
+        Parameters
+        ----------
+        place
+            Called once per chunk (the rows one :meth:`export` chunk would hold) as
+            ``place(keys, fields)``: ``keys`` are the chunk's keys (int64) and ``fields`` the
+            ``(dtype, row shape)`` of keys, values, slots, freq and version. It returns groups
+            ``(index, outs)``: ``index`` (int64) selects rows of the chunk by position in
+            ``keys`` and ``outs`` are five C-contiguous arrays of ``len(index)`` rows with those
+            dtypes and row shapes, which are filled with the selected rows' keys, values,
+            slots, freq and version.
+        chunk_rows
+            Most rows per chunk.
+        since
+            Only rows changed after this :attr:`mutation_seq` (incremental checkpoints).
+
+        Yields
+        ------
+        int
+            The number of rows in the chunk, once its groups are filled.
+
+        Notes
+        -----
+        Rows are gathered from the row arena into ``outs`` under the shared lock, the same
+        snapshot semantics as :meth:`export`. Subclasses that override :meth:`export` (tiered
+        tables) and arenas that keep rows off the host are served from :meth:`export`'s chunks.
+        """
+        if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, (int, np.integer)) or \
+                chunk_rows < 1:
+            raise ConfigError(f"chunk_rows={chunk_rows!r} must be a positive integer")
+        arena_t = type(self._arena)
+        direct = (
+            type(self).export is EmbeddingTable.export
+            and arena_t.gather is RowArena.gather
+            and arena_t.gather_slots is RowArena.gather_slots
+        )
+        if not direct:
+            for ch in self.export(chunk_rows, since):
+                arrays = [np.asarray(x) for x in tuple(ch)[:5]]
+                if arrays[0].shape[0] == 0:
+                    continue
+                specs = tuple((x.dtype, tuple(x.shape[1:])) for x in arrays)
+                for idx, outs in place(arrays[0], specs):
+                    for src, out in zip(arrays, outs, strict=True):
+                        np.take(src, idx, axis=0, out=out)
+                yield int(arrays[0].shape[0])
+            return
+        s = -1 if since is None else int(since)
+        with self._lock.read():
+            hw = self._arena.high_water
+            rows_all = ak.live_rows(self._arena.live, self._arena.seq, 0, hw, s)
+        for start in range(0, rows_all.shape[0], chunk_rows):
+            rows = rows_all[start:start + chunk_rows]
+            with self._lock.read():
+                a = self._arena
+                rows = rows[a.live[rows].view(np.bool_)]
+                if rows.size == 0:
+                    continue
+                keys = a.row_key[rows]
+                fields = (
+                    (keys.dtype, ()),
+                    (a.np_dtype, (a.dim,)),
+                    (np.dtype(np.float32), (a.slot_width,)),
+                    (a.freq.dtype, ()),
+                    (a.version.dtype, ()),
+                )
+                for idx, outs in place(keys, fields):
+                    r = rows[idx]
+                    np.take(keys, idx, out=outs[0])
+                    if r.size and a.dim:
+                        ak.gather_rows(a.values, r, outs[1].view(a.values.dtype))
+                    if r.size and a.slot_width:
+                        ak.gather_rows(a.slots, r, outs[2])
+                    np.take(a.freq, r, out=outs[3])
+                    np.take(a.version, r, out=outs[4])
+            yield int(rows.size)
 
     def import_(self, chunks: Iterable[Any]) -> int:
         """Upsert exported rows exactly (values, slots, freq, version); returns rows written.
