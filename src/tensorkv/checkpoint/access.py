@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import ctypes
+import os
+import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from tensorkv.stores.base import KVStore
+
+_SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback, do not wait
 
 
 def _open_retrying(open_store: Any, url: str, **options: Any) -> KVStore:
@@ -54,3 +59,39 @@ def using_store(url: str | KVStore, **options: Any) -> Iterator[KVStore]:
         yield store
     finally:
         store.close()
+
+
+def writeback_starter(store: KVStore) -> Callable[[], None] | None:
+    """A callable that starts writeback of an unsynced LMDB store's data file, or None.
+
+    Checkpoint saves open LMDB stores without per-transaction fsync and fsync once before the
+    manifest. Left alone, the kernel starts writing the dirty pages back only once they exceed
+    its background threshold, so that final fsync would write most of the checkpoint while
+    nothing else runs. Calling this after each batch asks the kernel to start writing what is
+    dirty now (``sync_file_range(SYNC_FILE_RANGE_WRITE)``, which does not wait), so the disk
+    works while the next batch is encoded. Linux only; elsewhere None.
+    """
+    from tensorkv.stores.lmdb import LMDBStore
+
+    if not isinstance(store, LMDBStore) or store.sync or not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        sfr = libc.sync_file_range
+    except (OSError, AttributeError):
+        return None
+    sfr.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    sfr.restype = ctypes.c_int
+    path = os.path.join(store.path, "data.mdb")
+
+    def start() -> None:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            return
+        try:
+            sfr(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)  # a hint: errors are ignored
+        finally:
+            os.close(fd)
+
+    return start

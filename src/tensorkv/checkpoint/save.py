@@ -17,7 +17,7 @@ from tensorkv.checkpoint import dense as _dense
 from tensorkv.checkpoint import layout
 from tensorkv.checkpoint import manifest as _manifest
 from tensorkv.checkpoint import tables as _tables
-from tensorkv.checkpoint.access import using_store
+from tensorkv.checkpoint.access import using_store, writeback_starter
 from tensorkv.checkpoint.objects import collect
 from tensorkv.checkpoint.progress import bar
 from tensorkv.errors import CheckpointError
@@ -81,7 +81,7 @@ def _save_table(
     bucket_bits = opts["bucket_bits"]
     chunk_rows = opts["block_rows"] << bucket_bits
     prefix = layout.table_prefix(tag, name, shard, hash_tag)
-    w = _tables.BlockWriter(store, prefix, hash_tag, on_bytes)
+    w = _tables.BlockWriter(store, prefix, hash_tag, on_bytes, opts.get("after_write"))
     seq = _tables.table_seq(table)
     meta = table.state_dict_meta()
     entry: dict[str, Any] = {
@@ -118,7 +118,7 @@ def _save_table(
                 info["note"] = f"full save: {why}"
         if since is None:
             blocks, key_parts = _tables.write_table(w, table, chunk_rows, bucket_bits)
-            keys = np.sort(np.concatenate(key_parts)) if key_parts else np.empty(0, np.int64)
+            keys = _tables.merge_sorted(key_parts)
             removed = np.empty(0, np.int64)
         else:
             assert parent_doc is not None and parent_info is not None
@@ -244,9 +244,12 @@ def save(
     for name, val in dense_in.items():
         layout.check_var_name(name)
         arrays[name], torch_dtypes[name] = _dense.to_numpy(name, val)
-    opts = {"hash_tag": hash_tag, "bucket_bits": bucket_bits, "block_rows": block_rows}
+    opts: dict[str, Any] = {
+        "hash_tag": hash_tag, "bucket_bits": bucket_bits, "block_rows": block_rows
+    }
 
     with using_store(url) as store:
+        opts["after_write"] = writeback_starter(store)
         if store.get(layout.manifest_key(tag)) is not None:
             raise CheckpointError(
                 f"tag {tag!r} already exists in {store.url!r}; choose another tag or delete it "

@@ -30,7 +30,11 @@ _BHEAD = struct.Struct("<4sBBH")  # magic, version, n arrays, reserved
 DEFAULT_BLOCK_ROWS = 16384  # rows per block (see the block-size measurements in format.md)
 DEFAULT_BUCKET_BITS = 4  # 16 hash buckets per exported chunk
 KEYS_PER_PIECE = 512 * 1024  # int64 keys per key-list record (4 MiB)
-WRITE_BATCH_BYTES = 64 * 1024 * 1024
+# Bytes of records per store write (one LMDB transaction, one Redis pipeline). A default
+# 8.8 MB block is a batch of its own: LMDB commits of 64 MB batches measured 4-10x slower
+# than one block per commit (the transaction's dirty pages are malloc'd and freed each time).
+WRITE_BATCH_BYTES = 8 * 1024 * 1024
+WRITEBACK_BYTES = 64 * 1024 * 1024  # bytes written between ``after_write`` calls
 READ_GROUP_BYTES = 64 * 1024 * 1024  # bytes of blocks fetched per store read
 
 
@@ -204,10 +208,17 @@ def table_seq(table: Any) -> int:
 
 # ----------------------------------------------------------------------------- writing
 class BlockWriter:
-    """Buffers block and key-list records and writes them in large batches."""
+    """Buffers block and key-list records and writes them in large batches.
 
-    def __init__(self, store: KVStore, prefix: bytes, hash_tag: str | None, on_bytes: Any):
+    Batches are written on a helper thread, one in flight while the next is encoded;
+    ``after_write`` (if given) runs on that thread after every ``WRITEBACK_BYTES`` (see
+    :func:`tensorkv.checkpoint.access.writeback_starter`).
+    """
+
+    def __init__(self, store: KVStore, prefix: bytes, hash_tag: str | None, on_bytes: Any,
+                 after_write: Any = None):
         self.store = store
+        self.after_write = after_write
         self.prefix = prefix
         self.hash_tag = hash_tag
         self.on_bytes = on_bytes
@@ -218,6 +229,7 @@ class BlockWriter:
         self._lent: list[np.ndarray] = []
         self._future: Any = None
         self._executor: Any = None
+        self._since_after = 0  # bytes written since after_write last ran (writer thread)
 
     def alloc(self, nbytes: int) -> np.ndarray:
         """A uint8 buffer of ``nbytes`` (reused after the batch holding it was written)."""
@@ -260,6 +272,11 @@ class BlockWriter:
 
         def write() -> tuple[int, list[np.ndarray]]:
             self.store.put_many(batch)  # every backend copies the values
+            if self.after_write is not None:
+                self._since_after += nbytes
+                if self._since_after >= WRITEBACK_BYTES:
+                    self._since_after = 0
+                    self.after_write()
             return nbytes, lent
 
         if self._executor is None:
@@ -300,7 +317,8 @@ def write_blocks(
     -------
     (blocks, keys)
         ``blocks``: manifest entries ``[bucket, n, rows, hash_min, hash_max]``;
-        ``keys``: the key arrays of the chunks, in order.
+        ``keys``: the keys written, as sorted int64 arrays (merge them with
+        :func:`merge_sorted`).
     """
     blocks: list[list[int]] = []
     all_keys: list[np.ndarray] = []
@@ -310,7 +328,7 @@ def write_blocks(
         m = rows.keys.shape[0]
         if m == 0:
             continue
-        all_keys.append(np.asarray(rows.keys, dtype=np.int64))
+        all_keys.append(np.sort(np.asarray(rows.keys, dtype=np.int64)))
         h, order, bounds = _bucket_order(rows.keys, bucket_bits)
         for bucket in range(len(bounds) - 1):
             lo, hi = int(bounds[bucket]), int(bounds[bucket + 1])
@@ -354,7 +372,8 @@ def write_table(
         )
         return write_blocks(w, chunks, bucket_bits)
     blocks: list[list[int]] = []
-    all_keys: list[np.ndarray] = []
+    all_keys = SortedRuns()
+    chunk_keys: list[np.ndarray] = []
     pending: list[tuple[list[int], np.ndarray, list[np.ndarray]]] = []
 
     def place(
@@ -362,7 +381,7 @@ def write_table(
     ) -> list[tuple[np.ndarray, list[np.ndarray]]]:
         # runs under the table's shared lock: only hashing, sorting and allocation here
         keys = np.asarray(keys, dtype=np.int64)
-        all_keys.append(keys)
+        chunk_keys.append(keys)
         h, order, bounds = _bucket_order(keys, bucket_bits)
         if order is None:
             order = np.arange(keys.shape[0], dtype=np.int64)
@@ -384,7 +403,39 @@ def write_table(
             w.put(layout.block_key(w.prefix, entry[1], entry[0], w.hash_tag), buf)
             blocks.append(entry)
         pending.clear()
+        # sort the chunk's keys while the store writes the batch in flight
+        all_keys.append(np.sort(chunk_keys.pop()))
     return blocks, all_keys
+
+
+def _merge2(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    # a stable sort (timsort) of two concatenated sorted runs is one linear merge
+    return np.sort(np.concatenate((a, b)), kind="stable")
+
+
+class SortedRuns(list):  # type: ignore[type-arg]
+    """Sorted int64 arrays, merged as they arrive (a binary counter of runs).
+
+    ``append`` merges the newest run into the previous one while that is no larger, so runs
+    are merged while the store writes, and :func:`merge_sorted` at the end merges only a
+    few runs (log2 of the chunks).
+    """
+
+    def append(self, run: np.ndarray) -> None:  # noqa: D102
+        while self and len(self[-1]) <= len(run):
+            run = _merge2(super().pop(), run)
+        super().append(run)
+
+
+def merge_sorted(parts: list[np.ndarray]) -> np.ndarray:
+    """One sorted int64 array from sorted int64 arrays (smallest runs merged first)."""
+    if not parts:
+        return np.empty(0, np.int64)
+    runs = sorted(parts, key=len)
+    while len(runs) > 1:
+        runs.append(_merge2(runs.pop(0), runs.pop(0)))
+        runs.sort(key=len)
+    return runs[0]
 
 
 def write_key_list(w: BlockWriter, keys: np.ndarray, kind: bytes = b"k") -> int:
