@@ -71,3 +71,62 @@ def test_lru_selection_matches_a_sort(seed):
         left = np.setdiff1d(cand, got)
         if got.size and left.size:
             assert tick[got].max() <= tick[left].min()
+
+
+def test_recency_log_takes_least_recently_used_rows_exactly():
+    """The log gives the rows in exact LRU order (ties: touch order), never a protected one."""
+    from tensorkv.kernels.cache import RecencyLog
+
+    rng = np.random.default_rng(3)
+    n_rows = 200
+    live = np.zeros(n_rows, np.uint8)
+    tick = np.zeros(n_rows, np.int64)
+    log = RecencyLog(capacity=16)  # tiny: forces many compactions and growths
+    order: OrderedDict[int, None] = OrderedDict()  # reference: least recent first
+    for cur in range(1, 400):
+        new = rng.choice(n_rows, rng.integers(0, 6), replace=False)
+        live[new] = 1
+        batch = rng.choice(np.flatnonzero(live), rng.integers(0, 30)) if live.any() else []
+        batch = np.concatenate([np.asarray(batch, np.int64), new.astype(np.int64), [-1]])
+        log.touch(live, tick, batch, cur)
+        seen = set()
+        for r in batch.tolist():  # a batch is one tick: its rows rank by first touch
+            if r >= 0 and r not in seen:
+                seen.add(r)
+                order.pop(r, None)
+                order[r] = None
+        want = int(rng.integers(0, 8))
+        protect = cur if rng.random() < 0.8 else -1
+        expect = [r for r in order if r not in seen or protect < 0][:want]
+        got = log.take(live, tick, want, protect)
+        assert got.tolist() == expect
+        for r in got.tolist():
+            live[r] = 0
+            del order[r]
+        gone = rng.choice(np.flatnonzero(live), min(2, int(live.sum())), replace=False) \
+            if rng.random() < 0.2 and live.any() else []
+        for r in np.asarray(gone, np.int64).tolist():  # removed by other means
+            live[r] = 0
+            del order[r]
+    assert len(log) <= 4 * n_rows + 64
+
+
+def test_arena_detach_attach_and_free_rows():
+    from tensorkv.embedding.arena import RowArena
+
+    a = RowArena(2, 0, capacity=8)
+    rows, _ = a.insert(np.array([10, 11, 12], np.int64))
+    a.values[rows] = [[1, 1], [2, 2], [3, 3]]
+    held = a.detach(np.array([11, 99], np.int64))
+    assert held.tolist() == [rows[1], -1]
+    assert len(a) == 2 and a.find(np.array([11], np.int64))[0] == -1
+    new, _ = a.insert(np.array([13], np.int64))  # a held row is never handed out
+    assert new[0] not in rows.tolist()
+    a.attach(np.array([11], np.int64), held[:1])  # back, with its data
+    r = a.find(np.array([11], np.int64))[0]
+    assert r == rows[1] and a.values[r].tolist() == [2, 2] and len(a) == 4
+    held = a.detach(np.array([12], np.int64))
+    a.free_rows(held)
+    again, _ = a.insert(np.array([14], np.int64))  # the freed row is reused
+    assert again[0] == held[0]
+    assert sorted(a.keys().tolist()) == [10, 11, 13, 14]

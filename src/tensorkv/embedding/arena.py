@@ -24,7 +24,9 @@ key 8, live 1) plus 16 bytes per index slot (key and row side by side) times
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 
@@ -95,6 +97,9 @@ class RowArena:
         self.max_load = float(max_load)
         self.max_rows = int(capacity) if capacity is not None else None
         self._initial = int(capacity) if capacity is not None else config.TABLE_INITIAL_CAPACITY
+        #: Held while the row arrays are reallocated; a tiered table sets it to the lock its
+        #: background writer holds while it reads detached rows.
+        self.resize_guard: Any = contextlib.nullcontext()
         self._alloc(self._initial)
 
     # --- allocation ---------------------------------------------------------------------------
@@ -151,9 +156,10 @@ class RowArena:
         new = max(need, int(cap * ROW_GROWTH) + 1)
         if self.max_rows is not None and not self.growth:
             new = min(new, self.max_rows)
-        self._resize_row_arrays(new)
-        for name in ("freq", "version", "seq", "row_key", "live"):
-            getattr(self, name).resize(new, refcheck=False)
+        with self.resize_guard:  # the arrays move: no other thread may be reading them
+            self._resize_row_arrays(new)
+            for name in ("freq", "version", "seq", "row_key", "live"):
+                getattr(self, name).resize(new, refcheck=False)
 
     def _grow_index(self, need_keys: int) -> None:
         n_slots = self.n_slots
@@ -237,6 +243,27 @@ class RowArena:
                         self.live)
         return rows
 
+    def detach(self, keys: np.ndarray) -> np.ndarray:
+        """Remove keys but hold their rows: data intact, not reused until :meth:`free_rows`.
+
+        Returns the held row of each key (``-1`` where absent). A tiered table detaches the
+        rows it moves down, so its background writer can read them after the call returns.
+        """
+        rows = np.empty(keys.shape[0], np.int64)
+        hk.index_detach(self.index, keys, rows, self.state, self.live)
+        return rows
+
+    def attach(self, keys: np.ndarray, rows: np.ndarray) -> None:
+        """Map absent, distinct ``keys`` to held ``rows`` again (undo a :meth:`detach`)."""
+        if keys.size:
+            self._grow_index(len(self) + keys.size)
+            hk.index_attach(self.index, keys, rows, self.state, self.row_key, self.live)
+
+    def free_rows(self, rows: np.ndarray) -> None:
+        """Give held (detached) rows back to the free list."""
+        if rows.size:
+            hk.free_rows(rows, self.state, self.row_key)
+
     def to_raw(self, values: np.ndarray) -> np.ndarray:
         """Float rows -> the ``values`` array's representation (identity for float32)."""
         if not self.raw:
@@ -311,7 +338,8 @@ class RowArena:
 
     def clear(self) -> None:
         """Drop every key and shrink back to the initial capacity."""
-        self._alloc(self._initial)
+        with self.resize_guard:
+            self._alloc(self._initial)
 
     def probe_stats(self) -> tuple[float, int]:
         """(mean, max) probe length of stored keys."""

@@ -318,7 +318,15 @@ class EmbeddingTable:
             Optional float32 C-contiguous ``[n, dim]`` array to write the rows into (reusing
             one buffer across calls saves allocating, and page-faulting, a new result).
         """
-        k = self._as_keys(keys)
+        return self._lookup(self._as_keys(keys), insert, out)
+
+    def _lookup(self, k: np.ndarray, insert: bool, out: np.ndarray | None,
+                rows: np.ndarray | None = None) -> np.ndarray:
+        """:meth:`lookup` of validated keys; ``rows``: their tier-0 rows if already known.
+
+        A tiered table passes the rows its promotion step found (under the same operation
+        lock, with no change to the index since), so the index is not probed twice.
+        """
         n = k.shape[0]
         a = self._arena
         if out is not None and (not isinstance(out, np.ndarray) or out.dtype != np.float32
@@ -334,7 +342,11 @@ class EmbeddingTable:
         else:  # 16-bit rows as raw bits; no assumption that tier 0 is a numpy array
             raw = np.empty((n, self.dim), np.uint16 if a.raw else np.float32)
         with self._lock.read():
-            rows, misses = a.find_gather(k, raw)
+            if rows is None:
+                rows, misses = a.find_gather(k, raw)
+            else:
+                a.gather(rows, raw)
+                misses = int(np.count_nonzero(rows < 0))
             if misses == 0 and insert:
                 with self._meta_lock:
                     self._mseq += 1

@@ -62,18 +62,25 @@ def _unique(x: np.ndarray) -> np.ndarray:
 
 @dataclass(eq=False)
 class _Pending:
-    """Rows removed from tier 0 whose write to tier 1 has not landed yet."""
+    """Rows moved out of tier 0 whose write to tier 1 has not landed yet.
+
+    The rows stay in tier 0's arrays, *detached* (no key maps to them and they are not
+    reused) until the batch has landed: the background writer packs them into records
+    itself, so the training thread never copies a row it moves down.
+    """
 
     keys: np.ndarray
-    records: np.ndarray
-    live: np.ndarray  # False once the key was promoted back (the landed copy is then deleted)
+    rows: np.ndarray  # the detached tier-0 rows holding the data
+    live: np.ndarray  # False once the key was promoted back (its row is attached again)
     skeys: np.ndarray
     order: np.ndarray
+    nbytes: int
 
     @classmethod
-    def make(cls, keys: np.ndarray, records: np.ndarray) -> _Pending:
+    def make(cls, keys: np.ndarray, rows: np.ndarray, record_bytes: int) -> _Pending:
         order = np.argsort(keys, kind="stable")
-        return cls(keys, records, np.ones(keys.size, np.bool_), keys[order], order)
+        return cls(keys, rows, np.ones(keys.size, np.bool_), keys[order], order,
+                   int(keys.size) * int(record_bytes))
 
     def find(self, q: np.ndarray) -> np.ndarray:
         """Index into this batch of each query key that is live here, -1 elsewhere."""
@@ -83,10 +90,6 @@ class _Pending:
         idx = self.order[pos]
         ok = (self.skeys[pos] == q) & self.live[idx]
         return np.where(ok, idx, -1)
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.records.nbytes)
 
 
 class _FakeArena:
@@ -157,11 +160,21 @@ class TierChain:
         self.max_pending_bytes = int(max_pending_bytes)
         self.tick = np.zeros(arena.capacity, np.int64)
         self.cur = 0
-        self._batch: tuple | None = None  # (keys, rows, state, state copy) of promote()
-        self._last: tuple | None = None  # the same, left by after() for the next operation
+        # LRU order without scanning tier 0 (LFU victims are chosen by a scan of the counts)
+        self.recency = ck.RecencyLog() if policy == "lru" else None
+        # (keys, rows, state, state copy, touched) of promote(); ``touched``: the rows already
+        # carry the current tick (a repeated batch), so after() need not touch them again
+        self._batch: tuple | None = None
+        self._last: tuple | None = None  # (keys, rows, state, state copy), left by after()
         self.lock = threading.RLock()
+        # The writer holds ``pack_lock`` while it reads detached rows; tier 0 holds it while
+        # its arrays move (growth). Never acquire ``lock`` while holding ``pack_lock``.
+        self.pack_lock = threading.Lock()
+        arena.resize_guard = self.pack_lock
         self.pending: list[_Pending] = []
         self.pending_bytes = 0
+        self.landed: list[_Pending] = []  # landed batches whose held rows are not freed yet
+        self._pack_buf = np.empty((0, layout.record_bytes), np.uint8)  # the writer's scratch
         self.stale: list[np.ndarray] = []  # keys promoted out of lower tiers, delete queued
         self.queue = WriteQueue(name)
         names = ["tier0"] + [f"tier{i + 1}" for i in range(len(self.lowers))]
@@ -199,8 +212,8 @@ class TierChain:
                 break
             idx = p.find(keys[left])
             hit = idx >= 0
-            if hit.any():
-                recs[left[hit]] = p.records[idx[hit]]
+            if hit.any():  # the held rows cannot move: only this thread grows tier 0
+                recs[left[hit]] = self._read_rows(p.rows[idx[hit]])
                 found[left[hit]] = True
         stale = self._stale()
         for tier, _ in self.lowers:
@@ -236,23 +249,25 @@ class TierChain:
         """
         self._check_open()
         self.queue.check()
-        self.cur += 1
+        self._reclaim()
         a = self.arena
         last, self._last = self._last, None
         if not count and last is not None and last[2] is a.state and \
                 np.array_equal(last[3], a.state) and \
                 (last[0] is keys or np.array_equal(last[0], keys)):
             # the same batch as the previous operation (lookup, then apply_gradients), and no
-            # row was inserted or removed since: every key that exists anywhere is resident
-            self._batch = (keys, last[1], a.state, a.state.copy())
+            # row was inserted or removed since: every key that exists anywhere is resident,
+            # and its rows are the most recently used already (no new tick, no touch)
+            self._batch = (keys, last[1], a.state, a.state.copy(), True)
             return 0
+        self.cur += 1
         rows = a.find(keys)
         miss = rows < 0
         if not miss.any():
             if count:
                 self.counters["tier0"]["hits"] += keys.size
             # after() may reuse these rows if the operation inserts and removes nothing
-            self._batch = (keys, rows, a.state, a.state.copy())
+            self._batch = (keys, rows, a.state, a.state.copy(), False)
             return 0
         self._batch = None
         mk = _unique(keys[miss])
@@ -265,8 +280,6 @@ class TierChain:
             mrows, where = self._take_lower(mk)
         got = mrows >= 0
         if got.any():
-            self._ensure_tick()
-            ck.touch(self.tick, mrows, self.cur)
             for ti in range(1, len(self.lowers) + 1):  # pending rows count for tier 1
                 c = int(((where == ti) | (where == 0)).sum()) if ti == 1 \
                     else int((where == ti).sum())
@@ -274,7 +287,7 @@ class TierChain:
                     self.counters[f"tier{ti}"]["promotions"] += c
         # the batch's rows now, so after() need not look them up again
         rows[miss] = a.find(keys[miss])
-        self._batch = (keys, rows, a.state, a.state.copy())
+        self._batch = (keys, rows, a.state, a.state.copy(), False)
         return int(got.sum())
 
     def _take_lower(self, mk: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -282,9 +295,9 @@ class TierChain:
 
         Returns ``(rows, where)``: each key's new tier-0 row (-1: not found) and where it came
         from (0: the pending buffer, ``i``: lower tier ``i``, -1: nowhere). Pending rows are
-        taken at once, and so are the rows of tiers that move on read (SSDHASH); other
-        lower-tier copies are deleted by a queued background job (until it runs, readers
-        ignore them).
+        taken at once (their held rows are attached again), and so are the rows of tiers that
+        move on read (SSDHASH); other lower-tier copies are deleted by a queued background job
+        (until it runs, readers ignore them).
         """
         a = self.arena
         n = mk.size
@@ -297,12 +310,11 @@ class TierChain:
                 break
             idx = p.find(mk[left])
             hit = idx >= 0
-            if hit.any():
+            if hit.any():  # the row still holds the data: map the key to it again, no copy
                 pos, j = left[hit], idx[hit]
                 p.live[j] = False
-                new_rows, _ = a.insert(mk[pos])
-                sink.write(p.records, j, new_rows)
-                rows[pos] = new_rows
+                a.attach(mk[pos], p.rows[j])
+                rows[pos] = p.rows[j]
                 where[pos] = 0
         stale = self._stale()
         queued: list[np.ndarray] = []  # keys whose lower-tier copy a background job deletes
@@ -333,6 +345,27 @@ class TierChain:
             self.queue.submit(lambda: self._drop(gone))
         return rows, where
 
+    def _touch(self, rows: np.ndarray) -> None:
+        """Give ``rows`` the current tick (and log them for LRU)."""
+        if self.recency is not None:
+            self.recency.touch(self.arena.live, self.tick, rows, self.cur)
+        else:
+            ck.touch(self.tick, rows, self.cur)
+
+    def _valid(self, b: tuple | None, keys: np.ndarray) -> bool:
+        """Whether ``b`` (see ``_batch``) holds the rows of ``keys`` in tier 0 as it is now."""
+        a = self.arena
+        return b is not None and b[0] is keys and b[2] is a.state and \
+            np.array_equal(b[3], a.state)
+
+    def batch_rows(self, keys: np.ndarray) -> np.ndarray | None:
+        """Tier-0 rows of ``keys`` as :meth:`promote` left them (None: unknown or stale).
+
+        The table's lookup uses them instead of probing the index again.
+        """
+        b = self._batch
+        return b[1] if self._valid(b, keys) else None
+
     def after(self, keys: np.ndarray, protect: bool = True) -> int:
         """Mark the batch's rows as used now and move tier-0 excess down; returns rows moved.
 
@@ -340,19 +373,26 @@ class TierChain:
         protection tier 0 is trimmed to its budget even after a batch larger than it).
         """
         a = self.arena
+        self._reclaim()
         self._ensure_tick()
         b, self._batch = self._batch, None
-        if b is not None and b[0] is keys and b[2] is a.state and np.array_equal(b[3], a.state):
+        if self._valid(b, keys):
             rows = b[1]  # no row was inserted or removed since promote(): rows still valid
+            if not b[4]:
+                self._touch(rows)
         else:
             rows = a.find(keys)
-        ck.touch(self.tick, rows, self.cur)
+            self._touch(rows)
         moved = 0
         if self.budget is not None and self.lowers:
             excess = len(a) - self.budget
             if excess > 0:
-                victims = ck.select_victims(a.live, self.tick, a.freq, a.high_water,
-                                            self.cur if protect else -1, excess, self.policy)
+                protect_tick = self.cur if protect else -1
+                if self.recency is not None:
+                    victims = self.recency.take(a.live, self.tick, excess, protect_tick)
+                else:
+                    victims = ck.select_victims(a.live, self.tick, a.freq, a.high_water,
+                                                protect_tick, excess, self.policy)
                 if victims.size:
                     self.demote_rows(victims)
                     moved = int(victims.size)
@@ -360,14 +400,15 @@ class TierChain:
             self._last = (keys, rows, a.state, a.state.copy())
         return moved
 
-    def _read_rows(self, rows: np.ndarray) -> np.ndarray:
-        """Whole records of tier-0 rows (padding zeroed)."""
+    def _read_rows(self, rows: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """Whole records of tier-0 rows (padding zeroed), into ``out[:len(rows)]`` if given."""
         a = self.arena
         lay = self.layout
         if not isinstance(a.values, np.ndarray):  # device rows
             return lay.pack(a.row_key[rows], self._values_of(rows), a.gather_slots(rows),
                             a.freq[rows], a.version[rows], a.seq[rows])
-        buf = np.empty((rows.size, lay.record_bytes), np.uint8)
+        buf = np.empty((rows.size, lay.record_bytes), np.uint8) if out is None \
+            else out[:rows.size]
         end_v = lay.values_offset + lay.values_bytes
         if end_v < lay.slots_offset:
             buf[:, end_v:lay.slots_offset] = 0
@@ -388,12 +429,15 @@ class TierChain:
         return v.view(a.np_dtype) if getattr(a, "raw", False) else v
 
     def demote_rows(self, rows: np.ndarray) -> None:
-        """Remove ``rows`` from tier 0 into a pending batch written down in the background."""
+        """Move ``rows`` out of tier 0 into a pending batch written down in the background.
+
+        The rows are detached, not copied: the writer packs them into records and tier 0
+        reuses them once the batch has landed (:meth:`_reclaim`).
+        """
         a = self.arena
         keys = a.row_key[rows].copy()
-        recs = self._read_rows(rows)
-        a.remove(keys)
-        p = _Pending.make(keys, recs)
+        held = a.detach(keys)
+        p = _Pending.make(keys, held, self.layout.record_bytes)
         with self.lock:
             self.pending.append(p)
             self.pending_bytes += p.nbytes
@@ -401,21 +445,48 @@ class TierChain:
         self.queue.submit(lambda: self._land(p))
         if self.pending_bytes > self.max_pending_bytes:
             self.queue.wait_below(2)  # let the writer catch up: at most the newest in flight
+            self._reclaim()
+
+    def _reclaim(self) -> None:
+        """Free the held rows of landed batches (training thread, under the table's lock).
+
+        A row whose key was promoted back while its batch was in flight is in use again and
+        stays.
+        """
+        if not self.landed:
+            return
+        with self.lock:
+            done, self.landed = self.landed, []
+        for p in done:
+            self.arena.free_rows(p.rows[p.live])
 
     def _land(self, p: _Pending) -> None:
-        """Background job: write a pending batch to tier 1, then cascade (pool thread)."""
+        """Background job: pack a pending batch, write it to tier 1, then cascade (pool thread).
+
+        A key promoted back meanwhile may have its row changed while it is packed: that copy
+        is stale and deleted again once it has landed.
+        """
         tier = self.lowers[0][0]
-        tier.put(p.keys, p.records)
         with self.lock:
-            dead = ~p.live.copy()
+            sel = np.flatnonzero(p.live)
+        keys = p.keys[sel]
+        if sel.size:
+            if self._pack_buf.shape[0] < sel.size:
+                self._pack_buf = np.empty((sel.size, self.layout.record_bytes), np.uint8)
+            with self.pack_lock:  # tier 0's arrays cannot move while they are read
+                recs = self._read_rows(p.rows[sel], self._pack_buf)
+            tier.put(keys, recs)
+        with self.lock:
+            dead = ~p.live[sel]
         if dead.any():  # promoted while in flight: the landed copies are stale
-            tier.delete(p.keys[dead])
+            tier.delete(keys[dead])
         with self.lock:
-            late = ~p.live & ~dead  # promoted while the delete above ran
+            late = ~p.live[sel] & ~dead  # promoted while the delete above ran
             if late.any():
-                tier.delete(p.keys[late])
+                tier.delete(keys[late])
             self.pending = [q for q in self.pending if q is not p]
             self.pending_bytes -= p.nbytes
+            self.landed.append(p)
             self._cascade(0)
 
     def _cascade(self, ti: int) -> None:
@@ -526,11 +597,14 @@ class TierChain:
         return n
 
     def clear(self) -> None:
-        """Drop every row below tier 0."""
+        """Drop every row below tier 0 (call after :meth:`sync`, with tier 0 cleared)."""
         self.sync()
         for tier, _ in self.lowers:
             tier.clear()
+        self.landed = []  # their rows belonged to the arena that was just cleared
         self.tick[:] = 0
+        if self.recency is not None:
+            self.recency.clear()
         self._last = None
 
     def flush(self) -> None:

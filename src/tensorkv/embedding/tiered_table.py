@@ -191,7 +191,8 @@ class TieredEmbeddingTable(EmbeddingTable):
         with self._op:
             with self._lock.write():
                 self._chain.promote(k, count=True)
-            out = super().lookup(k, insert, out)
+                rows = self._chain.batch_rows(k)
+            out = self._lookup(k, insert, out, rows)
             with self._lock.write():
                 self._chain.after(k)
         return out
@@ -308,6 +309,7 @@ class TieredEmbeddingTable(EmbeddingTable):
 
     def clear(self) -> None:  # noqa: D102
         with self._op:
+            self._chain.sync()  # the writer reads held tier-0 rows until its batches land
             super().clear()
             self._chain.clear()
 

@@ -146,6 +146,129 @@ def select_victims(
     return rows[part]
 
 
+# ----------------------------------------------------------------------------- recency log
+@njit(nogil=True, cache=True)
+def _log_touch(tick, rows, start, cur, log_rows, log_ticks, end):  # pragma: no cover
+    """``tick[rows[start:]] = cur``; append each row whose tick changes to the log at ``end``.
+
+    Returns ``(new end, position reached)``: the position is ``len(rows)`` when done, less
+    when the log filled up (the caller compacts or grows it and resumes there).
+    """
+    cap = log_rows.shape[0]
+    for i in range(start, rows.shape[0]):
+        r = rows[i]
+        if r < 0 or tick[r] == cur:
+            continue
+        if end >= cap:
+            return end, i
+        tick[r] = cur
+        log_rows[end] = r
+        log_ticks[end] = cur
+        end += 1
+    return end, rows.shape[0]
+
+
+@njit(nogil=True, cache=True)
+def _log_take(live, tick, log_rows, log_ticks, head, end, protect, n, out):  # pragma: no cover
+    """Walk the log from ``head``: take up to ``n`` live rows whose latest touch is the entry.
+
+    Entries are in touch order, so the first valid ones are the least recently used rows. A
+    taken row's tick becomes -1 (a later entry of it is then stale too). Stops at the first
+    entry of tick ``protect`` (the current batch). Returns ``(taken, new head)``.
+    """
+    k = 0
+    i = head
+    while i < end and k < n:
+        t = log_ticks[i]
+        if t == protect:
+            break
+        r = log_rows[i]
+        if live[r] and tick[r] == t:
+            out[k] = r
+            k += 1
+            tick[r] = -1
+        i += 1
+    return k, i
+
+
+@njit(nogil=True, cache=True)
+def _log_compact(live, tick, log_rows, log_ticks, head, end):  # pragma: no cover - compiled
+    """Move the valid entries of ``[head, end)`` to the front, in order; return their count."""
+    m = 0
+    for i in range(head, end):
+        r = log_rows[i]
+        t = log_ticks[i]
+        if live[r] and tick[r] == t:
+            log_rows[m] = r
+            log_ticks[m] = t
+            m += 1
+    return m
+
+
+class RecencyLog:
+    """Exact LRU order of tier-0 rows without scanning them: a log of touches.
+
+    Every time a row's access tick changes, ``(row, tick)`` is appended; an entry is *valid*
+    while the row is live and still has that tick, so each live row has exactly one valid
+    entry, and the valid entries in log order are the rows from least to most recently used.
+    Taking victims walks the log from the front, skipping stale entries; the log is compacted
+    (stale entries dropped) when it fills. Work is proportional to the touches, not to the
+    rows held, which matters once tier 0 holds millions of rows.
+
+    Parameters
+    ----------
+    capacity
+        Initial entries (grows as needed).
+    """
+
+    def __init__(self, capacity: int = 1 << 16) -> None:
+        capacity = max(int(capacity), 16)
+        self.rows = np.empty(capacity, np.int64)
+        self.ticks = np.empty(capacity, np.int64)
+        self.head = 0
+        self.end = 0
+
+    def __len__(self) -> int:
+        """Entries between the head and the end (valid or not)."""
+        return self.end - self.head
+
+    def touch(self, live: np.ndarray, tick: np.ndarray, rows: np.ndarray, cur: int) -> None:
+        """Set ``tick[rows] = cur`` (``-1`` rows skipped) and log the rows whose tick changed."""
+        start = 0
+        while True:
+            end, start = _log_touch(tick, rows, np.int64(start), np.int64(cur), self.rows,
+                                    self.ticks, np.int64(self.end))
+            self.end = int(end)
+            if start >= rows.shape[0]:
+                return
+            self._make_room(live, tick, rows.shape[0] - int(start))
+
+    def _make_room(self, live: np.ndarray, tick: np.ndarray, need: int) -> None:
+        m = int(_log_compact(live, tick, self.rows, self.ticks, np.int64(self.head),
+                             np.int64(self.end)))
+        self.head, self.end = 0, m
+        cap = self.rows.shape[0]
+        if m + need > cap // 2:  # keep the log at most half full after a compaction
+            new = max(2 * (m + need), cap)
+            self.rows.resize(new, refcheck=False)
+            self.ticks.resize(new, refcheck=False)
+
+    def take(self, live: np.ndarray, tick: np.ndarray, n: int, protect: int) -> np.ndarray:
+        """Up to ``n`` least recently used live rows, none of tick ``protect`` (-1: none).
+
+        The rows' ticks become -1; the caller moves them out of tier 0.
+        """
+        out = np.empty(max(int(n), 0), np.int64)
+        k, head = _log_take(live, tick, self.rows, self.ticks, np.int64(self.head),
+                            np.int64(self.end), np.int64(protect), np.int64(n), out)
+        self.head = int(head)
+        return out[:k]
+
+    def clear(self) -> None:
+        """Forget every entry."""
+        self.head = self.end = 0
+
+
 @njit(nogil=True, cache=True)
 def _lru_sim(ids, n_ids, capacity, hit_out):  # pragma: no cover - compiled
     prev = np.full(n_ids, -1, np.int64)
@@ -240,8 +363,6 @@ def lru_hit_ratio(keys: np.ndarray, capacity: int) -> float:
     return float(hit.mean()) if hit.size else 0.0
 
 
-
-
 __all__ = [
-    "lru_hit_ratio", "lru_hits", "select_victims", "touch",
+    "RecencyLog", "lru_hit_ratio", "lru_hits", "select_victims", "touch",
 ]

@@ -225,6 +225,59 @@ def index_remove(index, keys, rows_out, state, row_key, live):  # pragma: no cov
 
 
 @njit(nogil=True, cache=True)
+def index_detach(index, keys, rows_out, state, live):  # pragma: no cover - compiled
+    """Remove keys from the index but keep their rows off the free list (see :func:`free_rows`).
+
+    A detached row is not live and keeps its data and its ``row_key``; it is reused only once
+    :func:`free_rows` returns it, or when :func:`index_attach` maps a key to it again.
+    ``rows_out`` as in :func:`index_remove`. Returns the number of keys detached.
+    """
+    mask = np.int64(index.shape[0] - 1)
+    removed = 0
+    for i in range(keys.shape[0]):
+        h = probe(index, keys[i], mask)
+        r = index[h, 1]
+        rows_out[i] = r
+        if r < 0:
+            continue
+        removed += 1
+        live[r] = 0
+        state[SIZE] -= 1
+        shift_out(index, h, mask)
+    return removed
+
+
+@njit(nogil=True, cache=True)
+def free_rows(rows, state, row_key):  # pragma: no cover - compiled
+    """Put detached rows on the free list (``-1`` entries skipped)."""
+    for i in range(rows.shape[0]):
+        r = rows[i]
+        if r < 0:
+            continue
+        row_key[r] = state[FREE_HEAD]
+        state[FREE_HEAD] = r
+        state[N_FREE] += 1
+
+
+@njit(nogil=True, cache=True)
+def index_attach(index, keys, rows, state, row_key, live):  # pragma: no cover - compiled
+    """Map absent, distinct ``keys[i]`` to detached ``rows[i]`` again (the reverse of a detach).
+
+    The caller guarantees room in the index (``size + len(keys) <= max_size``).
+    """
+    mask = np.int64(index.shape[0] - 1)
+    for i in range(keys.shape[0]):
+        k = keys[i]
+        h = probe(index, k, mask)
+        r = rows[i]
+        index[h, 0] = k
+        index[h, 1] = r
+        row_key[r] = k
+        live[r] = 1
+        state[SIZE] += 1
+
+
+@njit(nogil=True, cache=True)
 def index_rehash(old, new):  # pragma: no cover - compiled
     """Insert every occupied slot of the old index into an empty new one."""
     mask = np.int64(new.shape[0] - 1)

@@ -14,6 +14,11 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from tensorkv.kernels.hashindex import prefetch, prefetch1
+
+#: Records ahead whose cache lines :func:`records_to_rows` prefetches.
+PREFETCH_RECORDS = 6
+
 
 def word_dtype(*sizes: int) -> np.dtype:
     """The widest of uint64/32/16/8 that divides every byte size/offset in ``sizes``."""
@@ -56,7 +61,18 @@ def records_to_rows(src, src64, src_rows, rows, vo, so,
     """
     vw = vals.shape[1]
     sw = slots.shape[1]
-    for i in range(rows.shape[0]):
+    width = src.shape[1]
+    line = max(1, 64 // src.itemsize)  # words per cache line
+    n = rows.shape[0]
+    for i in range(n):
+        if i + PREFETCH_RECORDS < n:  # the record (random pages of a mapped file) ahead
+            sa = src_rows[i + PREFETCH_RECORDS]
+            for c in range(0, width, line):
+                prefetch(src, sa, c)
+            ra = rows[i + PREFETCH_RECORDS]
+            prefetch1(freq, ra)
+            prefetch1(version, ra)
+            prefetch1(seq, ra)
         s = src_rows[i]
         r = rows[i]
         freq[r] = src64[s, 1]
