@@ -166,7 +166,8 @@ def check(url: str | KVStore, *, verify: bool = False, grace: float | None = Non
     Parameters
     ----------
     verify
-        Also read every visible tag in full and verify all checksums.
+        Also read every visible tag in full (rows and key lists) and verify all checksums
+        and key counts.
     grace
         Seconds a pending save is presumed alive (default ``config.CHECKPOINT_GC_GRACE_SECONDS``);
         data of live saves is not reported as orphaned.
@@ -177,6 +178,7 @@ def check(url: str | KVStore, *, verify: bool = False, grace: float | None = Non
         rep.orphan_bytes = sum(len(v) for v in sizes if v is not None)
         if verify:
             from tensorkv.checkpoint.dense import read_full
+            from tensorkv.checkpoint.keylists import chain_key_set
             from tensorkv.checkpoint.load import _stage_table
 
             for t in rep.tags:
@@ -184,8 +186,10 @@ def check(url: str | KVStore, *, verify: bool = False, grace: float | None = Non
                 try:
                     for n, e in doc["dense"].items():
                         read_full(store, n, e)
-                    for n in doc["tables"]:
+                    for n, ent in doc["tables"].items():
                         _stage_table(store, doc, n, None, None, None)
+                        for s in ent["shards"]:  # key lists, rebuilt along the chain
+                            chain_key_set(store, doc, n, s, _manifest.getter(store))
                 except (CorruptRecordError, CheckpointError) as exc:
                     rep.corrupt.append(f"{t}: {exc}")
         return rep

@@ -1,4 +1,7 @@
-"""A numba row gather for building table blocks (imported on first use)."""
+"""Numba kernels of the checkpoint code: a row gather for table blocks, a sorted-key search.
+
+Imported on first use.
+"""
 
 from __future__ import annotations
 
@@ -29,3 +32,48 @@ def gather_rows(src: np.ndarray, idx: np.ndarray, out: np.ndarray) -> None:
         s = src.reshape(n, -1).view(np.uint8)
         o = out.reshape(idx.shape[0], -1).view(np.uint8)
     _gather_bytes(s, idx, o)
+
+
+@njit(nogil=True, cache=True)
+def _member_sorted(  # pragma: no cover
+    hay: np.ndarray, needles: np.ndarray, out: np.ndarray
+) -> None:
+    n = hay.shape[0]
+    lo = 0  # every later needle's lower bound is at or after this one's
+    for i in range(needles.shape[0]):
+        x = needles[i]
+        if lo >= n:
+            out[i] = False
+            continue
+        if hay[lo] < x:
+            # gallop: double the step until hay[cur] >= x, then bisect (prev, cur]
+            prev = lo
+            step = 1
+            cur = lo + 1
+            while cur < n and hay[cur] < x:
+                prev = cur
+                step *= 2
+                cur = prev + step
+            a = prev + 1
+            b = cur if cur < n else n
+            while a < b:
+                m = (a + b) >> 1
+                if hay[m] < x:
+                    a = m + 1
+                else:
+                    b = m
+            lo = a
+        out[i] = lo < n and hay[lo] == x
+
+
+def member_sorted(hay: np.ndarray, needles: np.ndarray) -> np.ndarray:
+    """Boolean mask: which of the ascending int64 ``needles`` occur in the ascending ``hay``.
+
+    A galloping merge: time grows with ``len(needles) * log(len(hay) / len(needles))`` and
+    memory is read near where the previous needle was found, so a few changed keys are looked
+    up in a large key list at a fraction of the cost of independent binary searches.
+    """
+    out = np.empty(needles.shape[0], dtype=np.bool_)
+    if needles.shape[0]:
+        _member_sorted(hay, needles, out)
+    return out

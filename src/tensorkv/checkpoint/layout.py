@@ -8,7 +8,9 @@ Every key a checkpoint writes starts with ``ckpt/`` (see the "Checkpoint layout"
     ckpt/p/<tag>/<shard>                    pending-save marker (JSON: start time, pid, host)
     ckpt/c/<xxh3-128 hex>                   one dense chunk, content-addressed (shared by tags)
     ckpt/t/<tag>/<table>/<shard>/b/<n>      one block of table rows
-    ckpt/t/<tag>/<table>/<shard>/k/<n>      the table's key list at that tag, in pieces
+    ckpt/t/<tag>/<table>/<shard>/k/<n>      the table's sorted key list (full saves), in pieces
+    ckpt/t/<tag>/<table>/<shard>/a/<n>      keys added since the parent (incremental saves)
+    ckpt/t/<tag>/<table>/<shard>/r/<n>      keys removed since the parent (incremental saves)
 
 With ``hash_tag`` set, table keys carry a Redis Cluster hash tag ``{...}`` so that all keys of
 a table (``hash_tag="table"``), of one bucket (``"bucket"``) or of the whole checkpoint (any

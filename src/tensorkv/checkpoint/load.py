@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 
 from tensorkv.checkpoint import dense as _dense
+from tensorkv.checkpoint import keylists as _keylists
 from tensorkv.checkpoint import layout
 from tensorkv.checkpoint import manifest as _manifest
 from tensorkv.checkpoint import tables as _tables
@@ -114,7 +115,9 @@ def _stage_table(
             )
             rows.extend(blocks)  # zero-copy views into the records read
             if info.get("removed_pieces"):
-                rk = _tables.read_key_list(store, prefix, info["removed_pieces"], what, b"r")
+                rk = _keylists.read_key_list(
+                    store, prefix, info["removed_pieces"], what, _keylists.REMOVED
+                )
                 rows.append(_tables.Rows(*([None] * 5)))  # marker: apply removals here
                 removed.append(_tables.filter_keys(rk, shard, num_shards))
     return rows, removed, is_chain

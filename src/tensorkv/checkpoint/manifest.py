@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import struct
 import time
+from collections.abc import Callable
 from typing import Any
 
 from tensorkv.checkpoint import layout
@@ -18,7 +19,7 @@ from tensorkv.stores.base import KVStore
 
 MAGIC = b"TKVM"
 FORMAT = "tensorkv.checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: incremental tags store key-list deltas (docs/format.md)
 _HEAD = struct.Struct("<4sQ")
 
 
@@ -153,6 +154,16 @@ def read(store: KVStore, tag: str) -> dict[str, Any]:
             f"tag {tag!r} {why} in store {store.url!r}{extra}; available tags: {avail}"
         )
     return doc
+
+
+def getter(store: KVStore) -> Callable[[str], dict[str, Any] | None]:
+    """``tag -> manifest`` over ``store``: any tag, expired or not; None when it is missing."""
+
+    def get(tag: str) -> dict[str, Any] | None:
+        raw = store.get(layout.manifest_key(tag))
+        return None if raw is None else decode_manifest(raw, f"tag {tag!r}")
+
+    return get
 
 
 def chain(store: KVStore, doc: dict[str, Any]) -> list[dict[str, Any]]:

@@ -14,6 +14,7 @@ import numpy as np
 
 from tensorkv import config
 from tensorkv.checkpoint import dense as _dense
+from tensorkv.checkpoint import keylists as _keylists
 from tensorkv.checkpoint import layout
 from tensorkv.checkpoint import manifest as _manifest
 from tensorkv.checkpoint import tables as _tables
@@ -63,6 +64,21 @@ def _row_bytes(table: Any) -> int:
     if opt is not None and hasattr(opt, "slot_names"):
         nslots = len(opt.slot_names())
     return 8 + 4 * meta_dim * (1 + nslots) + 16
+
+
+def _parent_keys(
+    store: KVStore, parent_doc: dict[str, Any], name: str, shard: str, table: Any,
+    parent_info: dict[str, Any],
+) -> _keylists.KeySet:
+    """The key set of a table shard at the parent tag.
+
+    Taken from memory when this table object saved that state, else rebuilt from the key
+    lists along the parent chain.
+    """
+    hit = _keylists.cached(table, parent_info["state"])
+    if hit is not None:
+        return hit
+    return _keylists.chain_key_set(store, parent_doc, name, shard, _manifest.getter(store))
 
 
 def _save_table(
@@ -118,36 +134,41 @@ def _save_table(
                 info["note"] = f"full save: {why}"
         if since is None:
             blocks, key_parts = _tables.write_table(w, table, chunk_rows, bucket_bits)
-            keys = _tables.merge_sorted(key_parts)
+            keyset = _keylists.KeySet(_tables.merge_sorted(key_parts))
+            info["key_list"] = "full"
+            info["key_pieces"] = _keylists.write_key_list(w, keyset.base, _keylists.FULL)
             removed = np.empty(0, np.int64)
         else:
             assert parent_doc is not None and parent_info is not None
             entry["full"] = False
             blocks, key_parts = _tables.write_table(w, table, chunk_rows, bucket_bits, since)
-            pdata = parent_doc["tables"][name].get("data_tag", parent_doc["tag"])
-            ppref = layout.table_prefix(pdata, name, shard, hash_tag)
-            pkeys = _tables.read_key_list(
-                store, ppref, parent_info["key_pieces"], f"table {name!r} of {parent_doc['tag']!r}"
-            )
-            changed = np.concatenate(key_parts) if key_parts else np.empty(0, np.int64)
-            new = changed[~_tables.sorted_member(pkeys, changed)]
-            if len(table) == len(pkeys) + len(new):
+            # the parent's key set (kept in memory, or rebuilt from the store while the
+            # writer thread stores the blocks)
+            pset = _parent_keys(store, parent_doc, name, str(shard), table, parent_info)
+            changed = _tables.merge_sorted(key_parts)
+            added = changed[~pset.contains(changed)]
+            if len(table) == len(pset) + len(added):
                 removed = np.empty(0, np.int64)
-                keys = pkeys
-                if len(new):
-                    new = np.sort(new)
-                    keys = np.insert(pkeys, np.searchsorted(pkeys, new), new)
             else:  # some keys were removed since the parent: diff the key sets
+                pkeys = pset.to_array()
                 keys = np.sort(np.asarray(table.keys(), dtype=np.int64))
-                removed = pkeys[~_tables.sorted_member(keys, pkeys)]
+                removed = pkeys[~_keylists.sorted_member(keys, pkeys)]
+            keyset = pset.apply(added, removed, check=False)
+            info["key_list"] = "delta"
+            info["key_pieces"] = 0
+            info["added"] = int(len(added))
+            info["added_pieces"] = (
+                _keylists.write_key_list(w, added, _keylists.ADDED) if len(added) else 0
+            )
         info.update(
             {
                 "blocks": blocks,
                 "rows": int(sum(b[2] for b in blocks)),
-                "num_keys": int(len(keys)),
-                "key_pieces": _tables.write_key_list(w, keys, b"k"),
+                "num_keys": int(len(keyset)),
                 "removed": int(len(removed)),
-                "removed_pieces": _tables.write_key_list(w, removed, b"r") if len(removed) else 0,
+                "removed_pieces": (
+                    _keylists.write_key_list(w, removed, _keylists.REMOVED) if len(removed) else 0
+                ),
                 "seq": seq,
             }
         )
@@ -157,6 +178,7 @@ def _save_table(
         raise
     info["full"] = since is None
     info["state"] = _tables.remember_state(table, seq)
+    _keylists.remember(table, info["state"], keyset)
     entry["shards"][str(shard)] = info
     return entry
 

@@ -1,4 +1,4 @@
-"""Embedding-table rows in checkpoints: hash-bucketed blocks, key lists, removed keys.
+"""Embedding-table rows in checkpoints: hash-bucketed blocks (key lists: ``keylists.py``).
 
 Rows come from ``table.export(chunk_rows)``. Each exported chunk is split by hash bucket (the
 top ``bucket_bits`` bits of ``splitmix64(key)``); the rows of one bucket of one chunk form a
@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from tensorkv.checkpoint import layout
+from tensorkv.checkpoint.keylists import ADDED, FULL, REMOVED, piece_key
 from tensorkv.codec import decode, encode_parts
 from tensorkv.errors import CheckpointError, CorruptRecordError
 from tensorkv.stores.base import KVStore
@@ -29,7 +30,6 @@ FIELDS = ("keys", "values", "slots", "freq", "version")
 _BHEAD = struct.Struct("<4sBBH")  # magic, version, n arrays, reserved
 DEFAULT_BLOCK_ROWS = 16384  # rows per block (see the block-size measurements in format.md)
 DEFAULT_BUCKET_BITS = 4  # 16 hash buckets per exported chunk
-KEYS_PER_PIECE = 512 * 1024  # int64 keys per key-list record (4 MiB)
 # Bytes of records per store write (one LMDB transaction, one Redis pipeline). A default
 # 8.8 MB block is a batch of its own: LMDB commits of 64 MB batches measured 4-10x slower
 # than one block per commit (the transaction's dirty pages are malloc'd and freed each time).
@@ -438,31 +438,6 @@ def merge_sorted(parts: list[np.ndarray]) -> np.ndarray:
     return runs[0]
 
 
-def write_key_list(w: BlockWriter, keys: np.ndarray, kind: bytes = b"k") -> int:
-    """Write a sorted int64 key array as pieces; return the number of pieces."""
-    from tensorkv.codec import encode
-
-    pieces = 0
-    for off in range(0, max(len(keys), 1), KEYS_PER_PIECE):
-        part = np.ascontiguousarray(keys[off : off + KEYS_PER_PIECE], dtype=np.int64)
-        w.put(w.prefix + kind + b"/%08d" % pieces, encode(part))
-        pieces += 1
-    return pieces
-
-
-def read_key_list(
-    store: KVStore, prefix: bytes, pieces: int, what: str, kind: bytes = b"k"
-) -> np.ndarray:
-    """Read a key list written by :func:`write_key_list`."""
-    keys = [prefix + kind + b"/%08d" % i for i in range(pieces)]
-    out = []
-    for k, v in zip(keys, store.get_many(keys) if keys else [], strict=True):
-        if v is None:
-            raise CorruptRecordError(f"{what}: key-list record {k.decode()} is missing")
-        out.append(decode(v, key=k.decode()))
-    return np.concatenate(out) if out else np.empty(0, dtype=np.int64)
-
-
 def blocks_for_shard(
     blocks: list[list[int]], shard: int | None, num_shards: int | None
 ) -> list[tuple[list[int], bool]]:
@@ -541,10 +516,10 @@ def _block_bytes_hint(selected: list[tuple[list[int], bool]]) -> int:
 
 
 def record_keys(prefix: bytes, info: dict[str, Any], hash_tag: str | None) -> list[bytes]:
-    """Every record key of one table shard (blocks, key list, removed keys), in order."""
+    """Every record key of one table shard (blocks, then its key lists), in order."""
     out = [layout.block_key(prefix, b[1], b[0], hash_tag) for b in info["blocks"]]
-    out += [prefix + b"k/%08d" % i for i in range(info.get("key_pieces", 0))]
-    out += [prefix + b"r/%08d" % i for i in range(info.get("removed_pieces", 0))]
+    for kind, field in ((FULL, "key_pieces"), (ADDED, "added_pieces"), (REMOVED, "removed_pieces")):
+        out += [piece_key(prefix, kind, i) for i in range(info.get(field, 0))]
     return out
 
 
@@ -554,12 +529,3 @@ def filter_keys(keys: np.ndarray, shard: int | None, num_shards: int | None) -> 
         return keys
     assert num_shards is not None
     return keys[layout.shard_of_keys(keys, num_shards) == shard]
-
-
-def sorted_member(sorted_hay: np.ndarray, needles: np.ndarray) -> np.ndarray:
-    """Boolean mask: which needles occur in the sorted array ``sorted_hay``."""
-    if len(sorted_hay) == 0:
-        return np.zeros(len(needles), dtype=bool)
-    pos = np.searchsorted(sorted_hay, needles)
-    pos[pos == len(sorted_hay)] = 0
-    return sorted_hay[pos] == needles
