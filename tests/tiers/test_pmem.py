@@ -76,7 +76,7 @@ def test_torn_slot_dropped_and_older_copy_kept(shm_path):
     tmp[:, :-1] = old[:1].view(np.uint64)
     tmp[:, -1] = 0  # an older write sequence
     sealed = np.empty((1, t.words), np.uint64)
-    K.seal(tmp, K.FLAG_PUT, sealed)
+    K.seal(tmp, K.FLAG_PUT, sealed, 0)
     arr[slot_old] = sealed[0]
     # and tear key 3's record
     s3 = int(t.index.lookup(keys[3:])[0])

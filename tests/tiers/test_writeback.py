@@ -85,13 +85,13 @@ def test_reads_use_pending_rows_while_writes_are_blocked(tmp_path):
     ref, t = pair(tmp_path, rows0=16)
     tier = t._chain.lowers[0][0]
     gate = threading.Event()
-    real_put = tier.put
+    real_put = tier.put_rows
 
-    def slow_put(keys, records):  # the real tier, held back until the gate opens
+    def slow_put(keys, source):  # the real tier, held back until the gate opens
         gate.wait()
-        real_put(keys, records)
+        real_put(keys, source)
 
-    tier.put = slow_put
+    tier.put_rows = slow_put
     with t:
         try:
             steps([ref, t], n_steps=25, n_ids=120)  # keys come back while their writes wait

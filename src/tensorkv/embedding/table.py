@@ -109,6 +109,16 @@ class _Scratch(threading.local):
         size = ak.dedup_table_size(n)
         return (self.uniq[:n], self.sums[:n], self.bad[:n], self.tab[:size], self.pos[:n])
 
+    def row_slots(self, capacity: int) -> np.ndarray:
+        """An ``int64[>= capacity]`` array of ``-1``: the row map of ``dedup_rows``.
+
+        The kernel leaves it all ``-1`` again, so it is reused as it is.
+        """
+        first = getattr(self, "first", None)
+        if first is None or first.shape[0] < capacity:
+            first = self.first = np.full(max(capacity, 1024), -1, np.int64)
+        return first
+
 
 _STAT_NAMES = ("hits", "misses", "inserts", "collisions", "evictions", "admissions_rejected",
                "gradients_dropped", "nonfinite_skipped", "removed")
@@ -513,9 +523,26 @@ class EmbeddingTable:
         g = self._as_grads(grads, k.shape[0])
         if step is not None and (isinstance(step, bool) or not isinstance(step, (int, np.integer))):
             raise ConfigError(f"step={step!r} must be an integer or None")
+        return self._apply(k, g, step)
+
+    def _apply(self, k: np.ndarray, g: np.ndarray, step: int | None,
+               rows: np.ndarray | None = None) -> int:
+        """:meth:`apply_gradients` of validated input; ``rows``: every key's row, if known.
+
+        A tiered table passes the rows of a batch it has just looked up (all present, under
+        the same operation lock): duplicates are then summed by row, without hashing keys,
+        and the index is not probed again.
+        """
         uniq, sums, bad, tab, pos = self._scratch.dedup_buffers(k.shape[0], self.dim)
-        u = ak.dedup_sum(k, g, uniq, sums, bad, tab, pos)  # pure: runs outside the lock
-        uniq, sums, bad = uniq[:u], sums[:u], bad[:u]
+        urows = None
+        if rows is None:
+            u = ak.dedup_sum(k, g, uniq, sums, bad, tab, pos)  # pure: runs outside the lock
+            uniq, sums, bad = uniq[:u], sums[:u], bad[:u]
+        else:
+            first = self._scratch.row_slots(self._arena.capacity)
+            u = ak.dedup_rows(rows, g, uniq, sums, bad, first, pos)
+            urows = uniq[:u].copy()
+            uniq, sums, bad = self._arena.row_key[urows], sums[:u], bad[:u]
         n_skip = 0
         if bad.any():
             bad_keys = uniq[bad]
@@ -528,10 +555,12 @@ class EmbeddingTable:
                 )
             keep = ~bad
             uniq, sums = uniq[keep], np.ascontiguousarray(sums[keep])
+            if urows is not None:
+                urows = urows[keep]
             n_skip = bad_keys.size
         a = self._arena
         with self._lock.write():
-            rows = a.find(uniq)
+            rows = a.find(uniq) if urows is None else urows
             miss = np.flatnonzero(rows < 0)
             if miss.size:
                 if self.admission is not None:

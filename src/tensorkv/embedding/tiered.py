@@ -39,11 +39,10 @@ import numpy as np
 from tensorkv.embedding.arena import RowArena
 from tensorkv.embedding.filters import Eviction
 from tensorkv.embedding.table import ExportChunk
-from tensorkv.embedding.tiers.base import LowerTier, RecordLayout, RowSink
+from tensorkv.embedding.tiers.base import LowerTier, RecordLayout, RowSink, RowSource
 from tensorkv.embedding.writeback import WriteQueue
 from tensorkv.errors import ConfigError, StoreClosedError
 from tensorkv.kernels import cache as ck
-from tensorkv.kernels import records as kr
 
 DEFAULT_MAX_PENDING_BYTES = 256 * 1024 * 1024
 CASCADE_LOW_WATER = 0.9  # a full lower tier cascades down to this share of its budget
@@ -174,7 +173,6 @@ class TierChain:
         self.pending: list[_Pending] = []
         self.pending_bytes = 0
         self.landed: list[_Pending] = []  # landed batches whose held rows are not freed yet
-        self._pack_buf = np.empty((0, layout.record_bytes), np.uint8)  # the writer's scratch
         self.stale: list[np.ndarray] = []  # keys promoted out of lower tiers, delete queued
         self.queue = WriteQueue(name)
         names = ["tier0"] + [f"tier{i + 1}" for i in range(len(self.lowers))]
@@ -400,33 +398,9 @@ class TierChain:
             self._last = (keys, rows, a.state, a.state.copy())
         return moved
 
-    def _read_rows(self, rows: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-        """Whole records of tier-0 rows (padding zeroed), into ``out[:len(rows)]`` if given."""
-        a = self.arena
-        lay = self.layout
-        if not isinstance(a.values, np.ndarray):  # device rows
-            return lay.pack(a.row_key[rows], self._values_of(rows), a.gather_slots(rows),
-                            a.freq[rows], a.version[rows], a.seq[rows])
-        buf = np.empty((rows.size, lay.record_bytes), np.uint8) if out is None \
-            else out[:rows.size]
-        end_v = lay.values_offset + lay.values_bytes
-        if end_v < lay.slots_offset:
-            buf[:, end_v:lay.slots_offset] = 0
-        end_s = lay.slots_offset + 4 * lay.slot_width
-        if end_s < lay.record_bytes:
-            buf[:, end_s:] = 0
-        wd = kr.word_dtype(lay.values_offset, lay.values_bytes, lay.slots_offset,
-                           4 * lay.slot_width)
-        kr.rows_to_records(a.values.view(wd), a.slots.view(wd), a.freq, a.version, a.seq,
-                           a.row_key, rows, buf.view(wd), buf.view(np.int64),
-                           lay.values_offset // wd.itemsize, lay.slots_offset // wd.itemsize)
-        return buf
-
-    def _values_of(self, rows: np.ndarray) -> np.ndarray:
-        """Tier-0 value rows on the host, in the storage dtype (16-bit bits unchanged)."""
-        a = self.arena
-        v = a.gather(rows)
-        return v.view(a.np_dtype) if getattr(a, "raw", False) else v
+    def _read_rows(self, rows: np.ndarray) -> np.ndarray:
+        """Whole records of tier-0 rows (padding zeroed)."""
+        return RowSource(self.arena, self.layout, self.arena.row_key[rows], rows).pack()
 
     def demote_rows(self, rows: np.ndarray) -> None:
         """Move ``rows`` out of tier 0 into a pending batch written down in the background.
@@ -470,12 +444,9 @@ class TierChain:
         with self.lock:
             sel = np.flatnonzero(p.live)
         keys = p.keys[sel]
-        if sel.size:
-            if self._pack_buf.shape[0] < sel.size:
-                self._pack_buf = np.empty((sel.size, self.layout.record_bytes), np.uint8)
-            with self.pack_lock:  # tier 0's arrays cannot move while they are read
-                recs = self._read_rows(p.rows[sel], self._pack_buf)
-            tier.put(keys, recs)
+        if sel.size:  # the tier packs the rows, holding pack_lock while it reads them
+            tier.put_rows(keys, RowSource(self.arena, self.layout, keys, p.rows[sel],
+                                          self.pack_lock))
         with self.lock:
             dead = ~p.live[sel]
         if dead.any():  # promoted while in flight: the landed copies are stale

@@ -201,10 +201,16 @@ class TieredEmbeddingTable(EmbeddingTable):
 
     def apply_gradients(self, keys: Any, grads: Any, step: int | None = None) -> int:  # noqa: D102
         k = self._as_keys(keys)
+        g = self._as_grads(grads, k.shape[0])
+        if step is not None and (isinstance(step, bool) or not isinstance(step, (int, np.integer))):
+            raise ConfigError(f"step={step!r} must be an integer or None")
         with self._op:
             with self._lock.write():
                 self._chain.promote(k)
-            n = super().apply_gradients(k, grads, step)
+                rows = self._chain.batch_rows(k)
+            if rows is not None and (rows < 0).any():
+                rows = None  # keys to insert (or drop, under admission): the general path
+            n = self._apply(k, g, step, rows)
             with self._lock.write():
                 self._chain.after(k)
         return n

@@ -84,6 +84,34 @@ def dedup_table_size(n):  # pragma: no cover - compiled
     return size
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _sum_positions(grads, pos, u, ndup, sums_out, bad_out):  # pragma: no cover - compiled
+    """Sum ``grads`` rows into ``sums_out[unique position]`` in input order; flag non-finite.
+
+    ``pos[i]`` is the unique position of row ``i`` (>= 0 at its first occurrence, ``-1 - p``
+    at a later one).
+    """
+    n = grads.shape[0]
+    dim = grads.shape[1]
+    for i in range(n):  # first occurrences: straight copies, in order
+        p = pos[i]
+        if p >= 0:
+            for c in range(dim):
+                sums_out[p, c] = grads[i, c]
+    if ndup:
+        for i in range(n):  # later occurrences, added in input order
+            p = pos[i]
+            if p < 0:
+                p = -1 - p
+                for c in range(dim):
+                    sums_out[p, c] += grads[i, c]
+    for p in range(u):
+        s = np.float32(0.0)
+        for c in range(dim):
+            s += sums_out[p, c] * np.float32(0.0)
+        bad_out[p] = s != s
+
+
 @njit(nogil=True, cache=True)
 def dedup_sum(ids, grads, uniq_out, sums_out, bad_out, tab, pos):  # pragma: no cover
     """Sum gradients of duplicate ids in order of first occurrence (IndexedSlices semantics).
@@ -96,7 +124,6 @@ def dedup_sum(ids, grads, uniq_out, sums_out, bad_out, tab, pos):  # pragma: no 
     (int64 ``[>= n]``) are scratch space, so repeated calls allocate nothing.
     """
     n = ids.shape[0]
-    dim = grads.shape[1]
     size = dedup_table_size(n)
     mask = np.int64(size - 1)
     for h in range(size):  # (id, unique position); position -1 = empty
@@ -117,23 +144,35 @@ def dedup_sum(ids, grads, uniq_out, sums_out, bad_out, tab, pos):  # pragma: no 
         else:
             pos[i] = -1 - tab[h, 1]
             ndup += 1
-    for i in range(n):  # first occurrences: straight copies, in order
-        p = pos[i]
-        if p >= 0:
-            for c in range(dim):
-                sums_out[p, c] = grads[i, c]
-    if ndup:
-        for i in range(n):  # later occurrences, added in input order
-            p = pos[i]
-            if p < 0:
-                p = -1 - p
-                for c in range(dim):
-                    sums_out[p, c] += grads[i, c]
+    _sum_positions(grads, pos, u, ndup, sums_out, bad_out)
+    return u
+
+
+@njit(nogil=True, cache=True)
+def dedup_rows(rows, grads, uniq_out, sums_out, bad_out, first, pos):  # pragma: no cover
+    """:func:`dedup_sum` for ids that are arena rows (all >= 0): no hashing.
+
+    ``first`` (int64, one entry per arena row, all ``-1``) maps a row to its unique position
+    while the kernel runs and is all ``-1`` again when it returns. Same sums, order and flags
+    as :func:`dedup_sum` over the rows' keys, since a key and its row are one-to-one.
+    """
+    n = rows.shape[0]
+    u = 0
+    ndup = 0
+    for i in range(n):
+        r = rows[i]
+        p = first[r]
+        if p < 0:
+            first[r] = u
+            uniq_out[u] = r
+            pos[i] = u
+            u += 1
+        else:
+            pos[i] = -1 - p
+            ndup += 1
+    _sum_positions(grads, pos, u, ndup, sums_out, bad_out)
     for p in range(u):
-        s = np.float32(0.0)
-        for c in range(dim):
-            s += sums_out[p, c] * np.float32(0.0)
-        bad_out[p] = s != s
+        first[uniq_out[p]] = -1
     return u
 
 

@@ -29,9 +29,9 @@ def word_dtype(*sizes: int) -> np.dtype:
 
 
 @njit(nogil=True, cache=True)
-def rows_to_records(vals, slots, freq, version, seq, row_key, rows,
+def rows_to_records(vals, slots, freq, version, seq, keys, rows,
                     out, out64, vo, so):  # pragma: no cover - compiled
-    """Pack arena ``rows`` into records ``out[i]`` (``out64``: ``out`` as int64 words).
+    """Pack arena ``rows`` into records ``out[i]`` under ``keys[i]`` (``out64``: int64 words).
 
     ``vo``/``so``: offsets of the values and slots in a record, in words of ``out``'s
     dtype (the arena arrays are viewed with the same dtype). Padding is left as it is (the
@@ -39,9 +39,15 @@ def rows_to_records(vals, slots, freq, version, seq, row_key, rows,
     """
     vw = vals.shape[1]
     sw = slots.shape[1]
-    for i in range(rows.shape[0]):
+    n = rows.shape[0]
+    for i in range(n):
+        if i + PREFETCH_RECORDS < n:
+            ra = rows[i + PREFETCH_RECORDS]
+            prefetch1(freq, ra)
+            prefetch1(version, ra)
+            prefetch1(seq, ra)
         r = rows[i]
-        out64[i, 0] = row_key[r]
+        out64[i, 0] = keys[i]
         out64[i, 1] = freq[r]
         out64[i, 2] = version[r]
         out64[i, 3] = seq[r]

@@ -9,7 +9,7 @@ Index tables are two arrays of a power-of-two size: ``tkeys int64[cap]`` and
 
 Stored records are ``uint64`` words: the record's words followed by one trailer word whose low
 32 bits hold flags (``FLAG_PUT`` or ``FLAG_TOMB``) and high 32 bits a checksum over everything
-before it.
+before it and a seed (the SSDHASH segment id).
 """
 
 from __future__ import annotations
@@ -138,12 +138,36 @@ def index_insert_new(tkeys, tvals, q, vals):
 
 # ----------------------------------------------------------------------------- checksums
 @njit(nogil=True, cache=True, inline="always")
-def _checksum_row(row, nwords, flags):
-    h = _GOLD ^ np.uint64(nwords)
-    for j in range(nwords):
-        w = row[j]
-        h ^= w * _P1
-        h = ((h << np.uint64(31)) | (h >> np.uint64(33))) * _P2
+def _lane(h, w):
+    h ^= w * _P1
+    return ((h << np.uint64(31)) | (h >> np.uint64(33))) * _P2
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _checksum_row(row, nwords, flags, seed):
+    """32-bit checksum of ``row[:nwords]``, ``flags`` and ``seed``.
+
+    Four independent multiply-rotate lanes over the words (so the CPU overlaps them),
+    merged and finalised like splitmix64.
+    """
+    s = np.uint64(seed) * _P2
+    h0 = _GOLD ^ np.uint64(nwords) ^ s
+    h1 = _P1 ^ s
+    h2 = _P2 ^ s
+    h3 = _M1 ^ s
+    j = 0
+    while j + 4 <= nwords:
+        h0 = _lane(h0, row[j])
+        h1 = _lane(h1, row[j + 1])
+        h2 = _lane(h2, row[j + 2])
+        h3 = _lane(h3, row[j + 3])
+        j += 4
+    while j < nwords:
+        h0 = _lane(h0, row[j])
+        j += 1
+    h = (h0 ^ ((h1 << np.uint64(7)) | (h1 >> np.uint64(57)))
+         ^ ((h2 << np.uint64(13)) | (h2 >> np.uint64(51)))
+         ^ ((h3 << np.uint64(29)) | (h3 >> np.uint64(35))))
     h ^= np.uint64(flags) * _P1
     h ^= h >> np.uint64(29)
     h *= _M1
@@ -152,19 +176,33 @@ def _checksum_row(row, nwords, flags):
 
 
 @njit(nogil=True, cache=True)
-def seal(records, flags, out):
-    """Copy ``records`` (uint64[n, w]) into ``out`` (uint64[n, w + 1]) with a trailer word."""
+def seal(records, flags, out, seed):
+    """Copy ``records`` (uint64[n, w]) into ``out`` (uint64[n, w + 1]) with a trailer word.
+
+    ``seed`` enters the checksum: SSDHASH seals with the segment id, so a record left in a
+    reused segment file from its earlier life never validates (PMEM uses 0).
+    """
     n, w = records.shape
     for i in range(n):
         row = records[i]
         for j in range(w):
             out[i, j] = row[j]
-        c = _checksum_row(row, w, flags)
+        c = _checksum_row(row, w, flags, seed)
         out[i, w] = np.uint64(flags) | (c << np.uint64(32))
 
 
 @njit(nogil=True, cache=True)
-def first_invalid(stored, start, stop):
+def seal_inplace(stored, flags, seed):
+    """Write the trailer word (last column) of each row of ``stored`` (uint64[n, w + 1])."""
+    n = stored.shape[0]
+    w = stored.shape[1] - 1
+    for i in range(n):
+        c = _checksum_row(stored[i], w, flags, seed)
+        stored[i, w] = np.uint64(flags) | (c << np.uint64(32))
+
+
+@njit(nogil=True, cache=True)
+def first_invalid(stored, start, stop, seed):
     """Index of the first record in ``[start, stop)`` whose trailer is wrong (else ``stop``)."""
     w = stored.shape[1] - 1
     for i in range(start, stop):
@@ -172,13 +210,13 @@ def first_invalid(stored, start, stop):
         flags = t & _LOW32
         if flags != _U_PUT and flags != _U_TOMB:
             return i
-        if _checksum_row(stored[i], w, flags) != (t >> np.uint64(32)):
+        if _checksum_row(stored[i], w, flags, seed) != (t >> np.uint64(32)):
             return i
     return stop
 
 
 @njit(nogil=True, cache=True)
-def verify_rows(stored, rows, expect_keys, bad):
+def verify_rows(stored, rows, expect_keys, bad, seed):
     """``bad[i]`` = 1 key mismatch, 2 not a put, 3 checksum mismatch, 0 fine."""
     w = stored.shape[1] - 1
     for i in range(rows.size):
@@ -189,7 +227,7 @@ def verify_rows(stored, rows, expect_keys, bad):
             bad[i] = 1
         elif flags != _U_PUT:
             bad[i] = 2
-        elif _checksum_row(stored[r], w, flags) != (t >> np.uint64(32)):
+        elif _checksum_row(stored[r], w, flags, seed) != (t >> np.uint64(32)):
             bad[i] = 3
         else:
             bad[i] = 0

@@ -21,6 +21,7 @@ whole batches with numpy views; every :class:`LowerTier` method takes and return
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
@@ -406,6 +407,14 @@ class LowerTier(ABC):
             sink.write(recs if found.all() else recs[found], None, rows)
         return found
 
+    def put_rows(self, keys: np.ndarray, source: RowSource) -> None:
+        """Store tier-0 rows: :meth:`put` of ``source``'s records under ``keys``.
+
+        Tiers that can pack the rows straight into their own write buffers (SSDHASH)
+        override this to save a copy.
+        """
+        self.put(keys, source.pack())
+
     # ----------------------------------------------------------------- lifecycle
     @property
     def closed(self) -> bool:
@@ -472,6 +481,68 @@ class RowSink:
         kr.records_to_rows(src.view(wd), src.view(np.int64), src_rows, rows,
                            lay.values_offset // wd.itemsize, lay.slots_offset // wd.itemsize,
                            a.values.view(wd), a.slots.view(wd), a.freq, a.version, a.seq)
+
+
+class RowSource:
+    """Tier-0 rows on their way down: packs them into records (the reverse of a RowSink).
+
+    Parameters
+    ----------
+    arena
+        Tier 0 (:class:`~tensorkv.embedding.arena.RowArena` or an HBM arena).
+    layout
+        The record layout of the lower tiers.
+    keys, rows
+        The keys and their tier-0 rows (``int64[n]``); a row must not change while it is
+        packed.
+    guard
+        Held while the rows are read (a tiered table's lock against tier 0's arrays moving).
+    """
+
+    def __init__(self, arena: Any, layout: RecordLayout, keys: np.ndarray, rows: np.ndarray,
+                 guard: Any = None) -> None:
+        self.arena = arena
+        self.layout = layout
+        self.keys = keys
+        self.rows = rows
+        self.guard = guard
+        self.word = kr.word_dtype(layout.values_offset, layout.values_bytes,
+                                  layout.slots_offset, 4 * layout.slot_width)
+
+    def __len__(self) -> int:
+        return int(self.rows.shape[0])
+
+    def pack(self, out: np.ndarray | None = None) -> np.ndarray:
+        """Write the records into ``out`` and return it.
+
+        ``out`` is ``uint8[n, width]`` with ``width`` a multiple of 8 and at least
+        ``record_bytes``; bytes past the record are left alone. Without ``out`` a new
+        ``uint8[n, record_bytes]`` buffer is returned. Padding inside the record is zeroed.
+        """
+        a, lay, rows = self.arena, self.layout, self.rows
+        n = rows.shape[0]
+        if out is None:
+            out = np.empty((n, lay.record_bytes), np.uint8)
+        if not isinstance(a.values, np.ndarray):  # device rows
+            with self.guard or contextlib.nullcontext():
+                v = a.gather(rows)
+                recs = lay.pack(self.keys, v.view(a.np_dtype) if getattr(a, "raw", False)
+                                else v, a.gather_slots(rows), a.freq[rows], a.version[rows],
+                                a.seq[rows])
+            out[:, :lay.record_bytes] = recs
+            return out
+        end_v = lay.values_offset + lay.values_bytes
+        if end_v < lay.slots_offset:
+            out[:, end_v:lay.slots_offset] = 0
+        end_s = lay.slots_offset + 4 * lay.slot_width
+        if end_s < lay.record_bytes:
+            out[:, end_s:lay.record_bytes] = 0
+        wd = self.word
+        with self.guard or contextlib.nullcontext():  # tier 0's arrays cannot move meanwhile
+            kr.rows_to_records(a.values.view(wd), a.slots.view(wd), a.freq, a.version, a.seq,
+                               self.keys, rows, out.view(wd), out.view(np.int64),
+                               lay.values_offset // wd.itemsize, lay.slots_offset // wd.itemsize)
+        return out
 
 
 def check_chunk_rows(chunk_rows: object) -> int:

@@ -143,7 +143,7 @@ class PMEMTier(IndexedTier):
         used = np.flatnonzero((trailer & _LOW32) == K.FLAG_PUT)
         keys = np.ascontiguousarray(arr[used, 0]).view(np.int64)
         bad = np.zeros(used.size, np.uint8)
-        K.verify_rows(arr, used, keys, bad)
+        K.verify_rows(arr, used, keys, bad, 0)
         ok = bad == 0
         seqs = arr[used, -2].view(np.int64)
         order = np.lexsort((seqs, keys))
@@ -209,7 +209,7 @@ class PMEMTier(IndexedTier):
             tmp[:, :w] = records.view(np.uint64)
             tmp[:, w] = np.arange(self._seq, self._seq + m, dtype=np.int64).view(np.uint64)
             stored = np.empty((m, self.words), np.uint64)
-            K.seal(tmp, K.FLAG_PUT, stored)
+            K.seal(tmp, K.FLAG_PUT, stored, 0)
             slots = self._free[self._nfree - m : self._nfree][::-1].copy()
             self._nfree -= m
             K.scatter(self._arr, slots, stored)
@@ -266,7 +266,7 @@ class PMEMTier(IndexedTier):
             self._check_open()
             keys, slots = self.index.items()
             bad = np.zeros(keys.size, np.uint8)
-            K.verify_rows(self._arr, slots, keys, bad)
+            K.verify_rows(self._arr, slots, keys, bad, 0)
             for code, what in ((1, "key mismatch"), (2, "slot marked free"), (3, "bad checksum")):
                 hit = np.flatnonzero(bad == code)
                 if hit.size:

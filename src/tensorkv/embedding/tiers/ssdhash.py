@@ -26,7 +26,7 @@ import numpy as np
 
 from tensorkv import config
 from tensorkv.embedding.tiers import ssdhash_files as sf
-from tensorkv.embedding.tiers.base import IndexedTier, RecordLayout, RowSink, as_keys
+from tensorkv.embedding.tiers.base import IndexedTier, RecordLayout, RowSink, RowSource, as_keys
 from tensorkv.embedding.tiers.ssdhash_files import REC_BITS, REC_MASK, SEG_HEADER, Segment
 from tensorkv.errors import (
     ConfigError,
@@ -44,6 +44,7 @@ DEFAULT_BUFFER_BYTES = 4 * 1024 * 1024
 DEFAULT_SNAPSHOT_MIN_BYTES = 64 * 1024 * 1024
 DEFAULT_COMPACTION_THRESHOLD = 0.5
 COMPACTION_CHUNK_ROWS = 16384  # records copied per hold of the state lock
+DEFAULT_MAX_FREE_SEGMENTS = 4
 
 
 class SSDHashTier(IndexedTier):
@@ -66,6 +67,9 @@ class SSDHashTier(IndexedTier):
     snapshot_min_bytes
         ``flush`` writes a new index snapshot once this many bytes (and at least the
         snapshot's own size) were appended since the last one; ``close`` always does.
+    max_free_segments
+        Compacted segment files kept (renamed ``free-*.dat``) to become new segments: writing
+        over cached pages is cheaper than growing the page cache. Deleted on close.
     repair
         Open a directory whose snapshot is damaged by replaying every segment, and truncate a
         damaged segment instead of refusing to open. Rows deleted before the last compaction
@@ -85,6 +89,7 @@ class SSDHashTier(IndexedTier):
         compaction_threshold: float = DEFAULT_COMPACTION_THRESHOLD,
         async_compaction: bool | None = None,
         snapshot_min_bytes: int | str = DEFAULT_SNAPSHOT_MIN_BYTES,
+        max_free_segments: int = DEFAULT_MAX_FREE_SEGMENTS,
         repair: bool = False,
     ) -> None:
         super().__init__(layout)
@@ -119,6 +124,7 @@ class SSDHashTier(IndexedTier):
             (
                 "reads", "writes", "deletes", "compactions", "compacted_records",
                 "snapshots", "replayed_records", "truncated_records", "write_calls", "fsyncs",
+                "reused_segments",
             ),
             0,
         )  # fmt: skip
@@ -133,6 +139,16 @@ class SSDHashTier(IndexedTier):
         self._writers = 0
         self._retired: list[Segment] = []  # compacted, deleted by the next snapshot
         self._retired_bytes = 0
+        self._free: list[Segment] = []  # files of retired segments kept for reuse
+        self._free_seq = 0
+        if isinstance(max_free_segments, bool) or not isinstance(max_free_segments, int) or \
+                max_free_segments < 0:
+            raise ConfigError(
+                f"max_free_segments={max_free_segments!r} must be a non-negative int (0: "
+                "delete compacted segment files at once)"
+            )
+        self.max_free_segments = max_free_segments
+        self._scratch_buf = np.empty((0, self.words), np.uint64)
         self._open(repair)
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -184,6 +200,12 @@ class SSDHashTier(IndexedTier):
                 meta = json.load(f)
             if meta.get("format") != sf.FORMAT_NAME:
                 raise StorePathError(f"{self.path!r} holds {meta.get('format')!r}, not SSDHASH")
+            if meta.get("version") != sf.FORMAT_VERSION:
+                raise StorePathError(
+                    f"SSDHASH directory {self.path!r} has format version {meta.get('version')!r}"
+                    f"; this tensorkv reads version {sf.FORMAT_VERSION}. A tier is a table's "
+                    "spill space: delete the directory and restore the table from a checkpoint"
+                )
             stored = RecordLayout.from_dict(meta["layout"])
             if stored != self.layout:
                 raise ShapeError(
@@ -197,6 +219,8 @@ class SSDHashTier(IndexedTier):
                     "layout": self.layout.to_dict(), "stored_bytes": self.stored_bytes}  # fmt: skip
             sf.atomic_write(meta_path, [json.dumps(meta, indent=1).encode()])
 
+        for p in sf.list_free(self.path):  # reusable files left by a crash: start afresh
+            os.unlink(p)
         covered_seg, covered_rows, next_id = 0, 0, 1
         snap_path = os.path.join(self.path, sf.SNAP_NAME)
         keys = locs = np.empty(0, np.int64)
@@ -241,7 +265,7 @@ class SSDHashTier(IndexedTier):
                 continue
             start = covered_rows if sid == covered_seg else 0
             arr = seg.mapped(self.words, n)
-            good = int(K.first_invalid(arr, min(start, n), n)) if n else 0
+            good = int(K.first_invalid(arr, min(start, n), n, sid)) if n else 0
             if good < n or size != SEG_HEADER + n * self.stored_bytes:
                 if sid != last and not repair:
                     raise CorruptRecordError(
@@ -283,23 +307,47 @@ class SSDHashTier(IndexedTier):
     def _activate(self, seg: Segment) -> None:
         seg.fd = os.open(seg.path, os.O_WRONLY)
         seg.unmap()
-        # Preallocate (sparse) so the head is mapped once; the tail past ``written`` is zeros,
-        # which fail the checksum, so a reopen finds the end by validation.
+        # Preallocate (sparse) so the head is mapped once; the tail past ``written`` holds
+        # zeros or records of a reused file's earlier life, which fail the seeded checksum,
+        # so a reopen finds the end by validation.
         os.ftruncate(seg.fd, SEG_HEADER + self.segment_rows * self.stored_bytes)
+        seg.mapped(self.words, self.segment_rows)  # written rows are mapped as they land
         self._active = seg
 
     def _new_segment(self) -> None:
         sid = self._next_id
         self._next_id += 1
         p = os.path.join(self.path, sf.seg_name(sid))
-        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            sf.pwrite_all(fd, sf.segment_header(sid, self.record_bytes, self.stored_bytes), 0)
-        finally:
-            os.close(fd)
-        seg = Segment(sid, p)
+        header = sf.segment_header(sid, self.record_bytes, self.stored_bytes)
+        if self._free:
+            # Reuse a compacted segment's file: its pages are cached (and mapped), so writing
+            # over them costs no new page-cache memory. The new header is durable before the
+            # file takes its segment name.
+            seg = self._free.pop()
+            fd = os.open(seg.path, os.O_WRONLY)
+            try:
+                sf.pwrite_all(fd, header, 0)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(seg.path, p)
+            mm, arr = seg.mm, seg.arr
+            seg = Segment(sid, p)
+            seg.mm, seg.arr = mm, arr
+            self._counters["reused_segments"] += 1
+        else:
+            fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                sf.pwrite_all(fd, header, 0)
+            finally:
+                os.close(fd)
+            seg = Segment(sid, p)
         self._segs[sid] = seg
-        self._activate(seg)
+        if seg.arr is not None and seg.arr.shape[0] >= self.segment_rows:
+            seg.fd = os.open(seg.path, os.O_WRONLY)  # already full size and mapped
+            self._active = seg
+        else:
+            self._activate(seg)
         sf.fsync_dir(self.path)
 
     # ================================================================= writing
@@ -329,10 +377,15 @@ class SSDHashTier(IndexedTier):
         if self._buf_n:
             seg = self._active
             with self._io():  # readers still see these rows in the buffer
-                sf.pwrite_all(seg.fd, self._buf[: self._buf_n], self._offset(seg.written))
+                self._write_rows(seg, self._buf[: self._buf_n])
             seg.written += self._buf_n
             self._buf_n = 0
-            self._counters["write_calls"] += 1
+
+    def _write_rows(self, seg: Segment, stored: np.ndarray) -> None:
+        """Write sealed records at ``seg.written`` and map their pages (no state lock held)."""
+        sf.pwrite_all(seg.fd, stored, self._offset(seg.written))
+        seg.populate(seg.written, seg.written + stored.shape[0], self.words)
+        self._counters["write_calls"] += 1
 
     def _roll(self) -> None:
         self._write_buffer()
@@ -341,16 +394,20 @@ class SSDHashTier(IndexedTier):
         with self._io():
             os.fsync(seg.fd)
         os.close(seg.fd)
-        seg.fd = None
-        seg.unmap()  # remapped at its final size when next read
+        seg.fd = None  # the mapping stays: the segment is full, its size has not changed
         self._counters["fsyncs"] += 1
         self._new_segment()
 
     def _offset(self, row: int) -> int:
         return SEG_HEADER + row * self.stored_bytes
 
-    def _append(self, stored: np.ndarray) -> np.ndarray:
-        """Append sealed records (uint64[m, words]); return their locations."""
+    def _append(self, stored: np.ndarray, flags: int) -> np.ndarray:
+        """Seal and append records (uint64[m, words]); return their locations.
+
+        The trailer column is written here: each record is sealed with the id of the segment
+        it lands in, outside the state lock (writers are serialised by ``_wlock`` and no
+        reader looks at unindexed rows).
+        """
         m = stored.shape[0]
         locs = np.empty(m, np.int64)
         i = 0
@@ -365,6 +422,8 @@ class SSDHashTier(IndexedTier):
                 seg.rows, seg.rows + take, dtype=np.int64
             )
             chunk = stored[i : i + take]
+            with self._io():
+                K.seal_inplace(chunk, flags, seg.seg_id)
             if self._buf_n + take <= self.buffer_rows:
                 self._buf[self._buf_n : self._buf_n + take] = chunk
                 self._buf_n += take
@@ -372,10 +431,8 @@ class SSDHashTier(IndexedTier):
                 self._write_buffer()
                 if take >= self.buffer_rows:
                     with self._io():  # rows not indexed yet: no reader looks at them
-                        sf.pwrite_all(seg.fd, np.ascontiguousarray(chunk),
-                                      self._offset(seg.written))
+                        self._write_rows(seg, chunk)
                     seg.written += take
-                    self._counters["write_calls"] += 1
                 else:
                     self._buf[:take] = chunk
                     self._buf_n = take
@@ -384,6 +441,13 @@ class SSDHashTier(IndexedTier):
         self._since_snapshot += m * self.stored_bytes
         self._dirty = True
         return locs
+
+    def _scratch(self, n: int) -> np.ndarray:
+        """A reusable ``uint64[n, words]`` buffer (writers only, under ``_wlock``)."""
+        if self._scratch_buf.shape[0] < n:
+            self._scratch_buf = np.empty((max(n, 2 * self._scratch_buf.shape[0]), self.words),
+                                         np.uint64)
+        return self._scratch_buf[:n]
 
     def _account(self, old: np.ndarray, new_locs: np.ndarray | None) -> None:
         """Update live counts after the index moved keys from ``old`` to ``new_locs``."""
@@ -399,15 +463,30 @@ class SSDHashTier(IndexedTier):
     def put(self, keys: np.ndarray, records: np.ndarray) -> None:
         """Store one record per key; later duplicates in the batch win."""
         keys, records = self._check_put(keys, records)
-        n = keys.shape[0]
-        if n == 0:
+        if keys.shape[0] == 0:
             return
-        stored = np.empty((n, self.words), np.uint64)
-        K.seal(records.view(np.uint64), K.FLAG_PUT, stored)
+        with self._wlock:
+            stored = self._scratch(keys.shape[0])
+            stored[:, :-1] = records.view(np.uint64)
+            self._put_stored(keys, stored)
+
+    def put_rows(self, keys: np.ndarray, source: RowSource) -> None:
+        """Store tier-0 rows, packed straight into the write path (one copy, no buffer)."""
+        keys = as_keys(keys)
+        if keys.shape[0] == 0:
+            return
+        with self._wlock:
+            self._check_open()
+            stored = self._scratch(keys.shape[0])
+            source.pack(stored.view(np.uint8))
+            self._put_stored(keys, stored)
+
+    def _put_stored(self, keys: np.ndarray, stored: np.ndarray) -> None:
+        n = keys.shape[0]
         with self._writing():
             self._check_open()
             try:
-                locs = self._append(stored)
+                locs = self._append(stored, K.FLAG_PUT)
             except OSError as exc:
                 if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                     raise StoreFullError(
@@ -445,11 +524,10 @@ class SSDHashTier(IndexedTier):
             if n == 0:
                 return 0
             if tombstones:
-                tomb = self.layout.empty(n)
-                self.layout.record_keys(tomb)[:] = keys
-                stored = np.empty((n, self.words), np.uint64)
-                K.seal(tomb.view(np.uint64), K.FLAG_TOMB, stored)
-                self._append(stored)
+                stored = self._scratch(n)
+                stored[:] = 0
+                stored[:, 0] = keys.view(np.uint64)
+                self._append(stored, K.FLAG_TOMB)
             old = self.index.remove(keys)
             self._account(old, None)
             self._counters["deletes"] += n
@@ -484,10 +562,19 @@ class SSDHashTier(IndexedTier):
         }
         with self._io():  # the copies above are the snapshot; writers are excluded
             sf.write_snapshot(os.path.join(self.path, sf.SNAP_NAME), header, keys, locs)
-            # compacted segments are referenced by no durable snapshot any more
+            # compacted segments are referenced by no durable snapshot any more: keep a few
+            # files (and their mapped, cached pages) for new segments, delete the rest
             for seg in self._retired:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(seg.path)
+                if len(self._free) < self.max_free_segments and seg.mm is not None:
+                    self._free_seq += 1
+                    free = os.path.join(self.path, sf.free_name(self._free_seq))
+                    os.rename(seg.path, free)
+                    seg.path = free
+                    self._free.append(seg)
+                else:
+                    seg.unmap()
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(seg.path)
             if self._retired:
                 sf.fsync_dir(self.path)
         self._retired, self._retired_bytes = [], 0
@@ -619,8 +706,8 @@ class SSDHashTier(IndexedTier):
             here = (np.int64(seg.seg_id) << REC_BITS) | np.arange(lo, hi, dtype=np.int64)
             live = np.flatnonzero(self.index.lookup(rkeys) == here)
             if live.size:
-                copies = arr[lo + live]  # sealed records keep their checksums
-                locs = self._append(copies)  # lets readers in during the write
+                copies = arr[lo + live]  # resealed for their new segment
+                locs = self._append(copies, K.FLAG_PUT)  # lets readers in during the write
                 # a reader may have taken (read_into) some of these keys meanwhile: repoint
                 # only keys still at their old place; the other copies are dead on arrival
                 still = self.index.lookup(rkeys[live]) == here[live]
@@ -642,8 +729,7 @@ class SSDHashTier(IndexedTier):
         for seg in victims:
             if self._segs.get(seg.seg_id) is not seg:
                 continue
-            seg.unmap()
-            self._segs.pop(seg.seg_id)
+            self._segs.pop(seg.seg_id)  # its mapping is kept for reuse (see _snapshot)
             self._retired.append(seg)
             self._retired_bytes += SEG_HEADER + seg.rows * self.stored_bytes
         self._counters["compactions"] += 1
@@ -651,9 +737,12 @@ class SSDHashTier(IndexedTier):
             self._flush(force_snapshot=True)
 
     def _retired_limit(self) -> int:
-        """Bytes of compacted segment files kept until the next snapshot deletes them."""
-        return max(4 * self.segment_rows * self.stored_bytes,
-                   len(self.index) * self.stored_bytes // 4)
+        """Bytes of compacted segment files kept until the next snapshot frees them.
+
+        One segment, or four times the snapshot's size (16 bytes a row) when that is more:
+        the files are free for reuse soon, while snapshots stay a small share of the I/O.
+        """
+        return max(self.segment_rows * self.stored_bytes, 64 * len(self.index))
 
     def _compact(self, victims: list[Segment]) -> None:
         for seg in victims:
@@ -721,11 +810,12 @@ class SSDHashTier(IndexedTier):
                 arr = seg.mapped(self.words, seg.written)
                 if in_file.any():
                     b = np.zeros(int(in_file.sum()), np.uint8)
-                    K.verify_rows(arr, rows[in_file], keys[sel][in_file], b)
+                    K.verify_rows(arr, rows[in_file], keys[sel][in_file], b, sid)
                     bad[in_file] = b
                 if (~in_file).any():
                     b = np.zeros(int((~in_file).sum()), np.uint8)
-                    K.verify_rows(self._buf, rows[~in_file] - seg.written, keys[sel][~in_file], b)
+                    K.verify_rows(self._buf, rows[~in_file] - seg.written, keys[sel][~in_file], b,
+                                  sid)
                     bad[~in_file] = b
                 for code, what in (
                     (1, "key mismatch"),
@@ -759,6 +849,7 @@ class SSDHashTier(IndexedTier):
                 "dead_records": sum(s.dead for s in segs),
                 "segments": len(segs),
                 "retired_segments": len(self._retired),
+                "free_segments": len(self._free),
                 "record_bytes": self.record_bytes,
                 "index_bytes": self.index.nbytes,
                 "buffered_rows": self._buf_n,
@@ -797,6 +888,12 @@ class SSDHashTier(IndexedTier):
                 os.close(seg.fd)
                 seg.fd = None
             seg.unmap()
+        for seg in self._free + self._retired:
+            seg.unmap()
+        for seg in self._free:  # reusable only while open
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(seg.path)
+        self._free = []
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # releases the flock
             self._lock_fd = None

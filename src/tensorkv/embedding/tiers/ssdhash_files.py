@@ -5,11 +5,14 @@ A directory holds::
     TIER.json         format name, version and record layout (written once, atomically)
     LOCK              flock'ed by the process that has the tier open
     seg-00000001.dat  segments: a 64-byte header, then fixed-size stored records
+    free-00000001.dat compacted segment files kept for reuse (contents meaningless)
     index.snap        the latest index snapshot (replaced atomically)
 
 Segment header (64 bytes, little-endian): magic ``b"TKVSEG01"``, u64 segment id, u64
 record_bytes, u64 stored_bytes, zero padding. A stored record is the row record followed by
 one u64 trailer: flags (1 put, 2 tombstone) in the low 32 bits, a checksum in the high 32.
+The checksum is seeded with the segment id, so when a free file becomes a new segment, the
+records of its earlier life never validate as records of the new one.
 
 Snapshot: magic ``b"TKVSNAP1"``, u64 header length, a JSON header (padded with spaces to a
 multiple of 8), ``int64 keys[rows]``, ``int64 locs[rows]``, then the xxh3-64 digest of all
@@ -40,12 +43,24 @@ META_NAME = "TIER.json"
 SNAP_NAME = "index.snap"
 LOCK_NAME = "LOCK"
 FORMAT_NAME = "tensorkv-ssdhash"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: checksums seeded with the segment id, free segment files reused
+MADV_POPULATE_READ = 22  # Linux >= 5.14: map a range's page-cache pages without faulting
 
 
 def seg_name(seg_id: int) -> str:
     """File name of segment ``seg_id``."""
     return f"seg-{seg_id:08d}.dat"
+
+
+def free_name(n: int) -> str:
+    """File name of free (reusable) segment file ``n``."""
+    return f"free-{n:08d}.dat"
+
+
+def list_free(path: str) -> list[str]:
+    """Paths of the free segment files in ``path``."""
+    return sorted(os.path.join(path, n) for n in os.listdir(path)
+                  if n.startswith("free-") and n.endswith(".dat"))
 
 
 def list_segments(path: str) -> list[int]:
@@ -118,6 +133,9 @@ def check_segment_header(raw: bytes, seg_id: int, record_bytes: int, path: str) 
         )
 
 
+_populate_ok = True
+
+
 @dataclass
 class Segment:
     """One segment file: ``rows`` records assigned, of which ``written`` are in the file."""
@@ -149,6 +167,26 @@ class Segment:
                 n, words
             )
         return self.arr[:need]
+
+    def populate(self, start: int, stop: int, words: int) -> None:
+        """Map the page-cache pages of records ``[start, stop)`` into the process now.
+
+        Called after they are written: later reads of them do not fault, and mapped pages
+        count as in use to the kernel (a proactive reclaimer that pages out unmapped file
+        pages leaves them alone). A no-op where ``MADV_POPULATE_READ`` is missing.
+        """
+        global _populate_ok
+        if self.mm is None or not _populate_ok or stop <= start:
+            return
+        lo = SEG_HEADER + start * words * 8
+        hi = min(SEG_HEADER + stop * words * 8, len(self.mm))
+        lo -= lo % mmap.PAGESIZE
+        if hi <= lo:
+            return
+        try:
+            self.mm.madvise(MADV_POPULATE_READ, lo, hi - lo)
+        except (OSError, ValueError):
+            _populate_ok = False  # an older kernel: reads fault the pages in instead
 
     def unmap(self) -> None:
         """Drop the mapping (it closes when no array refers to it)."""
