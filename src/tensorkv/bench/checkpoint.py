@@ -188,8 +188,8 @@ def run(
     rows: int | None = None,
     dim: int = 64,
     dense_mb: float | None = None,
-    backends: list[str] | None = None,
-    block_sizes: tuple[int, ...] = (1024, 16384),
+    backends: list[str] | str | None = None,
+    block_sizes: tuple[int, ...] | str | int = (1024, 16384),
     repeat: int | None = None,
     root: str | None = None,
 ) -> None:
@@ -199,7 +199,8 @@ def run(
 
     rows = rows if rows is not None else (200_000 if quick else 5_000_000)
     dense_mb = dense_mb if dense_mb is not None else (10.0 if quick else 100.0)
-    backends = backends or ["lmdb", "rocksdb", "leveldb", "redis"]
+    backends = _names(backends) or ["lmdb", "rocksdb", "leveldb", "redis"]
+    block_sizes = tuple(int(b) for b in _names(block_sizes))
     repeat = repeat if repeat is not None else (2 if quick else 1)
     root = tempfile.mkdtemp(prefix="tensorkv-bench-ckpt-", dir=bench_root(root))
     report.params.update(rows=rows, dim=dim, dense_mb=dense_mb, optimizer="adagrad",
@@ -262,6 +263,17 @@ def run(
         report.params["torch_load_MBps"] = total / r_torch / MB
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def _names(value: Any) -> list[Any]:
+    """A list from a list, or from ``-p`` text: comma-separated, empty for none."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [v.strip() for v in value.split(",") if v.strip()]
+    if isinstance(value, (int, float)):
+        return [value]
+    return list(value)
 
 
 def _warm_up(dim: int) -> None:
