@@ -176,3 +176,21 @@ def test_progress_bar(mem_url, capsys, monkeypatch):
     assert "save p" in capsys.readouterr().err
     tensorkv.save({"a": np.ones(1000)}, mem_url, "q", progress=False)
     assert capsys.readouterr().err == ""
+
+
+def test_many_tags_are_listed(url):
+    """Manifests are listed in pages (ordered stores); every tag is found, in order."""
+    for i in range(40):
+        tensorkv.save({"a": np.full(2, i)}, url, f"t{i:02d}", step=i)
+    tensorkv.save({"e": make_table(300, 4)}, url, "z", step=99)  # table records after them
+    assert tensorkv.list_tags(url) == [f"t{i:02d}" for i in range(40)] + ["z"]
+    assert tensorkv.load(None, url)["e"].dim == 4
+
+
+def test_missing_parent_leaves_no_pending_marker(mem_url):
+    tensorkv.save({"e": make_table(100, 4)}, mem_url, "a")
+    with pytest.raises(TagNotFoundError, match="'nope' does not exist"):
+        tensorkv.save({"e": make_table(100, 4)}, mem_url, "b", incremental=True, parent="nope")
+    with tensorkv.open_store(mem_url) as store:
+        assert store.count(layout.PENDING) == 0
+    assert tensorkv.list_tags(mem_url) == ["a"]

@@ -19,8 +19,6 @@ from tensorkv.codec import BFLOAT16, dtype_code
 from tensorkv.errors import CheckpointError, CodecError, CorruptRecordError, ShapeError
 from tensorkv.stores.base import KVStore
 
-WRITE_BATCH_BYTES = 64 * 1024 * 1024  # bytes of values per store write call
-
 
 def is_torch_tensor(x: Any) -> bool:
     """Whether ``x`` is a torch.Tensor (without importing torch)."""
@@ -115,19 +113,21 @@ def describe(arr: np.ndarray, torch_dtype: str | None, chunk_bytes: int) -> dict
 
 
 def write_tensors(
-    store: KVStore,
+    w: Any,
     arrays: dict[str, np.ndarray],
     entries: dict[str, dict[str, Any]],
     known: set[str],
     on_bytes: Any = None,
 ) -> int:
-    """Write the chunks of each tensor whose digest is not in ``known``; return bytes written.
+    """Queue the chunks of each tensor whose digest is not in ``known``; return their bytes.
 
-    ``known`` is updated with the digests written.
+    ``w`` is a :class:`tensorkv.checkpoint.tables.BlockWriter`: the chunks (views of the
+    arrays, not copies) are written on its thread while the caller goes on, and are in the
+    store once ``w.flush()`` returns, so the arrays must not change until then. ``on_bytes``
+    is told at once about chunks skipped as already stored; ``w`` reports the others.
+    ``known`` is updated with the digests queued.
     """
-    written = 0
-    batch: list[tuple[bytes, memoryview]] = []
-    batch_bytes = 0
+    queued = 0
     for name, arr in arrays.items():
         ent = entries[name]
         for d, piece in zip(ent["chunks"], iter_pieces(arr, ent["chunk_bytes"]), strict=True):
@@ -136,20 +136,9 @@ def write_tensors(
                     on_bytes(piece.nbytes)
                 continue
             known.add(d)
-            batch.append((layout.chunk_key(d), piece))
-            batch_bytes += piece.nbytes
-            if batch_bytes >= WRITE_BATCH_BYTES:
-                store.put_many(batch)
-                written += batch_bytes
-                if on_bytes:
-                    on_bytes(batch_bytes)
-                batch, batch_bytes = [], 0
-    if batch:
-        store.put_many(batch)
-        written += batch_bytes
-        if on_bytes:
-            on_bytes(batch_bytes)
-    return written
+            w.put(layout.chunk_key(d), piece)
+            queued += piece.nbytes
+    return queued
 
 
 def entry_dtype(entry: dict[str, Any]) -> np.dtype:

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from tensorkv.checkpoint import layout
-from tensorkv.codec import decode, encode
+from tensorkv.codec import decode, encode_parts
 from tensorkv.errors import CheckpointError, CorruptRecordError
 from tensorkv.stores.base import KVStore
 
@@ -43,7 +43,11 @@ def write_key_list(w: Any, keys: np.ndarray, kind: bytes = FULL) -> int:
     pieces = 0
     for off in range(0, max(len(keys), 1), KEYS_PER_PIECE):
         part = np.ascontiguousarray(keys[off : off + KEYS_PER_PIECE], dtype=np.int64)
-        w.put(piece_key(w.prefix, kind, pieces), encode(part))
+        head, payload = encode_parts(part)
+        buf = w.alloc(len(head) + payload.nbytes)  # a reused buffer: no fresh pages
+        buf[: len(head)] = np.frombuffer(head, dtype=np.uint8)
+        buf[len(head) :] = part.view(np.uint8)
+        w.put(piece_key(w.prefix, kind, pieces), buf)
         pieces += 1
     return pieces
 

@@ -87,13 +87,36 @@ def is_expired(doc: dict[str, Any], now: float | None = None) -> bool:
     return exp is not None and (time.time() if now is None else now) >= float(exp)
 
 
+def scan_keys(store: KVStore, prefix: bytes) -> list[bytes]:
+    """Every key under ``prefix``.
+
+    Ordered stores are read in pages that start small and double: a store may read a whole
+    page of keys before it cuts at the prefix's end, and after the few manifest keys come the
+    table records, each of which costs LMDB a page fault on its value when it is stepped over
+    (13 ms for a 5M-row table's blocks, more than the rest of a small incremental save's
+    bookkeeping).
+    """
+    if not store.capabilities.ordered_scans:
+        return [bytes(k) for k in store.scan(prefix, keys_only=True)]
+    out: list[bytes] = []
+    start = None
+    page = 8
+    while True:
+        got = [bytes(k) for k in store.scan(prefix, start=start, keys_only=True, limit=page)]
+        out += got
+        if len(got) < page:
+            return out
+        start = got[-1] + b"\x00"  # the smallest key after the last one read
+        page = min(2 * page, 1024)
+
+
 def scan_items(store: KVStore, prefix: bytes) -> list[tuple[bytes, bytes]]:
     """(key, value) of every key under ``prefix``: keys first, then one batched read.
 
     Scanning keys only keeps backends that read ahead in chunks (LMDB, LevelDB) from copying
     the large values stored after the prefix.
     """
-    keys = [bytes(k) for k in store.scan(prefix, keys_only=True)]
+    keys = scan_keys(store, prefix)
     out = []
     for lo in range(0, len(keys), 256):
         group = keys[lo : lo + 256]

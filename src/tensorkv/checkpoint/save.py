@@ -6,8 +6,10 @@ import contextlib
 import json
 import os
 import socket
+import threading
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -46,14 +48,21 @@ def _default_tag(step: int | None) -> str:
     return time.strftime("ckpt-%Y%m%d-%H%M%S", time.gmtime(t)) + f"-{int(t * 1e6) % 1000000:06d}"
 
 
-def referenced_chunks(store: KVStore) -> set[str]:
-    """Digests of the dense chunks referenced by every manifest (complete or per shard)."""
+def referenced_chunks(
+    store: KVStore, docs: dict[str, dict[str, Any]] | None = None
+) -> set[str]:
+    """Digests of the dense chunks referenced by every manifest (complete or per shard).
+
+    ``docs``: the complete tags' manifests (expired ones included), when already read.
+    """
     out: set[str] = set()
-    for prefix in (layout.MANIFEST, layout.SHARD_MANIFEST):
-        for k, v in _manifest.scan_items(store, prefix):
-            doc = _manifest.decode_manifest(v, bytes(k).decode())
-            for ent in doc.get("dense", {}).values():
-                out.update(ent["chunks"])
+    parts = [_manifest.decode_manifest(v, bytes(k).decode())
+             for k, v in _manifest.scan_items(store, layout.SHARD_MANIFEST)]
+    if docs is None:
+        docs = _manifest.read_all(store, include_expired=True)
+    for doc in [*docs.values(), *parts]:
+        for ent in doc.get("dense", {}).values():
+            out.update(ent["chunks"])
     return out
 
 
@@ -97,7 +106,9 @@ def _save_table(
     bucket_bits = opts["bucket_bits"]
     chunk_rows = opts["block_rows"] << bucket_bits
     prefix = layout.table_prefix(tag, name, shard, hash_tag)
-    w = _tables.BlockWriter(store, prefix, hash_tag, on_bytes, opts.get("after_write"))
+    w = _tables.BlockWriter(
+        store, prefix, hash_tag, on_bytes, opts.get("after_write"), owner=table
+    )
     seq = _tables.table_seq(table)
     meta = table.state_dict_meta()
     entry: dict[str, Any] = {
@@ -133,20 +144,37 @@ def _save_table(
                 )
                 info["note"] = f"full save: {why}"
         if since is None:
-            blocks, key_parts = _tables.write_table(w, table, chunk_rows, bucket_bits)
-            keyset = _keylists.KeySet(_tables.merge_sorted(key_parts))
+            runs = _tables.SortedRuns()  # merged on the helper thread as chunks arrive
+            blocks = _tables.write_table(w, table, chunk_rows, bucket_bits, on_keys=runs.append)
+            keyset = _keylists.KeySet(_tables.merge_sorted(runs))
             info["key_list"] = "full"
             info["key_pieces"] = _keylists.write_key_list(w, keyset.base, _keylists.FULL)
             removed = np.empty(0, np.int64)
         else:
             assert parent_doc is not None and parent_info is not None
             entry["full"] = False
-            blocks, key_parts = _tables.write_table(w, table, chunk_rows, bucket_bits, since)
-            # the parent's key set (kept in memory, or rebuilt from the store while the
-            # writer thread stores the blocks)
-            pset = _parent_keys(store, parent_doc, name, str(shard), table, parent_info)
-            changed = _tables.merge_sorted(key_parts)
-            added = changed[~pset.contains(changed)]
+            parent: list[_keylists.KeySet] = []
+            new_parts: list[np.ndarray] = []
+
+            def parent_keys() -> _keylists.KeySet:
+                if not parent:
+                    parent.append(
+                        _parent_keys(store, parent_doc, name, str(shard), table, parent_info)
+                    )
+                return parent[0]
+
+            def on_keys(run: np.ndarray) -> None:
+                # on the helper thread, while the rows are gathered: the changed keys the
+                # parent lacks are the added ones
+                new_parts.append(run[~parent_keys().contains(run)])
+
+            # Export chunks of block_rows changed rows (blocks of ~block_rows / 2**bucket_bits
+            # rows): a small delta is then written while the rest is still being gathered.
+            blocks = _tables.write_table(
+                w, table, opts["block_rows"], bucket_bits, since, on_keys=on_keys
+            )
+            pset = parent_keys()
+            added = _tables.merge_sorted(new_parts)
             if len(table) == len(pset) + len(added):
                 removed = np.empty(0, np.int64)
             else:  # some keys were removed since the parent: diff the key sets
@@ -279,13 +307,27 @@ def save(
             )
         if nshards > 1 and store.get(layout.shard_manifest_key(tag, shard_i)) is not None:
             raise CheckpointError(f"shard {shard_i} of tag {tag!r} is already saved")
+        # The pending marker goes first: the chunks referenced now (read below) are then safe
+        # from a concurrent delete_tag or gc, which keep unreferenced chunks while a save runs.
+        pkey = layout.pending_key(tag, shard_i)
+        store.put(pkey, json.dumps(
+            {"started": time.time(), "pid": os.getpid(), "host": socket.gethostname()}
+        ).encode())
         parent_doc = None
-        if incremental:
-            docs = _manifest.read_all(store)
-            if parent is not None:
-                parent_doc = _manifest.read(store, parent)
-            elif docs:
-                parent_doc = docs[_manifest.sorted_tags(docs)[-1]]
+        try:
+            docs = _manifest.read_all(store, include_expired=True)  # once: parent and chunks
+            if incremental:
+                if parent is not None:
+                    parent_doc = _manifest.read(store, parent)
+                else:
+                    now = time.time()
+                    live = {t: d for t, d in docs.items() if not _manifest.is_expired(d, now)}
+                    if live:
+                        parent_doc = live[_manifest.sorted_tags(live)[-1]]
+        except BaseException:
+            with contextlib.suppress(Exception):
+                store.delete(pkey)
+            raise
         doc = _manifest.new_manifest(
             tag,
             step=step,
@@ -297,27 +339,47 @@ def save(
         doc["kind"] = kind
         doc["incremental"] = False
         doc["shards"] = [shard_i]
-        pkey = layout.pending_key(tag, shard_i)
-        store.put(pkey, json.dumps(
-            {"started": time.time(), "pid": os.getpid(), "host": socket.gethostname()}
-        ).encode())
         total = sum(a.nbytes for a in arrays.values()) + sum(
             len(t) * _row_bytes(t) for t in tables_in.values()
         )
         pbar = bar(total, f"save {tag}", progress)
+        progress_lock = threading.Lock()
+
+        def on_bytes(n: int) -> None:  # called from the writer threads too
+            with progress_lock:
+                pbar.update(n)
+
         try:
-            for name, arr in arrays.items():
-                ent = _dense.describe(arr, torch_dtypes[name], chunk_bytes)
-                doc["dense"][name] = ent
-            known = referenced_chunks(store)
-            _dense.write_tensors(store, arrays, doc["dense"], known, pbar.update)
-            for name, table in tables_in.items():
-                ent = _save_table(
-                    store, tag, name, table, shard_i, nshards, parent_doc, opts, pbar.update
-                )
-                doc["tables"][name] = ent
-                if not ent["full"]:
-                    doc["incremental"] = True
+            known = referenced_chunks(store, docs)
+            dense_w = _tables.BlockWriter(store, b"", None, on_bytes, opts["after_write"])
+
+            def write_dense() -> None:
+                # hashes the dense chunks (xxhash lets the table gather run meanwhile) and
+                # queues the new ones on dense_w's writer thread
+                for name, arr in arrays.items():
+                    doc["dense"][name] = _dense.describe(arr, torch_dtypes[name], chunk_bytes)
+                _dense.write_tensors(dense_w, arrays, doc["dense"], known, on_bytes)
+                dense_w.send()
+
+            with ThreadPoolExecutor(1, thread_name_prefix="tensorkv-ckpt-dense") as helper:
+                dense_job = helper.submit(write_dense)
+                try:
+                    for name, table in tables_in.items():
+                        ent = _save_table(
+                            store, tag, name, table, shard_i, nshards, parent_doc, opts, on_bytes
+                        )
+                        doc["tables"][name] = ent
+                        if not ent["full"]:
+                            doc["incremental"] = True
+                    dense_job.result()
+                    dense_w.flush()
+                except BaseException:
+                    dense_job.cancel()
+                    with contextlib.suppress(BaseException):
+                        dense_job.result()
+                    dense_w.abort()
+                    raise
+            doc["dense"] = {name: doc["dense"][name] for name in arrays}  # the caller's order
             store.flush()
             doc["created"] = time.time()  # the tag's life starts when it becomes visible
             if ttl is not None:

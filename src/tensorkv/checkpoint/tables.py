@@ -10,10 +10,13 @@ shard's range and never scans the store.
 
 from __future__ import annotations
 
+import contextlib
 import struct
+import threading
 import uuid
 import weakref
-from collections.abc import Iterable, Iterator
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -34,7 +37,12 @@ DEFAULT_BUCKET_BITS = 4  # 16 hash buckets per exported chunk
 # 8.8 MB block is a batch of its own: LMDB commits of 64 MB batches measured 4-10x slower
 # than one block per commit (the transaction's dirty pages are malloc'd and freed each time).
 WRITE_BATCH_BYTES = 8 * 1024 * 1024
-WRITEBACK_BYTES = 64 * 1024 * 1024  # bytes written between ``after_write`` calls
+# Bytes of batches queued for the writer thread: an export chunk of default blocks (16 x 8.8 MB)
+# fits, so the next chunk is gathered while the store writes this one.
+QUEUE_BYTES = 160 * 1024 * 1024
+# Bytes written between ``after_write`` calls: every batch, so the disk writes the data back
+# while the next batch is encoded and the final fsync finds little left to write.
+WRITEBACK_BYTES = WRITE_BATCH_BYTES
 READ_GROUP_BYTES = 64 * 1024 * 1024  # bytes of blocks fetched per store read
 
 
@@ -208,67 +216,96 @@ def table_seq(table: Any) -> int:
 
 # ----------------------------------------------------------------------------- writing
 class BlockWriter:
-    """Buffers block and key-list records and writes them in large batches.
+    """Buffers block and key-list records and writes them in batches on a helper thread.
 
-    Batches are written on a helper thread, one in flight while the next is encoded;
-    ``after_write`` (if given) runs on that thread after every ``WRITEBACK_BYTES`` (see
-    :func:`tensorkv.checkpoint.access.writeback_starter`).
+    Batches of ``WRITE_BATCH_BYTES`` queue up for one writer thread, up to ``QUEUE_BYTES`` of
+    them, so the caller gathers the next export chunk while the store writes the previous one
+    (with one batch in flight at a time, the two took turns). ``after_write`` (if given) runs
+    on the writer thread after every ``WRITEBACK_BYTES`` (see
+    :func:`tensorkv.checkpoint.access.writeback_starter`). Record buffers from :meth:`alloc`
+    are reused once the store has copied them, so a save touches fresh memory only for the
+    first ``QUEUE_BYTES`` plus one chunk.
     """
 
     def __init__(self, store: KVStore, prefix: bytes, hash_tag: str | None, on_bytes: Any,
-                 after_write: Any = None):
+                 after_write: Any = None, owner: Any = None):
         self.store = store
         self.after_write = after_write
         self.prefix = prefix
         self.hash_tag = hash_tag
         self.on_bytes = on_bytes
+        self.owner = owner
         self._batch: list[tuple[bytes, Any]] = []
         self._bytes = 0
         self.written = 0
-        self._pool: list[np.ndarray] = []  # buffers the store has copied, for reuse
-        self._lent: list[np.ndarray] = []
-        self._future: Any = None
+        # buffers the store has copied, for reuse (those ``owner`` kept from its last save)
+        self._pool: list[np.ndarray] = _take_kept(owner)
+        self._out: dict[int, np.ndarray] = {}  # id -> buffer: handed out, not yet put
+        self._lent: list[np.ndarray] = []  # buffers of the records in the batch being filled
+        self._queue: deque[tuple[Any, int]] = deque()  # (future, bytes) oldest first
+        self._queued = 0
         self._executor: Any = None
         self._since_after = 0  # bytes written since after_write last ran (writer thread)
 
     def alloc(self, nbytes: int) -> np.ndarray:
         """A uint8 buffer of ``nbytes`` (reused after the batch holding it was written)."""
-        for i, b in enumerate(self._pool):
-            if nbytes <= b.nbytes <= 2 * nbytes:
-                base = self._pool.pop(i)
-                break
+        while self._queue and self._queue[0][0].done():
+            self._retire()
+        fits = [i for i, b in enumerate(self._pool) if b.nbytes >= nbytes]
+        if fits:  # the smallest that fits: a larger buffer's unused tail is never touched
+            base = self._pool.pop(min(fits, key=lambda i: self._pool[i].nbytes))
         else:
             base = np.empty(nbytes, dtype=np.uint8)
-        self._lent.append(base)
+        self._out[id(base)] = base
         return base[:nbytes]
 
     def put(self, key: bytes, value: Any) -> None:
-        """Queue one record (bytes or a uint8 array)."""
+        """Queue one record (bytes, or a uint8 array, which may be a buffer from :meth:`alloc`).
+
+        A buffer from :meth:`alloc` is reused only after the batch holding its record was
+        written.
+        """
+        base = getattr(value, "base", None)
+        if base is not None and id(base) in self._out:
+            self._lent.append(self._out.pop(id(base)))
         self._batch.append((key, value))
         self._bytes += len(value)
         if self._bytes >= WRITE_BATCH_BYTES:
             self._submit()
 
+    def send(self) -> None:
+        """Start writing the records put so far (a partial batch too); do not wait."""
+        self._submit()
+
+    def _retire(self) -> None:
+        """Wait for the oldest batch in flight; its buffers become reusable."""
+        fut, n = self._queue.popleft()
+        self._queued -= n
+        nbytes, lent = fut.result()  # re-raises the store's error here
+        self.written += nbytes
+        if self.on_bytes:
+            self.on_bytes(nbytes)
+        self._pool.extend(lent)
+        keep = 0
+        for i in range(len(self._pool) - 1, -1, -1):  # newest first, up to KEEP_BYTES
+            keep += self._pool[i].nbytes
+            if keep > KEEP_BYTES:
+                del self._pool[: i + 1]
+                break
+
     def _wait(self) -> None:
-        """Wait for the batch in flight; its buffers become reusable."""
-        if self._future is not None:
-            fut, self._future = self._future, None
-            nbytes, lent = fut.result()  # re-raises the store's error here
-            self.written += nbytes
-            if self.on_bytes:
-                self.on_bytes(nbytes)
-            self._pool = (self._pool + lent)[-32:]
+        """Wait for every batch in flight."""
+        while self._queue:
+            self._retire()
 
     def _submit(self) -> None:
-        """Hand the queued batch to the writer thread (one batch in flight at a time).
-
-        Encoding the next batch overlaps the store's write of this one.
-        """
-        self._wait()
+        """Hand the batch being filled to the writer thread, first making room in the queue."""
         if not self._batch:
             return
         batch, nbytes, lent = self._batch, self._bytes, self._lent
         self._batch, self._bytes, self._lent = [], 0, []
+        while self._queue and self._queued + nbytes > QUEUE_BYTES:
+            self._retire()
 
         def write() -> tuple[int, list[np.ndarray]]:
             self.store.put_many(batch)  # every backend copies the values
@@ -283,19 +320,23 @@ class BlockWriter:
             from concurrent.futures import ThreadPoolExecutor
 
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="tensorkv-ckpt-write")
-        self._future = self._executor.submit(write)
+        self._queue.append((self._executor.submit(write), nbytes))
+        self._queued += nbytes
+
+    def _shutdown(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+            self._executor = None
 
     def abort(self) -> None:
-        """Drop what is queued and wait for the batch in flight (its error is ignored)."""
-        self._batch, self._bytes = [], 0
+        """Drop what is queued and wait for the batch being written (errors are ignored)."""
+        self._batch, self._bytes, self._lent = [], 0, []
+        self._out.clear()
         try:
-            if self._future is not None:
-                self._future.exception()
-                self._future = None
+            self._shutdown()  # cancels batches not started, waits for the one running
         finally:
-            if self._executor is not None:
-                self._executor.shutdown(wait=True)
-                self._executor = None
+            self._queue.clear()
+            self._queued = 0
 
     def flush(self) -> None:
         """Write everything queued and wait until the store has it."""
@@ -303,32 +344,62 @@ class BlockWriter:
             self._submit()
             self._wait()
         finally:
-            if self._executor is not None:
-                self._executor.shutdown(wait=True)
-                self._executor = None
+            self._shutdown()
+        _keep(self.owner, self._pool)
+        self._pool = []
+
+
+# Record buffers kept with the object whose rows filled them (weakly: they go with it), so
+# its next save reuses memory instead of touching fresh pages: on machines where a fresh page
+# costs a fault and a zero-fill (and a hypervisor round trip on VMs that hand free memory back
+# to the host), that is most of the time of a small incremental save.
+KEEP_BYTES = 2 * QUEUE_BYTES
+_KEPT: weakref.WeakKeyDictionary[Any, list[np.ndarray]] = weakref.WeakKeyDictionary()
+_KEPT_LOCK = threading.Lock()
+
+
+def _take_kept(owner: Any) -> list[np.ndarray]:
+    if owner is None:
+        return []
+    with _KEPT_LOCK:
+        try:
+            return _KEPT.pop(owner, [])
+        except TypeError:  # not weak-referenceable
+            return []
+
+
+def _keep(owner: Any, pool: list[np.ndarray]) -> None:
+    """Keep the newest buffers of ``pool`` (up to ``KEEP_BYTES``) with ``owner``."""
+    if owner is None or not pool:
+        return
+    kept, total = [], 0
+    for b in reversed(pool):
+        total += b.nbytes
+        if total > KEEP_BYTES:
+            break
+        kept.append(b)
+    with _KEPT_LOCK, contextlib.suppress(TypeError):
+        _KEPT[owner] = kept[::-1]
 
 
 def write_blocks(
-    w: BlockWriter, chunks: Iterable[Any], bucket_bits: int, start: int = 0
-) -> tuple[list[list[int]], list[np.ndarray]]:
-    """Write rows as hash-bucketed blocks.
+    w: BlockWriter, chunks: Iterable[Any], bucket_bits: int,
+    on_keys: Callable[[np.ndarray], Any] | None = None, start: int = 0,
+) -> list[list[int]]:
+    """Write rows as hash-bucketed blocks; return their manifest entries.
 
-    Returns
-    -------
-    (blocks, keys)
-        ``blocks``: manifest entries ``[bucket, n, rows, hash_min, hash_max]``;
-        ``keys``: the keys written, as sorted int64 arrays (merge them with
-        :func:`merge_sorted`).
+    Each entry is ``[bucket, n, rows, hash_min, hash_max]``. ``on_keys`` (if given) is called
+    with each chunk's keys, sorted (int64), in chunk order.
     """
     blocks: list[list[int]] = []
-    all_keys: list[np.ndarray] = []
     n = start
     for chunk in chunks:
         rows = as_rows(chunk)
         m = rows.keys.shape[0]
         if m == 0:
             continue
-        all_keys.append(np.sort(np.asarray(rows.keys, dtype=np.int64)))
+        if on_keys is not None:
+            on_keys(np.sort(np.asarray(rows.keys, dtype=np.int64)))
         h, order, bounds = _bucket_order(rows.keys, bucket_bits)
         for bucket in range(len(bounds) - 1):
             lo, hi = int(bounds[bucket]), int(bounds[bucket + 1])
@@ -340,7 +411,7 @@ def write_blocks(
             w.put(layout.block_key(w.prefix, n, bucket, w.hash_tag), record)
             blocks.append([bucket, n, hi - lo, int(hs.min()), int(hs.max())])
             n += 1
-    return blocks, all_keys
+    return blocks
 
 
 def _bucket_order(
@@ -358,30 +429,43 @@ def _bucket_order(
 
 
 def write_table(
-    w: BlockWriter, table: Any, chunk_rows: int, bucket_bits: int, since: int | None = None
-) -> tuple[list[list[int]], list[np.ndarray]]:
+    w: BlockWriter, table: Any, chunk_rows: int, bucket_bits: int, since: int | None = None,
+    on_keys: Callable[[np.ndarray], Any] | None = None,
+) -> list[list[int]]:
     """Write a table's rows (all, or those changed after ``since``) as hash-bucketed blocks.
 
     Tables with ``export_into`` (:meth:`EmbeddingTable.export_into`) gather their rows
     straight into the block records, so each row is copied once before the store's own copy;
     other tables go through :func:`write_blocks`. Returns what :func:`write_blocks` returns.
+
+    ``on_keys`` (if given) is called with each chunk's keys, sorted (int64), in chunk order.
+    With ``export_into`` the sorting and ``on_keys`` run on a helper thread while the rows are
+    gathered and written; every call has returned (or its error is raised here) when this
+    function returns.
     """
     if not hasattr(table, "export_into"):
         chunks = table.export(chunk_rows=chunk_rows) if since is None else table.export(
             chunk_rows=chunk_rows, since=since
         )
-        return write_blocks(w, chunks, bucket_bits)
+        return write_blocks(w, chunks, bucket_bits, on_keys)
+    from concurrent.futures import ThreadPoolExecutor
+
     blocks: list[list[int]] = []
-    all_keys = SortedRuns()
-    chunk_keys: list[np.ndarray] = []
     pending: list[tuple[list[int], np.ndarray, list[np.ndarray]]] = []
+    helper = ThreadPoolExecutor(1, thread_name_prefix="tensorkv-ckpt-keys")
+    jobs: list[Any] = []
+
+    def sort_keys(keys: np.ndarray) -> None:
+        assert on_keys is not None
+        on_keys(np.sort(keys))
 
     def place(
         keys: np.ndarray, fields: tuple[FieldSpec, ...]
     ) -> list[tuple[np.ndarray, list[np.ndarray]]]:
         # runs under the table's shared lock: only hashing, sorting and allocation here
         keys = np.asarray(keys, dtype=np.int64)
-        chunk_keys.append(keys)
+        if on_keys is not None:  # sorted (and handed on) while the rows are gathered
+            jobs.append(helper.submit(sort_keys, keys))
         h, order, bounds = _bucket_order(keys, bucket_bits)
         if order is None:
             order = np.arange(keys.shape[0], dtype=np.int64)
@@ -396,16 +480,21 @@ def write_table(
             groups.append((order[lo:hi], payloads))
         return groups
 
-    for _ in table.export_into(place, chunk_rows=chunk_rows, since=since):
-        for entry, buf, payloads in pending:
-            seal_block(buf, payloads)
-            entry[1] = len(blocks)
-            w.put(layout.block_key(w.prefix, entry[1], entry[0], w.hash_tag), buf)
-            blocks.append(entry)
-        pending.clear()
-        # sort the chunk's keys while the store writes the batch in flight
-        all_keys.append(np.sort(chunk_keys.pop()))
-    return blocks, all_keys
+    try:
+        for _ in table.export_into(place, chunk_rows=chunk_rows, since=since):
+            for entry, buf, payloads in pending:
+                seal_block(buf, payloads)
+                entry[1] = len(blocks)
+                w.put(layout.block_key(w.prefix, entry[1], entry[0], w.hash_tag), buf)
+                blocks.append(entry)
+            pending.clear()
+            while jobs and jobs[0].done():
+                jobs.pop(0).result()  # raise a helper's error early
+        for job in jobs:
+            job.result()
+    finally:
+        helper.shutdown(wait=True, cancel_futures=True)
+    return blocks
 
 
 def _merge2(a: np.ndarray, b: np.ndarray) -> np.ndarray:
