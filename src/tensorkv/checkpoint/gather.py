@@ -18,20 +18,56 @@ def _gather_bytes(src: np.ndarray, idx: np.ndarray, out: np.ndarray) -> None:  #
             out[i, j] = src[r, j]
 
 
+@njit(nogil=True, cache=True)
+def _gather_items(src: np.ndarray, idx: np.ndarray, out: np.ndarray) -> None:  # pragma: no cover
+    for i in range(idx.shape[0]):
+        out[i] = src[idx[i]]
+
+
+def rows_contiguous(a: np.ndarray) -> bool:
+    """Whether each row ``a[i]`` is one contiguous run of bytes (the array may be strided)."""
+    if a.ndim <= 1:
+        return True
+    inner = a.dtype.itemsize
+    for size, stride in zip(a.shape[:0:-1], a.strides[:0:-1], strict=True):
+        if size > 1 and stride != inner:
+            return False
+        inner *= size
+    return True
+
+
 def gather_rows(src: np.ndarray, idx: np.ndarray, out: np.ndarray) -> None:
-    """``out[:] = src[idx]`` along axis 0, for C-contiguous arrays of any fixed-size dtype."""
+    """``out[:] = src[idx]`` along axis 0 into a C-contiguous ``out``.
+
+    ``src`` may be strided along axis 0 (fields viewed in a record buffer), as long as each
+    row is contiguous (:func:`rows_contiguous`); any fixed-size dtype.
+    """
     n = src.shape[0]
-    if src.ndim == 1 or src.size == 0 or idx.shape[0] == 0:
+    if src.size == 0 or idx.shape[0] == 0:
+        return
+    if not rows_contiguous(src) or src.dtype.hasobject:
         np.take(src, idx, axis=0, out=out)
         return
+    idx = np.asarray(idx, dtype=np.int64)
+    if src.ndim == 1:
+        if src.dtype.itemsize in (1, 2, 4, 8):  # as unsigned ints of the same width
+            word = np.dtype(f"u{src.dtype.itemsize}")
+            _gather_items(src.view(word), idx, out.view(word))
+        else:
+            np.take(src, idx, axis=0, out=out)
+        return
     row = src.dtype.itemsize * (src.size // n)
-    if row % 8 == 0:
-        s = src.reshape(n, -1).view(np.uint64)
-        o = out.reshape(idx.shape[0], -1).view(np.uint64)
-    else:
-        s = src.reshape(n, -1).view(np.uint8)
-        o = out.reshape(idx.shape[0], -1).view(np.uint8)
-    _gather_bytes(s, idx, o)
+    try:  # each row as one run of bytes: a read-only view of src
+        rows = np.lib.stride_tricks.as_strided(
+            src.view(np.uint8), shape=(n, row), strides=(src.strides[0], 1), writeable=False
+        )
+    except ValueError:  # pragma: no cover - a layout the byte view cannot express
+        np.take(src, idx, axis=0, out=out)
+        return
+    aligned = row % 8 == 0 and src.strides[0] % 8 == 0 and src.ctypes.data % 8 == 0
+    word = np.uint64 if aligned else np.uint8
+    o = out.reshape(idx.shape[0], -1).view(np.uint8)
+    _gather_bytes(rows.view(word), idx, o.view(word))
 
 
 @njit(nogil=True, cache=True)

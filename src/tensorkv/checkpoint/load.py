@@ -126,11 +126,14 @@ def _stage_table(
 def _import(table: Any, pending: list[_tables.Rows], presized: bool) -> None:
     """Import staged rows so that the table grows at most once.
 
-    A table built with room for every row imports block by block; otherwise the table's
-    ``reserve`` is used where it has one, else the blocks are joined into one import.
+    A table built with room for every row, and a tiered table, import block by block;
+    otherwise the table's ``reserve`` is used where it has one, else the blocks are joined
+    into one import.
     """
     reserve = getattr(table, "reserve", None)
-    if presized or len(pending) == 1:
+    if presized or len(pending) == 1 or getattr(table, "storage", None) is not None:
+        # a tiered table (storage tiers) streams the rows through its small tier 0 into the
+        # lower tiers: reserving tier 0 for every row would allocate what tiering avoids
         table.import_(pending)
     elif reserve is not None:
         reserve(len(table) + sum(r.keys.shape[0] for r in pending))

@@ -151,12 +151,9 @@ def _fill(a: np.ndarray, index: np.ndarray, payload: np.ndarray) -> None:
     """``payload[:] = a[index]`` (rows)."""
     if not payload.size:
         return
-    if a.flags.c_contiguous:
-        from tensorkv.checkpoint.gather import gather_rows
+    from tensorkv.checkpoint.gather import gather_rows
 
-        gather_rows(a, index, payload)
-    else:
-        np.take(a, index, axis=0, out=payload)
+    gather_rows(a, index, payload)  # numba where rows are contiguous runs, else np.take
 
 
 def decode_block(buf: bytes | memoryview, what: str) -> Rows:
@@ -428,6 +425,25 @@ def _bucket_order(
     return h[order], order, bounds
 
 
+def _gathers_in_place(table: Any) -> bool:
+    """Whether ``table.export_into`` gathers rows straight from the table's row arena.
+
+    :meth:`EmbeddingTable.export_into` does so only for tables that keep :meth:`export`;
+    subclasses that override it (tiered tables) are served from export's chunks, copied with
+    ``np.take``, which :func:`write_blocks`' row gather does faster.
+    """
+    if not hasattr(table, "export_into"):
+        return False
+    try:
+        from tensorkv.embedding.table import EmbeddingTable
+    except ImportError:  # pragma: no cover - the embedding layer is part of the package
+        return True
+    cls = type(table)
+    if cls.export_into is EmbeddingTable.export_into:
+        return cls.export is EmbeddingTable.export
+    return True
+
+
 def write_table(
     w: BlockWriter, table: Any, chunk_rows: int, bucket_bits: int, since: int | None = None,
     on_keys: Callable[[np.ndarray], Any] | None = None,
@@ -443,7 +459,7 @@ def write_table(
     gathered and written; every call has returned (or its error is raised here) when this
     function returns.
     """
-    if not hasattr(table, "export_into"):
+    if not _gathers_in_place(table):
         chunks = table.export(chunk_rows=chunk_rows) if since is None else table.export(
             chunk_rows=chunk_rows, since=since
         )
