@@ -12,7 +12,8 @@ def test_checkpoint_bench_smoke(tmp_path):
                    block_sizes=(256, 1024), repeat=1, root=str(tmp_path))
     cases = {r.case for r in report.results}
     assert {"save lmdb", "restore lmdb", "incremental save, 1% rows changed (lmdb)",
-            "save lmdb, block_rows=256", "restore lmdb, block_rows=1024"} <= cases
+            "save lmdb, block_rows=256", "restore lmdb, block_rows=1024",
+            "save dram_ssdhash table -> lmdb", "restore dram_ssdhash table -> lmdb"} <= cases
     baselines = {r.baseline for r in report.results if r.case == "save lmdb"}
     assert {"torch.save", "safetensors", "np.save", "raw write+fsync"} <= baselines
     assert all(r.value > 0 and r.baseline_value > 0 for r in report.results)
@@ -23,8 +24,8 @@ def test_checkpoint_bench_takes_cli_text(tmp_path):
     """``-p backends=lmdb -p block_sizes=`` arrive as text: parsed, not iterated by letter."""
     report = Report("checkpoint", quick=True, echo=False)
     checkpoint.run(True, report, rows=2000, dim=4, dense_mb=0.2, backends="lmdb",
-                   block_sizes="", repeat=1, root=str(tmp_path))
+                   block_sizes="", repeat=1, root=str(tmp_path), tiered=False)
     cases = {r.case for r in report.results}
-    assert "save lmdb" in cases and not any("block_rows" in c for c in cases)
+    assert "save lmdb" in cases and not any("block_rows" in c or "dram" in c for c in cases)
     assert checkpoint._names("256, 1024") == ["256", "1024"]
     assert checkpoint._names(512) == [512] and checkpoint._names(None) == []

@@ -192,8 +192,12 @@ def run(
     block_sizes: tuple[int, ...] | str | int = (1024, 16384),
     repeat: int | None = None,
     root: str | None = None,
+    tiered: bool = True,
 ) -> None:
-    """Run the checkpoint workload (see the module docstring)."""
+    """Run the checkpoint workload (see the module docstring).
+
+    ``tiered=False`` skips the DRAM_SSDHASH table case.
+    """
     import tensorkv
     from tensorkv.bench.kv import bench_root
 
@@ -206,7 +210,7 @@ def run(
     report.params.update(rows=rows, dim=dim, dense_mb=dense_mb, optimizer="adagrad",
                          repeat=repeat, root=root, backends=backends)
     try:
-        _warm_up(dim)
+        _warm_up(dim, root)
         model = _build(rows, dim, dense_mb)
         arrays = _flat_arrays(model)
         total = sum(a.nbytes for a in arrays.values())
@@ -256,6 +260,8 @@ def run(
         for b, note in notes.items():
             report.add(f"save {b}", "MB/s", float("nan"), "torch.save", total / w_torch / MB,
                        note=note)
+        if "lmdb" in targets and tiered:
+            _tiered(model, root, total, base, repeat, report)
         if "lmdb" in targets and block_sizes:
             _block_sizes(model, root, total, block_sizes, repeat, report)
         report.params["raw_write_MBps"] = total / w_raw / MB
@@ -276,11 +282,19 @@ def _names(value: Any) -> list[Any]:
     return list(value)
 
 
-def _warm_up(dim: int) -> None:
+def _warm_up(dim: int, root: str) -> None:
     """Compile the numba kernels of the save and load paths before anything is timed."""
     import tensorkv
 
     small = _build(2000, dim, 0.1, seed=1)
+    path = os.path.join(root, "warm-up-tiers")
+    t = _tiered_table(small["emb"], 2000, path)
+    try:  # a tiered table's rows take the export path
+        t.import_(small["emb"].export())
+        tensorkv.save({"emb": t}, "memory://", "w", progress=False)
+    finally:
+        t.close()
+        shutil.rmtree(path, ignore_errors=True)
     tensorkv.save(small, "memory://", "w", progress=False)  # private store, dropped at once
     from tensorkv.stores.memory import MemoryStore
 
@@ -308,6 +322,64 @@ def _incremental(model: dict[str, Any], url: str, full_s: float, full_load_s: fl
     report.add("restore incremental chain (lmdb)", "MB/s", total / tl / MB,
                "restore of the full tag (lmdb)", total / full_load_s / MB,
                note="full tag + 1% delta, first load")
+
+
+def _tiered_table(like: Any, rows: int, path: str) -> Any:
+    """An empty DRAM_SSDHASH table like ``like`` whose tier 0 holds a tenth of ``rows``."""
+    from tensorkv.embedding.table import EmbeddingTable
+    from tensorkv.embedding.tiers.base import RecordLayout
+
+    tier0 = RecordLayout(like.dim, "float32", like.num_slots).record_bytes * max(1, rows // 10)
+    return EmbeddingTable(like.dim, optimizer="adagrad", seed=0, storage="DRAM_SSDHASH",
+                          storage_path=path, storage_size=[tier0], cache_strategy="lru")
+
+
+def _tiered(model: dict[str, Any], root: str, total: int,
+            base: dict[str, tuple[float, float]], repeat: int, report: Report) -> None:
+    """Save and restore the model with its table in DRAM_SSDHASH tiers, into LMDB."""
+    import tensorkv
+
+    plain = model["emb"]
+    rows = len(plain)
+    src_path = os.path.join(root, "tiers-src")
+    table = _tiered_table(plain, rows, src_path)
+    try:
+        table.import_(plain.export(chunk_rows=1 << 18))  # the same rows, 90% of them on SSD
+        table.wait_writes()
+        tiered_model = {**model, "emb": table}
+        store = os.path.join(root, "tiered-lmdb")
+        url = f"lmdb://{store}"
+        ts = _best(lambda: tensorkv.save(tiered_model, url, "full", progress=False), repeat,
+                   lambda: shutil.rmtree(store, ignore_errors=True))
+        times = []
+        for i in range(max(repeat, 2)):
+            path = os.path.join(root, f"tiers-dst{i}")
+            target = _tiered_table(plain, rows, path)
+            try:
+                gc.collect()
+                t0 = time.perf_counter()
+                tensorkv.load({"emb": target}, url, "full", progress=False)
+                target.wait_writes()  # every row in its tier (no fsync, like torch.load)
+                times.append(time.perf_counter() - t0)
+                if len(target) != rows:
+                    raise AssertionError(f"restored {len(target)} rows of {rows}")
+            finally:
+                target.close()
+                shutil.rmtree(path, ignore_errors=True)
+        tl = min(times)
+    finally:
+        table.close()
+        shutil.rmtree(src_path, ignore_errors=True)
+        shutil.rmtree(os.path.join(root, "tiered-lmdb"), ignore_errors=True)
+    case = "dram_ssdhash table -> lmdb"
+    for label, (bw, br) in base.items():
+        fsyncs = label.startswith("raw") or "fsync" in label
+        report.add(f"save {case}", "MB/s", total / ts / MB, label.split(" / ")[0],
+                   total / bw / MB, note="" if fsyncs else "baseline does not fsync")
+        if br == br:
+            report.add(f"restore {case}", "MB/s", total / tl / MB,
+                       label.split(" / ")[-1] if "/" in label else label, total / br / MB,
+                       note="into a DRAM_SSDHASH table, rows landed in their tiers")
 
 
 def _block_sizes(model: dict[str, Any], root: str, total: int, sizes: tuple[int, ...],
