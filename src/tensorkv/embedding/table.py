@@ -330,15 +330,8 @@ class EmbeddingTable:
         """
         return self._lookup(self._as_keys(keys), insert, out)
 
-    def _lookup(self, k: np.ndarray, insert: bool, out: np.ndarray | None,
-                rows: np.ndarray | None = None) -> np.ndarray:
-        """:meth:`lookup` of validated keys; ``rows``: their tier-0 rows if already known.
-
-        A tiered table passes the rows its promotion step found (under the same operation
-        lock, with no change to the index since), so the index is not probed twice.
-        """
-        n = k.shape[0]
-        a = self._arena
+    def _lookup_buffer(self, n: int, out: np.ndarray | None) -> np.ndarray:
+        """Validate ``out`` and return the buffer rows are gathered into (storage dtype)."""
         if out is not None and (not isinstance(out, np.ndarray) or out.dtype != np.float32
                                 or out.shape != (n, self.dim) or not out.flags.c_contiguous
                                 or not out.flags.writeable):
@@ -347,15 +340,31 @@ class EmbeddingTable:
                 f"got {getattr(out, 'dtype', type(out).__name__)} "
                 f"{getattr(out, 'shape', '')}"
             )
-        if out is not None and not a.raw:
-            raw = out
-        else:  # 16-bit rows as raw bits; no assumption that tier 0 is a numpy array
-            raw = np.empty((n, self.dim), np.uint16 if a.raw else np.float32)
+        if out is not None and not self._arena.raw:
+            return out
+        # 16-bit rows as raw bits; no assumption that tier 0 is a numpy array
+        return np.empty((n, self.dim), np.uint16 if self._arena.raw else np.float32)
+
+    def _lookup(self, k: np.ndarray, insert: bool, out: np.ndarray | None,
+                rows: np.ndarray | None = None, raw: np.ndarray | None = None) -> np.ndarray:
+        """:meth:`lookup` of validated keys.
+
+        A tiered table passes what its promotion step found (under the same operation lock,
+        with no change to the index since), so the index is not probed twice: ``rows``, every
+        key's tier-0 row, and optionally ``raw``, the buffer from :meth:`_lookup_buffer` with
+        the values of those rows already in it.
+        """
+        n = k.shape[0]
+        a = self._arena
+        gathered = raw is not None
+        if raw is None:
+            raw = self._lookup_buffer(n, out)
         with self._lock.read():
             if rows is None:
                 rows, misses = a.find_gather(k, raw)
             else:
-                a.gather(rows, raw)
+                if not gathered:
+                    a.gather(rows, raw)
                 misses = int(np.count_nonzero(rows < 0))
             if misses == 0 and insert:
                 with self._meta_lock:

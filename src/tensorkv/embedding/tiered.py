@@ -239,11 +239,13 @@ class TierChain:
         if self.tick.shape[0] < cap:
             self.tick.resize(cap, refcheck=False)
 
-    def promote(self, keys: np.ndarray, count: bool = False) -> int:
+    def promote(self, keys: np.ndarray, count: bool = False,
+                rows: np.ndarray | None = None) -> int:
         """Move keys present below tier 0 up into tier 0; returns how many moved.
 
         ``count``: record tier-0 hits/misses of this batch (a repeated missing key counts as
-        one miss, as in a per-key cache).
+        one miss, as in a per-key cache). ``rows``: the keys' tier-0 rows if the caller has
+        just found them (``-1``: absent); they are updated in place for the promoted keys.
         """
         self._check_open()
         self.queue.check()
@@ -259,7 +261,8 @@ class TierChain:
             self._batch = (keys, last[1], a.state, a.state.copy(), True)
             return 0
         self.cur += 1
-        rows = a.find(keys)
+        if rows is None:
+            rows = a.find(keys)
         miss = rows < 0
         if not miss.any():
             if count:
@@ -283,8 +286,9 @@ class TierChain:
                     else int((where == ti).sum())
                 if c:
                     self.counters[f"tier{ti}"]["promotions"] += c
-        # the batch's rows now, so after() need not look them up again
-        rows[miss] = a.find(keys[miss])
+        # the batch's rows now, so after() need not look them up again (mk is sorted)
+        mpos = np.flatnonzero(miss)
+        rows[mpos] = mrows[np.searchsorted(mk, keys[mpos])]
         self._batch = (keys, rows, a.state, a.state.copy(), False)
         return int(got.sum())
 

@@ -188,10 +188,12 @@ class TieredEmbeddingTable(EmbeddingTable):
     def lookup(self, keys: Any, insert: bool = True,  # noqa: D102
                out: np.ndarray | None = None) -> np.ndarray:
         k = self._as_keys(keys)
+        self._lookup_buffer(k.shape[0], out)  # a bad ``out`` fails before anything moves
         with self._op:
             with self._lock.write():
-                self._chain.promote(k, count=True)
-                rows = self._chain.batch_rows(k)
+                # every key's row, after promotion; the lookup gathers them without probing
+                rows = self._arena.find(k)
+                self._chain.promote(k, count=True, rows=rows)
             out = self._lookup(k, insert, out, rows)
             with self._lock.write():
                 self._chain.after(k)
