@@ -43,20 +43,33 @@ from tensorkv.embedding.tiers.base import LowerTier, RecordLayout, RowSink, RowS
 from tensorkv.embedding.writeback import WriteQueue
 from tensorkv.errors import ConfigError, StoreClosedError
 from tensorkv.kernels import cache as ck
+from tensorkv.kernels import hashindex as hk
 
 DEFAULT_MAX_PENDING_BYTES = 256 * 1024 * 1024
 CASCADE_LOW_WATER = 0.9  # a full lower tier cascades down to this share of its budget
 
 
-def _unique(x: np.ndarray) -> np.ndarray:
-    """Sorted distinct values (a sort and a mask: faster than ``np.unique`` for int64)."""
-    s = np.sort(x)
-    if s.size < 2:
-        return s
-    keep = np.empty(s.size, np.bool_)
-    keep[0] = True
-    np.not_equal(s[1:], s[:-1], out=keep[1:])
-    return s[keep]
+def _distinct(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Distinct values in order of first occurrence, and each value's index among them."""
+    tab = np.empty((hk.map_slots(x.size), 2), np.int64)
+    uniq = np.empty(x.size, np.int64)
+    inv = np.empty(x.size, np.int64)
+    u = hk.map_distinct(x, tab, uniq, inv)
+    return uniq[:u], inv
+
+
+def _key_map(keys: np.ndarray) -> np.ndarray:
+    """A scratch hash map of distinct ``keys`` to their positions (see :func:`_find`)."""
+    tab = np.empty((hk.map_slots(keys.size), 2), np.int64)
+    hk.map_distinct(keys, tab, np.empty(keys.size, np.int64), np.empty(keys.size, np.int64))
+    return tab
+
+
+def _find(tab: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """Position of each query key in a :func:`_key_map` (``-1``: absent)."""
+    out = np.empty(q.size, np.int64)
+    hk.map_find(tab, q, out)
+    return out
 
 
 @dataclass(eq=False)
@@ -68,27 +81,24 @@ class _Pending:
     itself, so the training thread never copies a row it moves down.
     """
 
-    keys: np.ndarray
+    keys: np.ndarray  # distinct
     rows: np.ndarray  # the detached tier-0 rows holding the data
     live: np.ndarray  # False once the key was promoted back (its row is attached again)
-    skeys: np.ndarray
-    order: np.ndarray
+    map: np.ndarray  # key -> position (:func:`_key_map`)
     nbytes: int
 
     @classmethod
     def make(cls, keys: np.ndarray, rows: np.ndarray, record_bytes: int) -> _Pending:
-        order = np.argsort(keys, kind="stable")
-        return cls(keys, rows, np.ones(keys.size, np.bool_), keys[order], order,
+        return cls(keys, rows, np.ones(keys.size, np.bool_), _key_map(keys),
                    int(keys.size) * int(record_bytes))
 
     def find(self, q: np.ndarray) -> np.ndarray:
         """Index into this batch of each query key that is live here, -1 elsewhere."""
-        if self.skeys.size == 0 or q.size == 0:
+        if self.keys.size == 0 or q.size == 0:
             return np.full(q.size, -1, np.int64)
-        pos = np.minimum(np.searchsorted(self.skeys, q), self.skeys.size - 1)
-        idx = self.order[pos]
-        ok = (self.skeys[pos] == q) & self.live[idx]
-        return np.where(ok, idx, -1)
+        idx = _find(self.map, q)
+        idx[idx >= 0] = np.where(self.live[idx[idx >= 0]], idx[idx >= 0], -1)
+        return idx
 
 
 class _FakeArena:
@@ -217,7 +227,7 @@ class TierChain:
         for tier, _ in self.lowers:
             left = np.flatnonzero(~found)
             if stale.size and left.size:
-                left = left[~np.isin(keys[left], stale)]
+                left = left[_find(_key_map(stale), keys[left]) < 0]
             if left.size == 0:
                 break
             f, r = tier.get(keys[left])
@@ -249,7 +259,6 @@ class TierChain:
         """
         self._check_open()
         self.queue.check()
-        self._reclaim()
         a = self.arena
         last, self._last = self._last, None
         if not count and last is not None and last[2] is a.state and \
@@ -260,6 +269,7 @@ class TierChain:
             # and its rows are the most recently used already (no new tick, no touch)
             self._batch = (keys, last[1], a.state, a.state.copy(), True)
             return 0
+        self._reclaim()
         self.cur += 1
         if rows is None:
             rows = a.find(keys)
@@ -271,7 +281,8 @@ class TierChain:
             self._batch = (keys, rows, a.state, a.state.copy(), False)
             return 0
         self._batch = None
-        mk = _unique(keys[miss])
+        mpos = np.flatnonzero(miss)
+        mk, inv = _distinct(keys[mpos])
         if count:
             self.counters["tier0"]["misses"] += mk.size
             self.counters["tier0"]["hits"] += keys.size - mk.size
@@ -286,9 +297,8 @@ class TierChain:
                     else int((where == ti).sum())
                 if c:
                     self.counters[f"tier{ti}"]["promotions"] += c
-        # the batch's rows now, so after() need not look them up again (mk is sorted)
-        mpos = np.flatnonzero(miss)
-        rows[mpos] = mrows[np.searchsorted(mk, keys[mpos])]
+        # the batch's rows now, so after() need not look them up again
+        rows[mpos] = mrows[inv]
         self._batch = (keys, rows, a.state, a.state.copy(), False)
         return int(got.sum())
 
@@ -319,11 +329,12 @@ class TierChain:
                 rows[pos] = p.rows[j]
                 where[pos] = 0
         stale = self._stale()
+        stale_map = _key_map(stale) if stale.size else None
         queued: list[np.ndarray] = []  # keys whose lower-tier copy a background job deletes
         for ti, (tier, _) in enumerate(self.lowers):
             left = np.flatnonzero(rows < 0)
-            if stale.size and left.size:
-                left = left[~np.isin(mk[left], stale)]
+            if stale_map is not None and left.size:
+                left = left[_find(stale_map, mk[left]) < 0]
             if left.size == 0:
                 break
             q = mk[left]
@@ -375,7 +386,6 @@ class TierChain:
         protection tier 0 is trimmed to its budget even after a batch larger than it).
         """
         a = self.arena
-        self._reclaim()
         self._ensure_tick()
         b, self._batch = self._batch, None
         if self._valid(b, keys):
@@ -385,6 +395,7 @@ class TierChain:
         else:
             rows = a.find(keys)
             self._touch(rows)
+        self._reclaim()  # frees rows (not keys): the batch's rows stay valid
         moved = 0
         if self.budget is not None and self.lowers:
             excess = len(a) - self.budget

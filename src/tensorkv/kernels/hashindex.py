@@ -311,6 +311,50 @@ def index_probe_stats(index):  # pragma: no cover - compiled
     return (total / count if count else 0.0), worst
 
 
+# --- a scratch map (key -> position in a batch), for batch-sized lookups ----------------------
+def map_slots(n: int) -> int:
+    """Slots of a scratch map holding ``n`` keys (a power of two, at least ``2 n``)."""
+    size = 16
+    while size < 2 * n:
+        size *= 2
+    return size
+
+
+@njit(nogil=True, cache=True)
+def map_distinct(keys, tab, uniq_out, inv_out):  # pragma: no cover - compiled
+    """Distinct keys in order of first occurrence, and each key's position among them.
+
+    ``tab`` is ``int64[map_slots(len(keys)), 2]`` scratch (overwritten). Afterwards it maps
+    each distinct key to its position (see :func:`map_find`). Returns the number of distinct
+    keys written to ``uniq_out``; ``inv_out[i]`` is the position of ``keys[i]``.
+    """
+    mask = np.int64(tab.shape[0] - 1)
+    for h in range(tab.shape[0]):
+        tab[h, 1] = -1
+    u = 0
+    for i in range(keys.shape[0]):
+        k = keys[i]
+        h = probe(tab, k, mask)
+        if tab[h, 1] < 0:
+            tab[h, 0] = k
+            tab[h, 1] = u
+            uniq_out[u] = k
+            u += 1
+        inv_out[i] = tab[h, 1]
+    return u
+
+
+@njit(nogil=True, cache=True)
+def map_find(tab, q, out):  # pragma: no cover - compiled
+    """Position of each query key in a map built by :func:`map_distinct` (``-1``: absent)."""
+    mask = np.int64(tab.shape[0] - 1)
+    n = q.shape[0]
+    for i in range(n):
+        if i + 16 < n:
+            prefetch(tab, home_slot(q[i + 16], mask), 0)
+        out[i] = tab[probe(tab, q[i], mask), 1]
+
+
 # --- a small counting map (key -> count), used by the admission counter filter ----------------
 @njit(nogil=True, cache=True)
 def count_map_add(index, keys, counts_out, state, max_size):  # pragma: no cover
