@@ -18,12 +18,13 @@ version per row) and ``dense_mb`` MB of dense float32 tensors (full: 5M x 64 and
   SSDHASH files) saved into LMDB and restored into a tiered table (``tiered=False`` skips it);
 - table block sizes (rows per block) on LMDB.
 
-Throughput is model bytes / seconds (MB/s, higher is better); each figure is the best of
-``repeat`` runs (restores: at least 2). ``-p`` options: ``rows``, ``dim``, ``dense_mb``,
-``backends=lmdb,redis``, ``block_sizes=1024,16384`` (empty: none), ``repeat``, ``root``,
-``tiered``. On VMs that hand free memory back to the host, the first touch of fresh memory
-(new page-cache pages, new buffers) varies from run to run, so repeat runs move by tens of
-percent; compare ratios from the same run.
+Throughput is model bytes / seconds (MB/s, higher is better); each figure, baselines
+included, is the best of ``repeat`` runs (default 2; the incremental saves: one run each).
+``-p`` options: ``rows``, ``dim``, ``dense_mb``, ``backends=lmdb,redis``,
+``block_sizes=1024,16384`` (empty: none), ``repeat``, ``root``, ``tiered``. On VMs that hand
+free memory back to the host, the first touch of fresh memory (new page-cache pages, new
+buffers) varies from run to run, so single runs move by tens of percent; compare ratios
+from the same run.
 """
 
 from __future__ import annotations
@@ -214,7 +215,9 @@ def run(
     dense_mb = dense_mb if dense_mb is not None else (10.0 if quick else 100.0)
     backends = _names(backends) or ["lmdb", "rocksdb", "leveldb", "redis"]
     block_sizes = tuple(int(b) for b in _names(block_sizes))
-    repeat = repeat if repeat is not None else (2 if quick else 1)
+    # best of 2 by default: the first touch of fresh memory on this kind of VM makes single
+    # runs (baselines included) move by tens of percent
+    repeat = repeat if repeat is not None else 2
     root = tempfile.mkdtemp(prefix="tensorkv-bench-ckpt-", dir=bench_root(root))
     report.params.update(rows=rows, dim=dim, dense_mb=dense_mb, optimizer="adagrad",
                          repeat=repeat, root=root, backends=backends)
