@@ -17,6 +17,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from tensorkv.kernels.hashindex import prefetch1
+
 EMPTY = -1
 DELETED = -2
 FLAG_PUT = 1
@@ -44,7 +46,12 @@ def _mix(key: np.int64) -> np.uint64:
 def index_lookup(tkeys, tvals, q, out):
     """``out[i]`` = value of ``q[i]`` or -1."""
     mask = np.uint64(tkeys.size - 1)
-    for i in range(q.size):
+    n = q.size
+    for i in range(n):
+        if i + 16 < n:  # the home slots of a key ahead: independent misses overlap
+            ha = np.int64(_mix(q[i + 16]) & mask)
+            prefetch1(tvals, ha)
+            prefetch1(tkeys, ha)
         k = q[i]
         h = np.int64(_mix(k) & mask)
         res = -1
@@ -111,6 +118,30 @@ def index_apply(tkeys, tvals, q, vals, tomb, old):
 
 
 @njit(nogil=True, cache=True)
+def index_repoint(tkeys, tvals, q, old_vals, new_vals, moved):
+    """``q[i] -> new_vals[i]`` where ``q[i]`` still maps to ``old_vals[i]``; returns how many.
+
+    ``moved[i]`` says whether key ``i`` was repointed (a compare-and-set per key, one probe).
+    """
+    mask = np.uint64(tkeys.size - 1)
+    n = 0
+    m = q.size
+    for i in range(m):
+        if i + 16 < m:
+            ha = np.int64(_mix(q[i + 16]) & mask)
+            prefetch1(tvals, ha)
+            prefetch1(tkeys, ha)
+        h, found = _find_or_slot(tkeys, tvals, q[i], mask)
+        if found and tvals[h] == old_vals[i]:
+            tvals[h] = new_vals[i]
+            moved[i] = True
+            n += 1
+        else:
+            moved[i] = False
+    return n
+
+
+@njit(nogil=True, cache=True)
 def index_items(tkeys, tvals, keys_out, vals_out):
     """Copy live entries out; returns their count."""
     n = 0
@@ -144,17 +175,16 @@ def _lane(h, w):
 
 
 @njit(nogil=True, cache=True, inline="always")
-def _checksum_row(row, nwords, flags, seed):
-    """32-bit checksum of ``row[:nwords]``, ``flags`` and ``seed``.
+def _checksum_row(row, nwords, flags):
+    """32-bit checksum of ``row[:nwords]`` and ``flags``.
 
     Four independent multiply-rotate lanes over the words (so the CPU overlaps them),
     merged and finalised like splitmix64.
     """
-    s = np.uint64(seed) * _P2
-    h0 = _GOLD ^ np.uint64(nwords) ^ s
-    h1 = _P1 ^ s
-    h2 = _P2 ^ s
-    h3 = _M1 ^ s
+    h0 = _GOLD ^ np.uint64(nwords)
+    h1 = _P1
+    h2 = _P2
+    h3 = _M1
     j = 0
     while j + 4 <= nwords:
         h0 = _lane(h0, row[j])
@@ -175,19 +205,28 @@ def _checksum_row(row, nwords, flags, seed):
     return (h ^ (h >> np.uint64(32))) & _LOW32
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _seed_mix(seed):
+    """32-bit mask a record's checksum is XORed with (splitmix64 of the seed)."""
+    return _mix(np.int64(seed)) & _LOW32
+
+
 @njit(nogil=True, cache=True)
 def seal(records, flags, out, seed):
     """Copy ``records`` (uint64[n, w]) into ``out`` (uint64[n, w + 1]) with a trailer word.
 
-    ``seed`` enters the checksum: SSDHASH seals with the segment id, so a record left in a
-    reused segment file from its earlier life never validates (PMEM uses 0).
+    The stored checksum is XORed with a mask derived from ``seed``: SSDHASH seals with the
+    segment id, so a record left in a reused segment file from its earlier life never
+    validates; moving a record to another segment only changes that mask (:func:`reseed`).
+    PMEM uses 0.
     """
     n, w = records.shape
+    m = _seed_mix(seed)
     for i in range(n):
         row = records[i]
         for j in range(w):
             out[i, j] = row[j]
-        c = _checksum_row(row, w, flags, seed)
+        c = _checksum_row(row, w, flags) ^ m
         out[i, w] = np.uint64(flags) | (c << np.uint64(32))
 
 
@@ -196,21 +235,32 @@ def seal_inplace(stored, flags, seed):
     """Write the trailer word (last column) of each row of ``stored`` (uint64[n, w + 1])."""
     n = stored.shape[0]
     w = stored.shape[1] - 1
+    m = _seed_mix(seed)
     for i in range(n):
-        c = _checksum_row(stored[i], w, flags, seed)
+        c = _checksum_row(stored[i], w, flags) ^ m
         stored[i, w] = np.uint64(flags) | (c << np.uint64(32))
+
+
+@njit(nogil=True, cache=True)
+def reseed(stored, old_seed, new_seed):
+    """Re-key sealed records from ``old_seed`` to ``new_seed`` (their bodies are not read)."""
+    w = stored.shape[1] - 1
+    d = (_seed_mix(old_seed) ^ _seed_mix(new_seed)) << np.uint64(32)
+    for i in range(stored.shape[0]):
+        stored[i, w] ^= d
 
 
 @njit(nogil=True, cache=True)
 def first_invalid(stored, start, stop, seed):
     """Index of the first record in ``[start, stop)`` whose trailer is wrong (else ``stop``)."""
     w = stored.shape[1] - 1
+    m = _seed_mix(seed)
     for i in range(start, stop):
         t = stored[i, w]
         flags = t & _LOW32
         if flags != _U_PUT and flags != _U_TOMB:
             return i
-        if _checksum_row(stored[i], w, flags, seed) != (t >> np.uint64(32)):
+        if (_checksum_row(stored[i], w, flags) ^ m) != (t >> np.uint64(32)):
             return i
     return stop
 
@@ -219,6 +269,7 @@ def first_invalid(stored, start, stop, seed):
 def verify_rows(stored, rows, expect_keys, bad, seed):
     """``bad[i]`` = 1 key mismatch, 2 not a put, 3 checksum mismatch, 0 fine."""
     w = stored.shape[1] - 1
+    m = _seed_mix(seed)
     for i in range(rows.size):
         r = rows[i]
         t = stored[r, w]
@@ -227,7 +278,7 @@ def verify_rows(stored, rows, expect_keys, bad, seed):
             bad[i] = 1
         elif flags != _U_PUT:
             bad[i] = 2
-        elif _checksum_row(stored[r], w, flags, seed) != (t >> np.uint64(32)):
+        elif (_checksum_row(stored[r], w, flags) ^ m) != (t >> np.uint64(32)):
             bad[i] = 3
         else:
             bad[i] = 0
@@ -369,6 +420,12 @@ class HashIndex:
         self.live += dl
         self.deleted += dd
         return old
+
+    def repoint(self, keys: np.ndarray, old: np.ndarray, new: np.ndarray) -> np.ndarray:
+        """Move keys still mapped to ``old`` to ``new``; return which moved (bool)."""
+        moved = np.empty(keys.size, np.bool_)
+        index_repoint(self._keys, self._vals, keys, old, new, moved)
+        return moved
 
     def upsert(self, keys: np.ndarray, vals: np.ndarray) -> np.ndarray:
         """Set ``keys -> vals``; return previous values (-1 where absent)."""

@@ -401,12 +401,13 @@ class SSDHashTier(IndexedTier):
     def _offset(self, row: int) -> int:
         return SEG_HEADER + row * self.stored_bytes
 
-    def _append(self, stored: np.ndarray, flags: int) -> np.ndarray:
+    def _append(self, stored: np.ndarray, flags: int, sealed_by: int | None = None) -> np.ndarray:
         """Seal and append records (uint64[m, words]); return their locations.
 
         The trailer column is written here: each record is sealed with the id of the segment
         it lands in, outside the state lock (writers are serialised by ``_wlock`` and no
-        reader looks at unindexed rows).
+        reader looks at unindexed rows). Records already sealed for segment ``sealed_by``
+        (compaction copies) are only re-keyed to their new segment.
         """
         m = stored.shape[0]
         locs = np.empty(m, np.int64)
@@ -423,7 +424,10 @@ class SSDHashTier(IndexedTier):
             )
             chunk = stored[i : i + take]
             with self._io():
-                K.seal_inplace(chunk, flags, seg.seg_id)
+                if sealed_by is None:
+                    K.seal_inplace(chunk, flags, seg.seg_id)
+                else:
+                    K.reseed(chunk, sealed_by, seg.seg_id)
             if self._buf_n + take <= self.buffer_rows:
                 self._buf[self._buf_n : self._buf_n + take] = chunk
                 self._buf_n += take
@@ -706,14 +710,14 @@ class SSDHashTier(IndexedTier):
             here = (np.int64(seg.seg_id) << REC_BITS) | np.arange(lo, hi, dtype=np.int64)
             live = np.flatnonzero(self.index.lookup(rkeys) == here)
             if live.size:
-                copies = arr[lo + live]  # resealed for their new segment
-                locs = self._append(copies, K.FLAG_PUT)  # lets readers in during the write
+                copies = arr[lo + live]
+                # re-keyed for their new segment; lets readers in during the write
+                locs = self._append(copies, K.FLAG_PUT, sealed_by=seg.seg_id)
                 # a reader may have taken (read_into) some of these keys meanwhile: repoint
                 # only keys still at their old place; the other copies are dead on arrival
-                still = self.index.lookup(rkeys[live]) == here[live]
-                old = self.index.upsert(rkeys[live][still], locs[still])
-                self._account(old, locs[still])
-                self._counters["compacted_records"] += int(still.sum())
+                moved = self.index.repoint(rkeys[live], here[live], locs)
+                self._account(here[live][moved], locs[moved])
+                self._counters["compacted_records"] += int(moved.sum())
             with self._io():  # a reader waiting for the lock goes first
                 pass
 
