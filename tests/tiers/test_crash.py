@@ -71,7 +71,8 @@ CHILD = textwrap.dedent(
         if b % 2 == 0:
             t.flush()
             st = t.stats()
-            print("F", b, st["compactions"] + st.get("grows", 0), flush=True)
+            print("F", b, st["compactions"] + st.get("grows", 0), st.get("reused_segments", 0),
+                  flush=True)
         b += 1
     """
 ).format(here=os.path.dirname(os.path.abspath(__file__)))
@@ -111,7 +112,8 @@ def run_child(path: str, seed: int, start: int, mode: str, rng: np.random.Genera
     acked = [ln.split() for ln in lines if ln.startswith("F ")]
     last = int(acked[-1][1]) if acked else start - 1
     compactions = int(acked[-1][2]) if acked else 0
-    return last, compactions
+    reused = int(acked[-1][3]) if acked else 0
+    return last, compactions, reused
 
 
 def expected_after(state: dict[int, int], seed: int, start: int, stop: int) -> dict[int, int]:
@@ -170,23 +172,26 @@ def verify(
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sync", "async", "pmem"])
 def test_sigkill_during_writes_and_compaction(tmp_path, mode):
-    """SSDHASH: kills land in puts, deletes, flushes, snapshots and compactions; PMEM: in
-    copy-on-write puts, frees and file growth."""
+    """SSDHASH: kills land in puts, deletes, flushes, snapshots, compactions and the reuse of
+    compacted segment files; PMEM: in copy-on-write puts, frees and file growth."""
     path = str(tmp_path / "tier")
     rng = np.random.default_rng(1234 + len(mode))
     state: dict[int, int] = {}
     start = 0
-    total_events = 0
+    total_events = total_reused = 0
     for it in range(6):
         seed = 100 + it
-        acked, events = run_child(path, seed, start, mode, rng)
+        acked, events, reused = run_child(path, seed, start, mode, rng)
         total_events += events
+        total_reused += reused
         state = verify(path, mode, state, seed, start, acked)
         # Versions keep growing across iterations: start after everything written.
         start = acked + HORIZON + 1 + 1000 * (it + 1)
         start += start % 2
     # compactions (SSDHASH) / file growths (PMEM) happened in the children that were killed
     assert total_events > 0
+    if mode != "pmem":  # and new segments were written into reused segment files
+        assert total_reused > 0
     t = open_tier(path, mode)
     assert t.check() == []
     t.close()

@@ -302,3 +302,94 @@ def test_compacted_files_wait_for_the_next_snapshot(tmp_path):
     on_disk = {p.name for p in src.iterdir() if p.name.startswith("seg-")}
     assert len(on_disk) == t.stats()["segments"]
     t.close()
+
+
+def test_compacted_segment_files_are_reused(tmp_path):
+    """Retired files become free files after the next snapshot, then new segments."""
+    t = open_tier(tmp_path, segment_bytes=4096, max_free_segments=2)
+    keys = np.arange(100, dtype=np.int64)
+    for i in range(40):
+        t.put(keys, make_records(LAY, keys, i))
+        if i % 5 == 4:
+            t.compact()  # snapshot: retired files are free for reuse
+    st = t.stats()
+    assert st["reused_segments"] > 0 and st["free_segments"] <= 2
+    assert t.check() == []
+    _, got = t.get(keys)
+    np.testing.assert_array_equal(got, make_records(LAY, keys, 39))
+    free = [p.name for p in tmp_path.iterdir() if p.name.startswith("free-")]
+    assert len(free) == st["free_segments"]
+    t.close()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("free-")]  # gone on close
+    t = open_tier(tmp_path, segment_bytes=4096)
+    found, got = t.get(keys)
+    assert found.all()
+    np.testing.assert_array_equal(got, make_records(LAY, keys, 39))
+    t.close()
+
+
+def test_reused_head_with_old_records_reopens_at_its_real_end(tmp_path):
+    """A reused file still holds its earlier life's records past the end of the new ones;
+    their checksums carry the old segment id, so a reopen stops where the new ones end."""
+    import shutil
+
+    t = open_tier(tmp_path / "a", segment_bytes=4096, snapshot_min_bytes=1 << 30,
+                  max_free_segments=4)
+    keys = np.arange(60, dtype=np.int64)
+    v = 0
+    while t.stats()["reused_segments"] == 0:
+        v += 1
+        assert v < 500, "no segment file was reused"
+        t.put(keys, make_records(LAY, keys, v))
+        if v % 3 == 0:
+            t.compact()
+    t.put(keys[:3], make_records(LAY, keys[:3], 1000))  # a few records at the reused head
+    t.flush()
+    shutil.copytree(tmp_path / "a", tmp_path / "crash")  # a crash now: no snapshot since
+    t.close()
+    c = open_tier(tmp_path / "crash", segment_bytes=4096)
+    want = make_records(LAY, keys, v)
+    want[:3] = make_records(LAY, keys[:3], 1000)
+    found, got = c.get(keys)
+    assert found.all() and len(c) == 60
+    np.testing.assert_array_equal(got, want)
+    assert c.check() == []
+    c.close()
+
+
+def test_old_format_and_bad_free_segments_refused(tmp_path):
+    import json
+
+    t = open_tier(tmp_path / "v")
+    t.close()
+    meta = tmp_path / "v" / sf.META_NAME
+    doc = json.loads(meta.read_text())
+    doc["version"] = 1
+    meta.write_text(json.dumps(doc))
+    from tensorkv.errors import StorePathError
+
+    with pytest.raises(StorePathError, match="format version 1.*delete the directory"):
+        open_tier(tmp_path / "v")
+    with pytest.raises(ConfigError, match="max_free_segments"):
+        open_tier(tmp_path / "w", max_free_segments=-1)
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "free-00000007.dat").write_bytes(b"junk")  # left by a crash
+    t = open_tier(tmp_path / "x")
+    assert not (tmp_path / "x" / "free-00000007.dat").exists()
+    t.close()
+
+
+def test_seeded_checksums_and_reseed():
+    from tensorkv.kernels import ssdhash as K
+
+    recs = np.random.default_rng(0).integers(0, 2**63, (5, 9), dtype=np.int64).view(np.uint64)
+    out = np.empty((5, 10), np.uint64)
+    K.seal(recs, K.FLAG_PUT, out, 7)
+    assert K.first_invalid(out, 0, 5, 7) == 5
+    assert K.first_invalid(out, 0, 5, 8) == 0  # another segment's seed: not valid here
+    K.reseed(out, 7, 8)
+    assert K.first_invalid(out, 0, 5, 8) == 5 and K.first_invalid(out, 0, 5, 7) == 0
+    inplace = np.zeros((5, 10), np.uint64)
+    inplace[:, :9] = recs
+    K.seal_inplace(inplace, K.FLAG_PUT, 8)
+    np.testing.assert_array_equal(inplace, out)
