@@ -96,3 +96,16 @@ def test_keep_trims_to_the_newest_buffers(monkeypatch):
     tables._keep(None, bufs)  # no owner: nothing kept, no error
     tables._keep({}, bufs)  # not weak-referenceable: nothing kept, no error
     assert tables._take_kept({}) == []
+
+
+def test_kept_buffers_stay_within_one_budget(monkeypatch):
+    monkeypatch.setattr(tables, "KEEP_BYTES", 250)
+    owners = [make_table(10, 4) for _ in range(3)]
+    for o in owners:
+        tables._keep(o, [np.empty(100, np.uint8)])
+    kept = [o for o in owners if tables._KEPT.get(o)]
+    assert kept == owners[1:]  # the most recent two fit in 250 bytes
+    tables._keep(owners[0], [np.empty(200, np.uint8)])
+    assert [o for o in owners if tables._KEPT.get(o)] == [owners[0]]
+    for o in owners:
+        tables._take_kept(o)

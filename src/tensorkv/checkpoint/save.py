@@ -272,6 +272,13 @@ def save(
     -------
     str
         The tag name.
+
+    Notes
+    -----
+    Memory kept after a save, with the saved table objects (released when they are): each
+    table's sorted key set at the saved state (8 bytes per key), so the next incremental save
+    does not read it back, and record buffers, at most ``tables.KEEP_BYTES`` (320 MB) over all
+    tables, so the next save reuses memory instead of touching fresh pages.
     """
     shard_i, nshards = _check_shards(shard, num_shards)
     tag = layout.check_tag(_default_tag(step) if tag is None else tag)

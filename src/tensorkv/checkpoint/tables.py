@@ -349,7 +349,8 @@ class BlockWriter:
 # Record buffers kept with the object whose rows filled them (weakly: they go with it), so
 # its next save reuses memory instead of touching fresh pages: on machines where a fresh page
 # costs a fault and a zero-fill (and a hypervisor round trip on VMs that hand free memory back
-# to the host), that is most of the time of a small incremental save.
+# to the host), that is most of the time of a small incremental save. At most KEEP_BYTES are
+# kept in all; the tables saved most recently keep theirs.
 KEEP_BYTES = 2 * QUEUE_BYTES
 _KEPT: weakref.WeakKeyDictionary[Any, list[np.ndarray]] = weakref.WeakKeyDictionary()
 _KEPT_LOCK = threading.Lock()
@@ -366,7 +367,7 @@ def _take_kept(owner: Any) -> list[np.ndarray]:
 
 
 def _keep(owner: Any, pool: list[np.ndarray]) -> None:
-    """Keep the newest buffers of ``pool`` (up to ``KEEP_BYTES``) with ``owner``."""
+    """Keep the newest buffers of ``pool`` with ``owner``, within ``KEEP_BYTES`` in all."""
     if owner is None or not pool:
         return
     kept, total = [], 0
@@ -376,6 +377,15 @@ def _keep(owner: Any, pool: list[np.ndarray]) -> None:
             break
         kept.append(b)
     with _KEPT_LOCK, contextlib.suppress(TypeError):
+        _KEPT.pop(owner, None)
+        room = KEEP_BYTES - sum(b.nbytes for b in kept)
+        for other in reversed(list(_KEPT.keys())):  # newest first (insertion order)
+            bufs = _KEPT.get(other, [])
+            size = sum(b.nbytes for b in bufs)
+            if size > room:
+                _KEPT.pop(other, None)
+            else:
+                room -= size
         _KEPT[owner] = kept[::-1]
 
 
