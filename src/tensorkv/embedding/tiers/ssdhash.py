@@ -3,8 +3,9 @@
 Records are appended to segment files through a write buffer; an in-memory open-addressing
 index maps each key to its latest record's location ``(segment id << 40) | record index``.
 Reads gather rows from memory-mapped segments with a numba kernel (no system call per row).
-Overwrites and deletes leave dead records behind; once a sealed segment is at least
-``compaction_threshold`` dead, its live records are copied to the head and the file removed.
+Overwrites and deletes leave dead records behind; once dead records are a
+``compaction_threshold`` share of all records, the deadest sealed segments have their live
+records copied to the head and their files freed (fully dead segments go at once).
 
 Durability: :meth:`flush` writes the buffer and fsyncs the head segment; everything flushed
 survives a crash. Reopening loads the last index snapshot and replays only the records after
@@ -61,7 +62,11 @@ class SSDHashTier(IndexedTier):
     buffer_bytes
         Write buffer; puts smaller than this are coalesced into one ``write`` call.
     compaction_threshold
-        Fraction of dead records that makes a sealed segment a compaction candidate.
+        Share of dead records among all stored records that starts a compaction. It frees the
+        deadest sealed segments (copying their live records) until the share is below the
+        threshold again; segments with no live record are freed whenever there are any. Space
+        on disk stays under ``1 / (1 - threshold)`` times the live records (2x at 0.5), and
+        compacting the deadest segments first copies few live records per freed byte.
     async_compaction
         Compact on a background thread (default: ``TENSORKV_SSDHASH_ASYNC_COMPACTION``).
     snapshot_min_bytes
@@ -670,13 +675,27 @@ class SSDHashTier(IndexedTier):
 
     # ================================================================= compaction
     def _candidates(self) -> list[Segment]:
+        """Segments to compact now, deadest first (see ``compaction_threshold``)."""
         active = self._active
-        c = [
-            s for s in self._segs.values()
-            if s is not active and s.rows > 0 and s.dead >= self.compaction_threshold * s.rows
-        ]  # fmt: skip
-        c.sort(key=lambda s: s.dead / s.rows, reverse=True)
-        return c
+        sealed = [s for s in self._segs.values() if s is not active and s.rows > 0]
+        out = [s for s in sealed if s.live == 0]
+        total = sum(s.rows for s in self._segs.values())
+        dead = sum(s.dead for s in self._segs.values())
+        for s in out:
+            total -= s.rows
+            dead -= s.rows
+        limit = self.compaction_threshold
+        if dead < limit * total:
+            return out
+        rest = sorted((s for s in sealed if s.live > 0 and s.dead > 0),
+                      key=lambda s: s.dead / s.rows, reverse=True)
+        for s in rest:
+            out.append(s)
+            total -= s.dead
+            dead -= s.dead
+            if dead < limit * total:
+                break
+        return out
 
     def _after_write(self) -> None:
         if self.async_compaction:
