@@ -268,3 +268,64 @@ def test_closed_table_refuses(tmp_path):
         t.lookup([1, 2])
     with pytest.raises(StoreClosedError, match="closed"):
         len(t)
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_bulk_load_spread_rows_are_packed_on_flush(tmp_path, policy):
+    """A bulk load outpaces the writer and tier 0 holds many rows for it; flush() packs the
+    live rows densely again, and training goes on bit-identical to the DRAM table."""
+    import threading
+
+    ref, t = pair(tmp_path, rows0=40, policy=policy)
+    tier = t._chain.lowers[0][0]
+    gate = threading.Event()
+    real = tier.put_rows
+
+    def held_back(keys, source):
+        gate.wait()
+        real(keys, source)
+
+    tier.put_rows = held_back
+    with t:
+        rng = np.random.default_rng(5)
+        keys = np.arange(3000, dtype=np.int64)
+        chunk = (keys, rng.standard_normal((3000, DIM)).astype(np.float32),
+                 rng.random((3000, DIM)).astype(np.float32), rng.integers(0, 9, 3000),
+                 rng.integers(0, 9, 3000))
+        for i in range(0, 3000, 300):
+            part = tuple(np.ascontiguousarray(a[i:i + 300]) for a in chunk)
+            ref.import_([part])
+            t.import_([part])
+        a = t._arena
+        assert a.high_water > 10 * 40  # rows held for the writes in flight
+        gate.set()
+        t.flush()
+        assert a.high_water == len(a) <= 40 + 300
+        assert_same(ref, t)
+        steps([ref, t], n_steps=30, n_ids=3000)
+        assert_same(ref, t)
+
+
+def test_arena_pack_rows_moves_live_rows_down():
+    from tensorkv.embedding.arena import RowArena
+
+    a = RowArena(2, 2, capacity=16)
+    keys = np.arange(100, 110, dtype=np.int64)
+    rows, _ = a.insert(keys)
+    a.values[rows] = np.arange(20, dtype=np.float32).reshape(10, 2)
+    a.slots[rows] = -np.arange(20, dtype=np.float32).reshape(10, 2)
+    a.freq[rows] = keys * 2
+    before = {int(k): (a.values[r].copy(), a.slots[r].copy(), int(a.freq[r]))
+              for k, r in zip(keys, rows, strict=True)}
+    a.remove(keys[:6])
+    src, dst = a.pack_rows()
+    assert len(a) == a.high_water == 4 and src.size == dst.size == 4
+    got = a.find(keys[6:])
+    assert sorted(got.tolist()) == [0, 1, 2, 3]
+    for k, r in zip(keys[6:].tolist(), got.tolist(), strict=True):
+        v, s, f = before[k]
+        np.testing.assert_array_equal(a.values[r], v)
+        np.testing.assert_array_equal(a.slots[r], s)
+        assert a.freq[r] == f and a.row_key[r] == k
+    new, fresh = a.insert(np.array([7], np.int64))  # allocation continues after the packed rows
+    assert fresh.all() and new[0] == 4

@@ -109,7 +109,8 @@ def run_child(path: str, seed: int, start: int, mode: str, rng: np.random.Genera
     th.join(10)
     if not alive:
         raise AssertionError(f"child exited early: {proc.stderr.read()}")  # type: ignore[union-attr]
-    acked = [ln.split() for ln in lines if ln.startswith("F ")]
+    # a line cut short by the kill is not an acknowledgement
+    acked = [ln.split() for ln in lines if ln.startswith("F ") and len(ln.split()) == 4]
     last = int(acked[-1][1]) if acked else start - 1
     compactions = int(acked[-1][2]) if acked else 0
     reused = int(acked[-1][3]) if acked else 0

@@ -264,6 +264,35 @@ class RowArena:
         if rows.size:
             hk.free_rows(rows, self.state, self.row_key)
 
+    def pack_rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """Move live rows into the free rows below ``len(self)``; return ``(from, to)``.
+
+        Afterwards the live rows are ``0 .. len - 1`` and the free list is empty. For arenas
+        that held many more rows than they hold now (a tiered table's tier 0 after a bulk
+        load): the rows in use end up dense in memory again. Call with no row detached (held
+        rows would be overwritten).
+        """
+        n = len(self)
+        hw = self.high_water
+        if hw == n:
+            return np.empty(0, np.int64), np.empty(0, np.int64)
+        live = self.live[:hw].view(np.bool_)
+        src = np.flatnonzero(live[n:]) + n
+        dst = np.flatnonzero(~live[:n])
+        self._move_rows(src, dst)
+        hk.index_set_rows(self.index, self.row_key[dst], dst)
+        self.live[n:hw] = 0
+        self.state[hk.NEXT_ROW] = n
+        self.state[hk.FREE_HEAD] = -1
+        self.state[hk.N_FREE] = 0
+        return src, dst
+
+    def _move_rows(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """Copy every field of rows ``src`` to rows ``dst`` (the hook a device arena overrides)."""
+        for name in ("values", "slots", "freq", "version", "seq", "row_key", "live"):
+            arr = getattr(self, name)
+            arr[dst] = arr[src]
+
     def to_raw(self, values: np.ndarray) -> np.ndarray:
         """Float rows -> the ``values`` array's representation (identity for float32)."""
         if not self.raw:

@@ -496,6 +496,30 @@ class TierChain:
             self.counters[f"tier{ti + 1}"]["evictions"] += int(found.sum())
             ti += 1
 
+    def pack_tier0(self) -> int:
+        """Make tier 0's rows dense again once no row is held for a pending write.
+
+        Tier 0 may have held many rows for in-flight writes (a bulk load outpaces the
+        writer): its live rows are then spread over a larger arena, which slows every
+        gather and update. Call under the table's write lock, after :meth:`sync`. Returns
+        the rows moved.
+        """
+        a = self.arena
+        if self.pending:
+            return 0
+        self._reclaim()
+        n = len(a)
+        if a.high_water <= 2 * n or a.high_water - n < 1024:
+            return 0
+        src, dst = a.pack_rows()
+        self._ensure_tick()
+        self.tick[dst] = self.tick[src]
+        if self.recency is not None:  # the log names rows: rebuild it in LRU order
+            order = np.argsort(self.tick[:n], kind="stable")
+            self.recency.reset(order, self.tick[order])
+        self._batch = self._last = None
+        return int(src.size)
+
     # ------------------------------------------------------------------ whole-table views
     def sync(self) -> None:
         """Wait until every pending batch has landed (re-raising a failed write)."""

@@ -327,14 +327,23 @@ class TieredEmbeddingTable(EmbeddingTable):
         """Block until every background write has landed in its tier (no fsync).
 
         Re-raises a failed write as :class:`~tensorkv.embedding.writeback.WriteBackError`.
+        Tier 0's rows are made dense again if a bulk load left them spread out (it held
+        more than twice its rows for writes in flight).
         """
         with self._op:
             self._chain.sync()
+            with self._lock.write():
+                self._chain.pack_tier0()
 
     def flush(self) -> None:
-        """Wait for pending background writes and flush the lower tiers (durable)."""
+        """Wait for pending background writes and flush the lower tiers (durable).
+
+        Tier 0's rows are also made dense again if a bulk load left them spread out.
+        """
         with self._op:
             self._chain.flush()
+            with self._lock.write():
+                self._chain.pack_tier0()
 
     def close(self) -> None:
         """Flush and close the lower tiers (the table is unusable afterwards for tiered rows)."""

@@ -268,6 +268,16 @@ class RecencyLog:
         """Forget every entry."""
         self.head = self.end = 0
 
+    def reset(self, rows: np.ndarray, ticks: np.ndarray) -> None:
+        """Replace the log by one entry per row, ``rows`` least recently used first."""
+        n = rows.shape[0]
+        if self.rows.shape[0] < 2 * n:
+            self.rows = np.empty(2 * n, np.int64)
+            self.ticks = np.empty(2 * n, np.int64)
+        self.rows[:n] = rows
+        self.ticks[:n] = ticks
+        self.head, self.end = 0, n
+
 
 @njit(nogil=True, cache=True)
 def _lru_sim(ids, n_ids, capacity, hit_out):  # pragma: no cover - compiled

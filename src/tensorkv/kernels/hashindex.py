@@ -278,6 +278,16 @@ def index_attach(index, keys, rows, state, row_key, live):  # pragma: no cover -
 
 
 @njit(nogil=True, cache=True)
+def index_set_rows(index, keys, rows):  # pragma: no cover - compiled
+    """Point present ``keys[i]`` at ``rows[i]`` (rows moved by the caller)."""
+    mask = np.int64(index.shape[0] - 1)
+    for i in range(keys.shape[0]):
+        h = probe(index, keys[i], mask)
+        if index[h, 1] >= 0:
+            index[h, 1] = rows[i]
+
+
+@njit(nogil=True, cache=True)
 def index_rehash(old, new):  # pragma: no cover - compiled
     """Insert every occupied slot of the old index into an empty new one."""
     mask = np.int64(new.shape[0] - 1)

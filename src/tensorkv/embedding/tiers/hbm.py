@@ -131,6 +131,14 @@ class HBMArena(RowArena):
             t[:cap] = old
             setattr(self, name, t)
 
+    def _move_rows(self, src: np.ndarray, dst: np.ndarray) -> None:
+        for name in ("freq", "version", "seq", "row_key", "live"):
+            arr = getattr(self, name)
+            arr[dst] = arr[src]
+        s, d = self._rows_t(src), self._rows_t(dst)
+        for t in (self.values, self.slots):
+            t.index_copy_(0, d, t.index_select(0, s))
+
     # --- transfers ------------------------------------------------------------------------------
     def _rows_t(self, rows: np.ndarray):
         torch = _torch()
