@@ -207,7 +207,10 @@ def index_remove(index, keys, rows_out, state, row_key, live):  # pragma: no cov
     """
     mask = np.int64(index.shape[0] - 1)
     removed = 0
-    for i in range(keys.shape[0]):
+    n = keys.shape[0]
+    for i in range(n):
+        if i + 16 < n:
+            prefetch(index, home_slot(keys[i + 16], mask), 0)
         h = probe(index, keys[i], mask)
         r = index[h, 1]
         rows_out[i] = r
@@ -234,7 +237,10 @@ def index_detach(index, keys, rows_out, state, live):  # pragma: no cover - comp
     """
     mask = np.int64(index.shape[0] - 1)
     removed = 0
-    for i in range(keys.shape[0]):
+    n = keys.shape[0]
+    for i in range(n):
+        if i + 16 < n:
+            prefetch(index, home_slot(keys[i + 16], mask), 0)
         h = probe(index, keys[i], mask)
         r = index[h, 1]
         rows_out[i] = r
@@ -266,7 +272,10 @@ def index_attach(index, keys, rows, state, row_key, live):  # pragma: no cover -
     The caller guarantees room in the index (``size + len(keys) <= max_size``).
     """
     mask = np.int64(index.shape[0] - 1)
-    for i in range(keys.shape[0]):
+    n = keys.shape[0]
+    for i in range(n):
+        if i + 16 < n:
+            prefetch(index, home_slot(keys[i + 16], mask), 0)
         k = keys[i]
         h = probe(index, k, mask)
         r = rows[i]
