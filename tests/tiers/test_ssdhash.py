@@ -415,3 +415,31 @@ def test_compaction_frees_the_deadest_segments_first(tmp_path):
     np.testing.assert_array_equal(got, first[3 * rows:])
     assert t.check() == []
     t.close()
+
+
+def test_synchronous_compaction_runs_in_steps(tmp_path, monkeypatch):
+    """A write compacts a bounded number of records; a segment half copied stays readable."""
+    from tensorkv.embedding.tiers import ssdhash as sh
+
+    monkeypatch.setattr(sh, "COMPACTION_CHUNK_ROWS", 8)
+    t = open_tier(tmp_path, segment_bytes=16384, compaction_threshold=0.3)
+    rows = t.segment_rows
+    keys = np.arange(3 * rows, dtype=np.int64)
+    want = make_records(LAY, keys, 0)
+    t.put(keys, want)
+    rng = np.random.default_rng(1)
+    seen_partial = False
+    for i in range(1, 120):
+        part = np.sort(rng.choice(keys[: 2 * rows], 10, replace=False))
+        recs = make_records(LAY, part, i)
+        t.put(part, recs)
+        want[part] = recs
+        seen_partial |= t._compacting is not None
+        found, got = t.get(keys)
+        assert found.all()
+        np.testing.assert_array_equal(got, want)
+    assert seen_partial and t.stats()["compactions"] > 0
+    t.compact()  # finishes the segment in progress
+    assert t._compacting is None and t.check() == []
+    np.testing.assert_array_equal(t.get(keys)[1], want)
+    t.close()

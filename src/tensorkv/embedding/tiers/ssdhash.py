@@ -45,6 +45,7 @@ DEFAULT_BUFFER_BYTES = 4 * 1024 * 1024
 DEFAULT_SNAPSHOT_MIN_BYTES = 64 * 1024 * 1024
 DEFAULT_COMPACTION_THRESHOLD = 0.5
 COMPACTION_CHUNK_ROWS = 16384  # records copied per hold of the state lock
+COMPACTION_STEP_FACTOR = 4  # synchronous compaction scans up to this many records per write
 DEFAULT_MAX_FREE_SEGMENTS = 4
 
 
@@ -146,6 +147,8 @@ class SSDHashTier(IndexedTier):
         self._retired_bytes = 0
         self._free: list[Segment] = []  # files of retired segments kept for reuse
         self._free_seq = 0
+        self._compacting: Segment | None = None  # the segment synchronous compaction is at
+        self._compact_pos = 0
         if isinstance(max_free_segments, bool) or not isinstance(max_free_segments, int) or \
                 max_free_segments < 0:
             raise ConfigError(
@@ -506,7 +509,7 @@ class SSDHashTier(IndexedTier):
             old = self.index.upsert(keys, locs)
             self._account(old, locs)
             self._counters["writes"] += n
-            self._after_write()
+            self._after_write(n)
 
     def delete(self, keys: np.ndarray) -> int:
         """Remove keys (tombstones are appended so deletes survive reopening)."""
@@ -540,7 +543,7 @@ class SSDHashTier(IndexedTier):
             old = self.index.remove(keys)
             self._account(old, None)
             self._counters["deletes"] += n
-            self._after_write()
+            self._after_write(n)
             return n
 
     def flush(self) -> None:
@@ -697,7 +700,7 @@ class SSDHashTier(IndexedTier):
                 break
         return out
 
-    def _after_write(self) -> None:
+    def _after_write(self, written: int) -> None:
         if self.async_compaction:
             if self._compaction_error is not None:
                 err, self._compaction_error = self._compaction_error, None
@@ -709,9 +712,33 @@ class SSDHashTier(IndexedTier):
             if self._candidates():
                 self._wake.set()
         else:
-            victims = self._candidates()
-            if victims:
-                self._compact(victims)
+            self._compact_step(max(COMPACTION_STEP_FACTOR * written, COMPACTION_CHUNK_ROWS))
+
+    def _compact_step(self, budget: int) -> None:
+        """Do at most about ``budget`` records' worth of compaction (whole chunks).
+
+        Synchronous compaction runs in steps after each write, so a writer never stalls for
+        a whole segment: the segment being compacted keeps its place (the index points at
+        either copy of a record, both readable) until its last chunk is copied.
+        """
+        while budget > 0:
+            seg = self._compacting
+            if seg is None or self._segs.get(seg.seg_id) is not seg:
+                victims = self._candidates()
+                if not victims:
+                    self._compacting = None
+                    return
+                seg = self._compacting = victims[0]
+                self._compact_pos = 0
+            lo = self._compact_pos
+            hi = seg.written if seg.live == 0 else min(seg.written, lo + COMPACTION_CHUNK_ROWS)
+            if seg.live:
+                self._copy_range(seg, lo, hi)
+            budget -= max(hi - lo, 1) if seg.live else 1
+            self._compact_pos = hi
+            if hi >= seg.written or seg.live == 0:
+                self._compacting = None
+                self._retire([seg])
 
     def _copy_live(self, seg: Segment) -> None:
         """Append the live records of ``seg`` to the head and point the index at them.
@@ -721,24 +748,29 @@ class SSDHashTier(IndexedTier):
         """
         if self._segs.get(seg.seg_id) is not seg:  # already retired by another compaction
             return
-        arr = seg.mapped(self.words, seg.written)
-        n = arr.shape[0]
+        n = seg.written
         for lo in range(0, n, COMPACTION_CHUNK_ROWS):
-            hi = min(n, lo + COMPACTION_CHUNK_ROWS)
-            rkeys = np.ascontiguousarray(arr[lo:hi, 0]).view(np.int64)
-            here = (np.int64(seg.seg_id) << REC_BITS) | np.arange(lo, hi, dtype=np.int64)
-            live = np.flatnonzero(self.index.lookup(rkeys) == here)
-            if live.size:
-                copies = arr[lo + live]
-                # re-keyed for their new segment; lets readers in during the write
-                locs = self._append(copies, K.FLAG_PUT, sealed_by=seg.seg_id)
-                # a reader may have taken (read_into) some of these keys meanwhile: repoint
-                # only keys still at their old place; the other copies are dead on arrival
-                moved = self.index.repoint(rkeys[live], here[live], locs)
-                self._account(here[live][moved], locs[moved])
-                self._counters["compacted_records"] += int(moved.sum())
-            with self._io():  # a reader waiting for the lock goes first
-                pass
+            if seg.live == 0:
+                break
+            self._copy_range(seg, lo, min(n, lo + COMPACTION_CHUNK_ROWS))
+
+    def _copy_range(self, seg: Segment, lo: int, hi: int) -> None:
+        """Copy the live records among records ``[lo, hi)`` of ``seg`` to the head."""
+        arr = seg.mapped(self.words, seg.written)
+        rkeys = np.ascontiguousarray(arr[lo:hi, 0]).view(np.int64)
+        here = (np.int64(seg.seg_id) << REC_BITS) | np.arange(lo, hi, dtype=np.int64)
+        live = np.flatnonzero(self.index.lookup(rkeys) == here)
+        if live.size:
+            copies = arr[lo + live]
+            # re-keyed for their new segment; lets readers in during the write
+            locs = self._append(copies, K.FLAG_PUT, sealed_by=seg.seg_id)
+            # a reader may have taken (read_into) some of these keys meanwhile: repoint
+            # only keys still at their old place; the other copies are dead on arrival
+            moved = self.index.repoint(rkeys[live], here[live], locs)
+            self._account(here[live][moved], locs[moved])
+            self._counters["compacted_records"] += int(moved.sum())
+        with self._io():  # a reader waiting for the lock goes first
+            pass
 
     def _retire(self, victims: list[Segment]) -> None:
         """Drop compacted segments; their files go with the next index snapshot.
@@ -768,6 +800,9 @@ class SSDHashTier(IndexedTier):
         return max(self.segment_rows * self.stored_bytes, 64 * len(self.index))
 
     def _compact(self, victims: list[Segment]) -> None:
+        if self._compacting is not None and self._compacting not in victims:
+            victims = [self._compacting, *victims]  # finish the one compacted in steps
+        self._compacting = None
         for seg in victims:
             self._copy_live(seg)
         self._retire(victims)
@@ -777,7 +812,7 @@ class SSDHashTier(IndexedTier):
         with self._writing():
             self._check_open()
             victims = self._candidates()
-            if victims:
+            if victims or self._compacting is not None:
                 self._compact(victims)
             if self._retired:  # reclaim the space now
                 self._flush(force_snapshot=True)
