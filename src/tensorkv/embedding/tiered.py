@@ -270,6 +270,9 @@ class TierChain:
             self._batch = (keys, last[1], a.state, a.state.copy(), True)
             return 0
         self._reclaim()
+        # the writer caught up: undo a spread left by a burst of writes (rows move)
+        if not self.pending and self.pack_tier0(spread=1.5) and rows is not None:
+            rows[:] = a.find(keys)
         self.cur += 1
         if rows is None:
             rows = a.find(keys)
@@ -496,20 +499,21 @@ class TierChain:
             self.counters[f"tier{ti + 1}"]["evictions"] += int(found.sum())
             ti += 1
 
-    def pack_tier0(self) -> int:
+    def pack_tier0(self, spread: float = 2.0) -> int:
         """Make tier 0's rows dense again once no row is held for a pending write.
 
         Tier 0 may have held many rows for in-flight writes (a bulk load outpaces the
         writer): its live rows are then spread over a larger arena, which slows every
-        gather and update. Call under the table's write lock, after :meth:`sync`. Returns
-        the rows moved.
+        gather and update. Packs when the rows in use span more than ``spread`` times their
+        number. Call under the table's write lock, with nothing pending (after :meth:`sync`,
+        or between batches when the writer has caught up). Returns the rows moved.
         """
         a = self.arena
         if self.pending:
             return 0
         self._reclaim()
         n = len(a)
-        if a.high_water <= 2 * n or a.high_water - n < 1024:
+        if a.high_water <= spread * n or a.high_water - n < 1024:
             return 0
         src, dst = a.pack_rows()
         self._ensure_tick()
