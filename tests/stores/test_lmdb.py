@@ -319,3 +319,79 @@ def test_key_too_large(tmp_path):
         assert long_key not in s
         s.put(b"y" * 511, b"max")
         assert s.get(b"y" * 511) == b"max"
+
+
+# ----------------------------------------------------------------------------- zero-copy reads
+def test_get_many_buffers_views_the_map(tmp_path):
+    with tensorkv.open_store(f"lmdb://{tmp_path}/db") as s:
+        big = os.urandom(3 * MiB)
+        s.put_many({b"a": b"1", b"big": big})
+        assert LMDBStore.zero_copy_reads
+        with s.get_many_buffers([b"big", b"absent", b"a", b"x" * 600, b"big"]) as vals:
+            assert [type(v) for v in vals] == [memoryview, type(None), memoryview,
+                                                type(None), memoryview]
+            assert vals[0].readonly and vals[0].nbytes == len(big)
+            assert bytes(vals[0]) == big and bytes(vals[2]) == b"1"
+            assert bytes(vals[4]) == big
+            s.put(b"a", b"2")  # a write meanwhile: the snapshot still reads the old value
+            assert bytes(vals[2]) == b"1"
+        with pytest.raises(ValueError, match="released"):
+            bytes(vals[0])  # the views die with the block
+        assert s.get(b"a") == b"2"
+        with s.get_many_buffers([]) as vals:
+            assert vals == []
+
+
+def test_get_many_buffers_bad_keys_and_closed_store(tmp_path):
+    s = tensorkv.open_store(f"lmdb://{tmp_path}/db")
+    with pytest.raises(TypeError), s.get_many_buffers([b"ok", "str"]):
+        pass
+    with pytest.raises(TypeError), s.get_many_buffers(b"single"):
+        pass
+    s.close()
+    with pytest.raises(StoreError, match="closed"), s.get_many_buffers([b"a"]):
+        pass
+
+
+def test_close_inside_get_many_buffers_is_deferred(tmp_path):
+    path = f"{tmp_path}/db"
+    s = tensorkv.open_store(f"lmdb://{path}")
+    s.put(b"k", b"v" * 5000)
+    with s.get_many_buffers([b"k"]) as (v,):
+        s.close()  # would wait for this very block: the environment goes when it exits
+        assert s.closed
+        assert bytes(v[:3]) == b"vvv"
+    with tensorkv.open_store(f"lmdb://{path}") as again:  # released: opens afresh
+        assert again.get(b"k") == b"v" * 5000
+
+
+def test_map_growth_waits_for_get_many_buffers(tmp_path):
+    s = tensorkv.open_store(f"lmdb://{tmp_path}/db", map_size="64KiB")
+    s.put(b"k", b"x" * 1000)
+    done = threading.Event()
+    errors = []
+
+    def writer():
+        try:
+            s.put_many({b"w%03d" % i: os.urandom(4096) for i in range(100)})  # grows the map
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+        done.set()
+
+    with s.get_many_buffers([b"k"]) as (v,):
+        th = threading.Thread(target=writer)
+        th.start()
+        assert not done.wait(0.3)  # the resize waits: the map under the views stays put
+        assert bytes(v) == b"x" * 1000
+    th.join(30)
+    assert done.is_set() and not errors, errors
+    assert s.stats()["resizes"] > 0 and s.count() == 101
+    s.close()
+
+
+def test_get_many_buffers_fallback_copies(tmp_path):
+    with tensorkv.open_store("memory://") as s:
+        s.put(b"a", b"1")
+        assert not s.zero_copy_reads
+        with s.get_many_buffers([b"a", b"b"]) as vals:
+            assert vals == [b"1", None]

@@ -189,6 +189,8 @@ class KVStore(ABC):
     capabilities: ClassVar[Capabilities]
     #: Largest value in bytes the backend accepts (None: no limit beyond memory).
     max_value_size: ClassVar[int | None] = None
+    #: Whether :meth:`get_many_buffers` hands out views of the backend's own memory (no copy).
+    zero_copy_reads: ClassVar[bool] = False
 
     def __init__(self, url: str = "", *, readonly: bool = False) -> None:
         self.url = url
@@ -256,6 +258,22 @@ class KVStore(ABC):
         if not ks:
             return []
         return self._get_many(ks)
+
+    @contextmanager
+    def get_many_buffers(self, keys: Sequence[bytes]) -> Iterator[list[Buffer | None]]:
+        """Values of several keys as read-only buffers that are valid inside the ``with`` block.
+
+        Backends with ``zero_copy_reads`` (LMDB) yield views of their own memory, read in one
+        consistent snapshot, without copying the values; the others yield what
+        :meth:`get_many` returns. Either way, use the buffers (and arrays made from them) only
+        inside the block: copy what must outlive it.
+
+        Examples
+        --------
+        >>> with store.get_many_buffers([b"a", b"b"]) as (a, b):  # doctest: +SKIP
+        ...     total = sum(memoryview(v).nbytes for v in (a, b) if v is not None)
+        """
+        yield self.get_many(keys)
 
     def put_many(self, items: Mapping[bytes, Buffer] | Iterable[tuple[bytes, Buffer]]) -> None:
         """Store several key-value pairs. Values may be any contiguous bytes-like object."""

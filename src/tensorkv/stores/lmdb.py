@@ -14,7 +14,8 @@ import errno
 import os
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import replace
 from itertools import groupby, islice, repeat
 from operator import itemgetter
@@ -30,7 +31,7 @@ from tensorkv.errors import (
     StoreFullError,
     StoreLockedError,
 )
-from tensorkv.stores.base import Capabilities, KVStore, WriteOp
+from tensorkv.stores.base import Capabilities, KVStore, WriteOp, _check_keys
 from tensorkv.stores.embedded import (
     as_bool,
     as_int,
@@ -225,6 +226,7 @@ class LMDBStore(KVStore):
         ordered_scans=True, atomic_batches=True, durable_on_return=True, multi_process=True
     )
     max_value_size = 0xFFFF_FFFF  # LMDB stores node data sizes in 32 bits
+    zero_copy_reads = True  # get_many_buffers yields views of the memory map
 
     def __init__(
         self,
@@ -268,6 +270,8 @@ class LMDBStore(KVStore):
         self._pid = shared.pid
         self._max_key = self._env.max_key_size()
         self.resizes = 0
+        self._views = threading.local()  # .depth: get_many_buffers blocks open in a thread
+        self._close_pending = False
 
     @classmethod
     def from_url(cls, parsed: Any, **options: Any) -> LMDBStore:
@@ -342,6 +346,55 @@ class LMDBStore(KVStore):
         short = [k for k in keys if len(k) <= limit]
         found = iter(self._get_many(short) if short else [])
         return [next(found) if len(k) <= limit else None for k in keys]
+
+    @contextmanager
+    def get_many_buffers(self, keys: Sequence[bytes]) -> Iterator[list[memoryview | None]]:
+        """Values of several keys as memoryviews into the memory map, without copying.
+
+        All values come from one read transaction (one consistent snapshot), which stays
+        open until the ``with`` block exits, so the views stay valid until then. Meanwhile a
+        map resize in this process (a write that needs a larger map, another process's
+        growth adopted) waits for the block to end, and so does :meth:`close` from another
+        thread; closing from inside the block is deferred to its end. On exit every view is
+        released, so using one afterwards raises ``ValueError`` instead of reading pages
+        LMDB may have reused; arrays made from a view (``np.frombuffer``) are not covered:
+        copy what must outlive the block. Keys longer than LMDB allows read as absent.
+        """
+        self._check_open()
+        ks = _check_keys(keys)
+        limit = self._max_key
+        while True:
+            self._enter()
+            txn = None
+            try:
+                txn = self._env.begin(buffers=True)
+                get = txn.get
+                vals = [get(k) if len(k) <= limit else None for k in ks]
+                break
+            except lmdb.MapResizedError:
+                if txn is not None:
+                    txn.abort()
+                self._gate.leave()
+            except BaseException:
+                if txn is not None:
+                    txn.abort()
+                self._gate.leave()
+                raise
+            self._adopt_map_size()
+        self._views.depth = getattr(self._views, "depth", 0) + 1
+        try:
+            yield vals
+        finally:
+            for v in vals:
+                if v is not None:
+                    with contextlib.suppress(BufferError):  # a view still exported
+                        v.release()
+            txn.abort()
+            self._views.depth -= 1
+            self._gate.leave()
+            if self._close_pending and not self._views.depth:
+                self._close_pending = False
+                self._finalizer()
 
     @staticmethod
     def _apply(txn: lmdb.Transaction, ops: list[WriteOp]) -> None:
@@ -443,6 +496,11 @@ class LMDBStore(KVStore):
                 self._gate.leave()
 
     def _close(self) -> None:
+        if getattr(self._views, "depth", 0):
+            # closed inside a get_many_buffers block of this thread: the environment goes
+            # when the block exits (waiting for it here would wait for ourselves)
+            self._close_pending = True
+            return
         self._finalizer()
 
     def _stats(self) -> dict[str, Any]:
