@@ -856,6 +856,52 @@ class EmbeddingTable:
         return (keys, np.ascontiguousarray(values, dtype=np.float32),
                 np.ascontiguousarray(slots), freq, version)
 
+    @property
+    def can_bulk_import(self) -> bool:
+        """Whether :meth:`bulk_import` serves this table.
+
+        It does for tables whose rows live in a host row arena and that keep
+        :meth:`import_`; tiered tables and tables with rows off the host import with
+        :meth:`import_`.
+        """
+        return type(self).import_ is EmbeddingTable.import_ and type(self._arena) is RowArena
+
+    def bulk_import(self, positions: int) -> BulkImport:
+        """Start building this table's new content from rows at known positions.
+
+        The fast path of a restore: every row is copied once, straight to its final place in
+        a new row arena, and the hash index is built in bulk. The table itself is untouched
+        until :meth:`BulkImport.commit`, which replaces all its rows (values, slots, freq,
+        version) with the imported ones; a :class:`BulkImport` dropped without a commit
+        leaves it as it was.
+
+        Parameters
+        ----------
+        positions
+            Row positions to reserve: the rows to be imported, counting duplicates and rows
+            left out later (positions nobody fills become free rows).
+
+        Returns
+        -------
+        BulkImport
+            ``put`` rows at positions (from several threads at once, disjoint ranges), then
+            ``index`` those ranges in order (one thread), ``remove`` keys between ranges,
+            and ``commit``.
+
+        Raises
+        ------
+        TypeError
+            When :attr:`can_bulk_import` is false (use :meth:`import_`).
+        """
+        if not self.can_bulk_import:
+            raise TypeError(
+                f"{type(self).__name__} keeps rows that bulk_import cannot build; use import_"
+            )
+        if isinstance(positions, bool) or not isinstance(positions, (int, np.integer)) or \
+                positions < 0:
+            raise ConfigError(f"positions={positions!r} must be a non-negative integer")
+        return BulkImport(self, int(positions))
+
     # --- metadata -------------------------------------------------------------------------------
     def state_dict_meta(self) -> dict[str, Any]:
         """JSON-serialisable description, enough for :meth:`from_meta` to rebuild an empty twin."""
@@ -943,6 +989,168 @@ class EmbeddingTable:
     def __repr__(self) -> str:
         return (f"EmbeddingTable(dim={self.dim}, rows={len(self)}, optimizer={self.optimizer!r}, "
                 f"initializer={self.initializer!r})")
+
+
+class BulkImport:
+    """A new row arena for a table, filled from rows at known positions.
+
+    Made by :meth:`EmbeddingTable.bulk_import`. The arrays are allocated lazily (the pages
+    are touched by the rows copied into them), positions ``0 .. positions-1`` are filled by
+    :meth:`put` and mapped by :meth:`index`, and :meth:`commit` swaps the arena into the
+    table. Until then nothing the table holds changes.
+
+    Threads: :meth:`put` may run on several threads at once for disjoint position ranges, and
+    alongside :meth:`index` / :meth:`remove`, which run on one thread in the order the rows
+    must be applied (a later duplicate key wins, a removal removes what was indexed before).
+    The numpy copies and numba kernels release the GIL.
+    """
+
+    def __init__(self, table: EmbeddingTable, positions: int) -> None:
+        old = table._arena
+        self.table = table
+        self.positions = positions
+        cap = max(positions, old._initial, 1)
+        a = RowArena(table.dim, old.slot_width, capacity=1, growth=old.growth,
+                     max_load=old.max_load, dtype=old.dtype)
+        # lazily zeroed: a page is first touched by the rows copied into it
+        a.values = np.zeros((cap, a.dim), np.uint16 if a.raw else np.float32)
+        a.slots = np.zeros((cap, a.slot_width), np.float32)
+        for name in ("freq", "version", "seq", "row_key"):
+            setattr(a, name, np.zeros(cap, np.int64))
+        a.live = np.zeros(cap, np.uint8)
+        a.max_rows, a._initial = old.max_rows, old._initial
+        self._arena = a
+        self._index_ready = False
+        self._seq = table.mutation_seq + 1  # the rows' change sequence: one mutation
+        self._done = False
+
+    def _check(self, start: int, chunk: Any) -> tuple[np.ndarray, ...]:
+        try:
+            keys, values, slots, freq, version = tuple(chunk)[:5]
+        except (TypeError, ValueError):
+            raise ShapeError(
+                f"bulk import got {type(chunk).__name__}; give ExportChunk objects or tuples "
+                "(keys, values, slots, freq, version)"
+            ) from None
+        t, a = self.table, self._arena
+        keys = t._as_keys(keys)
+        m = keys.shape[0]
+        if start < 0 or start + m > self.positions:
+            raise ShapeError(
+                f"rows {start}..{start + m} lie outside the {self.positions} positions reserved"
+            )
+        values = np.asarray(values)
+        if values.ndim != 2 or values.shape[1] != t.dim or (
+                values.dtype.kind != "f" and values.dtype != a.np_dtype):
+            raise ShapeError(
+                f"imported values have shape {values.shape} and dtype {values.dtype} but the "
+                f"table stores float rows of dim={t.dim}"
+            )
+        sw = a.slot_width
+        slots = np.asarray(slots)
+        if slots.size == 0 and sw == 0:
+            slots = np.zeros((m, 0), np.float32)
+        if slots.shape != (m, sw) or slots.dtype != np.float32:
+            raise ShapeError(
+                f"imported slots have shape {slots.shape} ({slots.dtype}) but this table's "
+                f"optimizer {t.optimizer.name!r} needs float32 ({m}, {sw}); import with the "
+                "same optimizer"
+            )
+        freq = np.asarray(freq).reshape(-1)
+        version = np.asarray(version).reshape(-1)
+        if values.shape[0] != m or freq.shape[0] != m or version.shape[0] != m:
+            raise ShapeError(
+                f"imported chunk has {m} keys but {values.shape[0]} value rows, "
+                f"{freq.shape[0]} freq and {version.shape[0]} version entries"
+            )
+        return keys, values, slots, freq, version
+
+    def put(self, start: int, chunk: Any) -> int:
+        """Copy one chunk's rows to positions ``start ..`` (not yet indexed); returns its rows.
+
+        ``chunk`` is an :class:`ExportChunk` or a tuple ``(keys, values, slots, freq,
+        version)``; values in the table's storage dtype are copied bit for bit, other float
+        values are rounded to it. Raises :class:`ShapeError` for a chunk that does not fit
+        the table (nothing is written then).
+        """
+        keys, values, slots, freq, version = self._check(start, chunk)
+        a = self._arena
+        stop = start + keys.shape[0]
+        a.row_key[start:stop] = keys
+        if values.dtype == a.np_dtype:
+            a.values[start:stop] = values.view(a.values.dtype)
+        else:
+            a.values[start:stop] = a.to_raw(values)
+        if a.slot_width:
+            a.slots[start:stop] = slots
+        a.freq[start:stop] = freq
+        a.version[start:stop] = version
+        a.seq[start:stop] = self._seq
+        return stop - start
+
+    def _ready_index(self) -> None:
+        if not self._index_ready:
+            from tensorkv.embedding.arena import _pow2_at_least
+            from tensorkv.kernels import hashindex as hk
+
+            a = self._arena
+            a.index = hk.new_index(_pow2_at_least(int(a.capacity / a.max_load) + 1))
+            self._index_ready = True
+
+    def index(self, start: int, stop: int) -> int:
+        """Map the keys of positions ``start .. stop-1`` (put before) to their rows.
+
+        A key indexed before moves to its new row (a later duplicate wins). Returns how many
+        keys were already present.
+        """
+        if not 0 <= start <= stop <= self.positions:
+            raise ShapeError(f"rows {start}..{stop} lie outside the {self.positions} positions")
+        self._ready_index()
+        a = self._arena
+        return int(ak.bulk_index(a.index, a.row_key, a.live, start, stop, a.state))
+
+    def remove(self, keys: Any) -> int:
+        """Remove keys indexed so far; returns how many were present."""
+        from tensorkv.kernels import hashindex as hk
+
+        k = self.table._as_keys(keys)
+        self._ready_index()
+        a = self._arena
+        rows = np.empty(k.shape[0], np.int64)
+        return int(hk.index_remove(a.index, k, rows, a.state, a.row_key, a.live))
+
+    def __len__(self) -> int:
+        return len(self._arena)
+
+    def commit(self) -> None:
+        """Replace every row of the table with the imported rows (one mutation).
+
+        Raises
+        ------
+        CapacityError
+            When the table may not grow (``growth=False``) and more rows were imported than
+            its capacity; the table is unchanged.
+        """
+        if self._done:
+            raise ConfigError("this bulk import was committed already")
+        self._ready_index()
+        a, t = self._arena, self.table
+        if not a.growth and a.max_rows is not None and len(a) > a.max_rows:
+            from tensorkv.errors import CapacityError
+
+            raise CapacityError(
+                f"the import holds {len(a)} rows but the table may hold at most capacity="
+                f"{a.max_rows} (growth=False); build it with a larger capacity"
+            )
+        ak.rebuild_free_list(a.live, a.row_key, a.state)
+        with t._lock.write():
+            t._mseq += 1
+            if t._mseq != self._seq:  # the table changed while the rows were copied
+                a.seq[: a.high_water] = t._mseq
+            removed = len(t._arena)
+            t._arena = a
+            t._stats["removed"] += removed
+        self._done = True
 
 
 __all__ = ["EmbeddingTable", "ExportChunk", "RWLock"]

@@ -249,3 +249,61 @@ def live_rows(live, seq, start, stop, since):  # pragma: no cover - compiled
             out[m] = r
             m += 1
     return out[:m]
+
+
+# --- bulk loading (a restore builds a new arena from rows at known positions) ----------------
+@njit(nogil=True, cache=True)
+def bulk_index(index, row_key, live, start, stop, state):  # pragma: no cover - compiled
+    """Map ``row_key[r] -> r`` for the rows ``start .. stop-1``, in order; mark them live.
+
+    The caller has written the rows' keys into ``row_key``. A key already in
+    the index moves to its newer row (a later duplicate wins) and its earlier row is marked
+    dead. The index must have room for every key (no growth here). ``state`` gets the new
+    size and ``next_row >= stop``; the free list is left alone (see
+    :func:`rebuild_free_list`). Returns the number of keys that were already present.
+    """
+    mask = np.int64(index.shape[0] - 1)
+    dups = 0
+    added = 0
+    for r in range(start, stop):
+        if r + PREFETCH_DISTANCE < stop:
+            prefetch(index, home_slot(row_key[r + PREFETCH_DISTANCE], mask), 0)
+        k = row_key[r]
+        h = home_slot(k, mask)
+        while True:
+            old = index[h, 1]
+            if old < 0:
+                index[h, 0] = k
+                index[h, 1] = r
+                added += 1
+                break
+            if index[h, 0] == k:
+                live[old] = 0
+                index[h, 1] = r
+                dups += 1
+                break
+            h = (h + 1) & mask
+        live[r] = 1
+    state[0] += added  # SIZE
+    if stop > state[1]:  # NEXT_ROW
+        state[1] = stop
+    return dups
+
+
+@njit(nogil=True, cache=True)
+def rebuild_free_list(live, row_key, state):  # pragma: no cover - compiled
+    """Thread every row below ``next_row`` that is not live onto a new free list.
+
+    Lowest rows first (they are reused first). Returns the number of free rows.
+    """
+    head = np.int64(-1)
+    n = 0
+    for r in range(state[1] - 1, -1, -1):  # NEXT_ROW
+        if live[r] == 0:
+            row_key[r] = head
+            head = r
+            n += 1
+    state[2] = head  # FREE_HEAD
+    state[3] = n  # N_FREE
+    return n
+
