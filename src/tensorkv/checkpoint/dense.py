@@ -146,25 +146,42 @@ def entry_dtype(entry: dict[str, Any]) -> np.dtype:
     return BFLOAT16 if entry["dtype"] == "bfloat16" else np.dtype(entry["dtype"])
 
 
+def check_piece(name: str, entry: dict[str, Any], i: int, key: bytes, val: Any) -> memoryview:
+    """Verify chunk ``i`` of a tensor as read (present, digest); return it as a memoryview."""
+    if val is None:
+        raise CorruptRecordError(
+            f"variable {name!r}: chunk {i} ({key.decode()}) is missing from the store; "
+            "the tag is damaged (was the data garbage-collected?)"
+        )
+    if digest(val) != entry["chunks"][i]:
+        raise CorruptRecordError(
+            f"variable {name!r}: chunk {i} ({key.decode()}) fails its checksum; "
+            "the stored data is corrupted"
+        )
+    return memoryview(val)
+
+
+def place_piece(name: str, entry: dict[str, Any], i: int, piece: memoryview,
+                flat: np.ndarray) -> None:
+    """Copy verified chunk ``i`` into ``flat`` (the tensor's bytes), checking its length."""
+    cb = entry["chunk_bytes"]
+    off = i * cb
+    want = min(cb, entry["nbytes"] - off)
+    if piece.nbytes != want:
+        raise CorruptRecordError(
+            f"variable {name!r}: chunk {i} has {piece.nbytes} bytes, expected {want}"
+        )
+    flat[off : off + want] = np.frombuffer(piece, dtype=np.uint8)
+
+
 def _fetch(
     store: KVStore, name: str, entry: dict[str, Any], idx: list[int]
 ) -> list[memoryview]:
     keys = [layout.chunk_key(entry["chunks"][i]) for i in idx]
-    out: list[memoryview] = []
-    for i, key, val in zip(idx, keys, store.get_many(keys), strict=True):
-        d = entry["chunks"][i]
-        if val is None:
-            raise CorruptRecordError(
-                f"variable {name!r}: chunk {i} ({key.decode()}) is missing from the store; "
-                "the tag is damaged (was the data garbage-collected?)"
-            )
-        if digest(val) != d:
-            raise CorruptRecordError(
-                f"variable {name!r}: chunk {i} ({key.decode()}) fails its checksum; "
-                "the stored data is corrupted"
-            )
-        out.append(memoryview(val))
-    return out
+    return [
+        check_piece(name, entry, i, key, val)
+        for i, key, val in zip(idx, keys, store.get_many(keys), strict=True)
+    ]
 
 
 def read_full(store: KVStore, name: str, entry: dict[str, Any], on_bytes: Any = None) -> np.ndarray:
@@ -178,13 +195,7 @@ def read_full(store: KVStore, name: str, entry: dict[str, Any], on_bytes: Any = 
     for lo in range(0, n, step):
         idx = list(range(lo, min(n, lo + step)))
         for i, piece in zip(idx, _fetch(store, name, entry, idx), strict=True):
-            off = i * cb
-            if piece.nbytes != min(cb, entry["nbytes"] - off):
-                raise CorruptRecordError(
-                    f"variable {name!r}: chunk {i} has {piece.nbytes} bytes, expected "
-                    f"{min(cb, entry['nbytes'] - off)}"
-                )
-            flat[off : off + piece.nbytes] = np.frombuffer(piece, dtype=np.uint8)
+            place_piece(name, entry, i, piece, flat)
             if on_bytes:
                 on_bytes(piece.nbytes)
     return out

@@ -6,6 +6,7 @@ from typing import Any
 
 import numpy as np
 
+from tensorkv.checkpoint import bulk as _bulk
 from tensorkv.checkpoint import dense as _dense
 from tensorkv.checkpoint import keylists as _keylists
 from tensorkv.checkpoint import layout
@@ -123,6 +124,37 @@ def _stage_table(
     return rows, removed, is_chain
 
 
+def _table_items(
+    store: KVStore, doc: dict[str, Any], name: str, shard: int | None, num_shards: int | None
+) -> tuple[list[_bulk.Item], int]:
+    """The blocks and removals of a table's chain, in order, for :func:`bulk.restore`.
+
+    Each block gets the row positions ``pos .. pos + rows`` of the table's bulk import (in
+    the order the rows are applied). Returns the items (``imp`` still unset) and the number
+    of positions. The removed-key lists of incremental links are read here.
+    """
+    items: list[_bulk.Item] = []
+    pos = 0
+    row_bytes = 8 + 4 * doc["tables"][name]["dim"] * 3 + 16  # as the progress total counts
+    for s, chain in table_links(store, doc, name).items():
+        for tag, ent, info in chain:
+            hash_tag = ent.get("hash_tag")
+            prefix = layout.table_prefix(ent.get("data_tag", tag), name, int(s), hash_tag)
+            what = f"table {name!r} (tag {tag!r}, shard {s})"
+            for b, filt in _tables.blocks_for_shard(info["blocks"], shard, num_shards):
+                items.append(_bulk.Block(
+                    None, name, layout.block_key(prefix, b[1], b[0], hash_tag), pos, b[2], filt,
+                    shard, num_shards, f"{what} block {b[1]}", b[2] * row_bytes,
+                ))
+                pos += b[2]
+            if info.get("removed_pieces"):
+                rk = _keylists.read_key_list(
+                    store, prefix, info["removed_pieces"], what, _keylists.REMOVED
+                )
+                items.append(_bulk.Removal(None, _tables.filter_keys(rk, shard, num_shards)))
+    return items, pos
+
+
 def _import(table: Any, pending: list[_tables.Rows], presized: bool) -> None:
     """Import staged rows so that the table grows at most once.
 
@@ -211,11 +243,12 @@ def _check_slots(name: str, table: Any, rows: list[_tables.Rows]) -> None:
             )
 
 
-def _check_room(name: str, table: Any, rows: list[_tables.Rows]) -> None:
+def _check_room(name: str, table: Any, rows: list[_tables.Rows] | int) -> None:
     limit = getattr(table, "capacity_limit", None)
     if limit is None or getattr(table, "growth", True):
         return
-    n = sum(r.keys.shape[0] for r in rows if r.keys is not None)  # upper bound
+    n = rows if isinstance(rows, int) else sum(  # an upper bound
+        r.keys.shape[0] for r in rows if r.keys is not None)
     if n > limit:
         from tensorkv.errors import CapacityError
 
@@ -346,44 +379,70 @@ def load(
             * (8 + 4 * doc["tables"][n]["dim"] * 3 + 16)
             for n in tnames
         )
+        # Tables restored by a bulk import (new tables, and targets that support it) and the
+        # dense tensors are read, verified and copied in one pass (checkpoint/bulk.py); other
+        # targets (tiered tables) get staged rows and import_ them.
+        fast = [n for n in tnames if n not in tables_t or
+                getattr(tables_t[n], "can_bulk_import", False)]
+        slow = [n for n in tnames if n not in fast]
+        items: list[_bulk.Item] = []
+        staged_dense: dict[str, np.ndarray] = {}
+        for n in dnames:
+            staged_dense[n], chunks = _bulk.dense_items(n, doc["dense"][n])
+            items.extend(chunks)
+        imports: dict[str, Any] = {}
+        for n in fast:
+            table_items, positions = _table_items(store, doc, n, shard, num_shards)
+            if n in tables_t:
+                table = tables_t[n]
+                _check_room(n, table, positions)
+            else:
+                table = _table_class().from_meta(doc["tables"][n]["meta"])
+            imports[n] = imp = table.bulk_import(positions)
+            for it in table_items:
+                it.imp = imp
+            items.extend(table_items)
         pbar = bar(total, f"load {doc['tag']}", progress)
         try:
-            staged_dense = {
-                n: _dense.read_full(store, n, doc["dense"][n], pbar.update) for n in dnames
-            }
+            _bulk.restore(store, items, pbar.update)
             staged_tables = {
-                n: _stage_table(store, doc, n, shard, num_shards, pbar.update) for n in tnames
+                n: _stage_table(store, doc, n, shard, num_shards, pbar.update) for n in slow
             }
         finally:
             pbar.close()
+        del items
         for n, (rows, _, _) in staged_tables.items():
-            if n in tables_t:
-                _check_slots(n, tables_t[n], rows)
-                _check_room(n, tables_t[n], rows)
+            _check_slots(n, tables_t[n], rows)
+            _check_room(n, tables_t[n], rows)
         # --- everything is verified: build or assign
         if obj is None:
             out: dict[str, Any] = dict(staged_dense)
-            for n, (rows, removed, _) in staged_tables.items():
-                out[n] = _build_table(doc["tables"][n]["meta"], rows, removed)
+            for n in tnames:
+                imports[n].commit()
+                out[n] = imports[n].table
             return out
         built = {}
         for n, (rows, removed, is_chain) in staged_tables.items():
-            if n not in tables_t or is_chain:
+            if is_chain:
                 built[n] = _build_table(doc["tables"][n]["meta"], rows, removed)
+        for n in fast:
+            imports[n].commit()
         for n, arr in staged_dense.items():
             _assign_dense(obj, kind, dense_t, n, arr, doc["dense"][n].get("torch_dtype"))
-        for n, (rows, removed, _is_chain) in staged_tables.items():
+        for n in tnames:
             if n not in tables_t:
-                obj[n] = built[n]
+                obj[n] = imports[n].table
                 continue
             target = tables_t[n]
-            old = np.asarray(target.keys())
-            if len(old):
-                target.remove(old)
-            if n in built:
-                target.import_(built[n].export())
-            else:
-                _apply_rows(target, rows, removed)
+            if n in staged_tables:
+                rows, removed, _is_chain = staged_tables[n]
+                old = np.asarray(target.keys())
+                if len(old):
+                    target.remove(old)
+                if n in built:
+                    target.import_(built[n].export())
+                else:
+                    _apply_rows(target, rows, removed)
             _restore_meta(target, doc["tables"][n]["meta"])
             info = doc["tables"][n]["shards"]
             if shard is None and len(info) == 1:
