@@ -250,7 +250,7 @@ class RowArena:
         rows it moves down, so its background writer can read them after the call returns.
         """
         rows = np.empty(keys.shape[0], np.int64)
-        hk.index_detach(self.index, keys, rows, self.state, self.live)
+        hk.index_detach(self.index, keys, rows, self.state, self.row_key, self.live)
         return rows
 
     def attach(self, keys: np.ndarray, rows: np.ndarray) -> None:

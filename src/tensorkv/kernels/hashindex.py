@@ -198,6 +198,30 @@ def index_insert(
     return n
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _remove_keys(index, keys, rows_out, state, row_key, live, free):  # pragma: no cover
+    mask = np.int64(index.shape[0] - 1)
+    removed = 0
+    n = keys.shape[0]
+    for i in range(n):
+        if i + 16 < n:
+            prefetch(index, home_slot(keys[i + 16], mask), 0)
+        h = probe(index, keys[i], mask)
+        r = index[h, 1]
+        rows_out[i] = r
+        if r < 0:
+            continue
+        removed += 1
+        live[r] = 0
+        if free:  # on the free list, linked through row_key
+            row_key[r] = state[FREE_HEAD]
+            state[FREE_HEAD] = r
+            state[N_FREE] += 1
+        state[SIZE] -= 1
+        shift_out(index, h, mask)
+    return removed
+
+
 @njit(nogil=True, cache=True)
 def index_remove(index, keys, rows_out, state, row_key, live):  # pragma: no cover
     """Remove keys (backward-shift deletion); freed rows go on the free list.
@@ -205,52 +229,18 @@ def index_remove(index, keys, rows_out, state, row_key, live):  # pragma: no cov
     ``rows_out[i]`` is the freed row of key ``i`` or ``-1`` when it was absent (or a duplicate
     already removed in this call). Returns the number of keys removed.
     """
-    mask = np.int64(index.shape[0] - 1)
-    removed = 0
-    n = keys.shape[0]
-    for i in range(n):
-        if i + 16 < n:
-            prefetch(index, home_slot(keys[i + 16], mask), 0)
-        h = probe(index, keys[i], mask)
-        r = index[h, 1]
-        rows_out[i] = r
-        if r < 0:
-            continue
-        removed += 1
-        # free the row
-        live[r] = 0
-        row_key[r] = state[FREE_HEAD]
-        state[FREE_HEAD] = r
-        state[N_FREE] += 1
-        state[SIZE] -= 1
-        shift_out(index, h, mask)
-    return removed
+    return _remove_keys(index, keys, rows_out, state, row_key, live, True)
 
 
 @njit(nogil=True, cache=True)
-def index_detach(index, keys, rows_out, state, live):  # pragma: no cover - compiled
+def index_detach(index, keys, rows_out, state, row_key, live):  # pragma: no cover - compiled
     """Remove keys from the index but keep their rows off the free list (see :func:`free_rows`).
 
     A detached row is not live and keeps its data and its ``row_key``; it is reused only once
     :func:`free_rows` returns it, or when :func:`index_attach` maps a key to it again.
     ``rows_out`` as in :func:`index_remove`. Returns the number of keys detached.
     """
-    mask = np.int64(index.shape[0] - 1)
-    removed = 0
-    n = keys.shape[0]
-    for i in range(n):
-        if i + 16 < n:
-            prefetch(index, home_slot(keys[i + 16], mask), 0)
-        h = probe(index, keys[i], mask)
-        r = index[h, 1]
-        rows_out[i] = r
-        if r < 0:
-            continue
-        removed += 1
-        live[r] = 0
-        state[SIZE] -= 1
-        shift_out(index, h, mask)
-    return removed
+    return _remove_keys(index, keys, rows_out, state, row_key, live, False)
 
 
 @njit(nogil=True, cache=True)

@@ -443,7 +443,17 @@ class LowerTier(ABC):
         self.delete(self.keys())
 
 
-class RowSink:
+class _RowCopier:
+    """Tier 0 and the record layout, with the word type their kernels copy in."""
+
+    def __init__(self, arena: Any, layout: RecordLayout) -> None:
+        self.arena = arena
+        self.layout = layout
+        self.word = kr.word_dtype(layout.values_offset, layout.values_bytes,
+                                  layout.slots_offset, 4 * layout.slot_width)
+
+
+class RowSink(_RowCopier):
     """Where promoted records land: the row arrays of tier 0 (a DRAM or HBM arena).
 
     Parameters
@@ -453,12 +463,6 @@ class RowSink:
     layout
         The record layout of the lower tiers.
     """
-
-    def __init__(self, arena: Any, layout: RecordLayout) -> None:
-        self.arena = arena
-        self.layout = layout
-        self.word = kr.word_dtype(layout.values_offset, layout.values_bytes,
-                                  layout.slots_offset, 4 * layout.slot_width)
 
     def write(self, src: np.ndarray, src_rows: np.ndarray | None, rows: np.ndarray) -> None:
         """Copy records ``src[src_rows]`` (all of ``src`` when None) into tier-0 ``rows``.
@@ -483,7 +487,7 @@ class RowSink:
                            a.values.view(wd), a.slots.view(wd), a.freq, a.version, a.seq)
 
 
-class RowSource:
+class RowSource(_RowCopier):
     """Tier-0 rows on their way down: packs them into records (the reverse of a RowSink).
 
     Parameters
@@ -501,13 +505,10 @@ class RowSource:
 
     def __init__(self, arena: Any, layout: RecordLayout, keys: np.ndarray, rows: np.ndarray,
                  guard: Any = None) -> None:
-        self.arena = arena
-        self.layout = layout
+        super().__init__(arena, layout)
         self.keys = keys
         self.rows = rows
         self.guard = guard
-        self.word = kr.word_dtype(layout.values_offset, layout.values_bytes,
-                                  layout.slots_offset, 4 * layout.slot_width)
 
     def __len__(self) -> int:
         return int(self.rows.shape[0])
