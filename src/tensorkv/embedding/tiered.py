@@ -554,9 +554,11 @@ class TierChain:
         for tier, _ in self.lowers:
             for k, r in tier.scan(chunk_rows):
                 f = self.layout.unpack(r)
-                keep = f.change_seq > since
+                keep: Any = f.change_seq > since
                 if not keep.any():
                     continue
+                if keep.all():  # a full export: slices, not boolean gathers
+                    keep = slice(None)
                 yield ExportChunk(
                     k[keep].copy(), np.ascontiguousarray(f.values[keep]),
                     np.ascontiguousarray(f.slots[keep]), f.freq[keep].copy(),

@@ -590,7 +590,7 @@ class IndexedTier(LowerTier):
         with self._lock:
             self._check_open()
             keys, locs = self.index.items()
-        keys = keys[np.argsort(locs, kind="stable")]
+        keys = keys[np.argsort(locs)]  # locations are distinct: any sort gives one order
         for i in range(0, keys.size, chunk_rows):
             ck = keys[i : i + chunk_rows]
             found, recs = self.get(ck)
