@@ -43,6 +43,8 @@ RESTORE_THREADS = max(2, min(8, os.cpu_count() or 1))
 READ_GROUP_BYTES = _tables.READ_GROUP_BYTES
 #: Bytes of records handed to the workers and not yet indexed (bounds the values held).
 IN_FLIGHT_BYTES = 2 * READ_GROUP_BYTES
+#: Bytes of records a zero-copy store lends first, before the rest (so the workers start).
+HEAD_BYTES = 16 * 1024 * 1024
 
 
 @dataclass
@@ -79,18 +81,25 @@ class Chunk:
     key: bytes
     flat: np.ndarray
     nbytes: int
+    pages: Any  # tensorkv.pages.FreshPages
 
 
 Item = Block | Removal | Chunk
 
 
-def dense_items(name: str, entry: dict[str, Any]) -> tuple[np.ndarray, list[Chunk]]:
-    """A new array for a stored tensor and the chunk items that fill it."""
+def dense_items(name: str, entry: dict[str, Any], pages: Any) -> tuple[np.ndarray, list[Chunk]]:
+    """A new array for a stored tensor and the chunk items that fill it.
+
+    ``pages`` (a :class:`tensorkv.pages.FreshPages`) tracks the array: the copies
+    into it follow its page policy.
+    """
     out = np.empty(tuple(entry["shape"]), dtype=_dense.entry_dtype(entry))
     flat = out.reshape(-1).view(np.uint8)
+    pages.track(flat)
     cb = entry["chunk_bytes"]
     items = [
-        Chunk(name, entry, i, layout.chunk_key(d), flat, min(cb, entry["nbytes"] - i * cb))
+        Chunk(name, entry, i, layout.chunk_key(d), flat, min(cb, entry["nbytes"] - i * cb),
+              pages)
         for i, d in enumerate(entry["chunks"])
     ]
     return out, items
@@ -125,19 +134,26 @@ def _restore_block(b: Block, val: Any) -> int:
 
 def _restore_chunk(c: Chunk, val: Any) -> int:
     piece = _dense.check_piece(c.name, c.entry, c.index, c.key, val)
-    _dense.place_piece(c.name, c.entry, c.index, piece, c.flat)
+    _dense.place_piece(c.name, c.entry, c.index, piece, c.flat, c.pages)
     return piece.nbytes
 
 
 def _values(store: KVStore, records: list[Block | Chunk], stack: ExitStack) -> Iterator[Any]:
     """The value of each record, in order, valid until ``stack`` closes.
 
-    A zero-copy store lends every value at once (one read transaction); other stores are read
-    in groups, the next group fetched on a helper thread while this one is used.
+    A zero-copy store lends the values in two read transactions (a few, then the rest);
+    other stores are read in groups, the next group fetched on a helper thread while this
+    one is used.
     """
     keys = [r.key for r in records]
     if getattr(store, "zero_copy_reads", False):
-        yield from stack.enter_context(store.get_many_buffers(keys))
+        # two read transactions: a few records first, so the workers start at once, then
+        # the rest (lending a value costs a page-table walk over it, not a copy)
+        head = next((i + 1 for i, n in enumerate(np.cumsum([r.nbytes for r in records]))
+                     if n >= HEAD_BYTES), len(records))
+        for lo, hi in ((0, head), (head, len(records))):
+            if hi > lo:
+                yield from stack.enter_context(store.get_many_buffers(keys[lo:hi]))
         return
     groups: list[tuple[int, int]] = []
     lo = size = 0

@@ -162,8 +162,12 @@ def check_piece(name: str, entry: dict[str, Any], i: int, key: bytes, val: Any) 
 
 
 def place_piece(name: str, entry: dict[str, Any], i: int, piece: memoryview,
-                flat: np.ndarray) -> None:
-    """Copy verified chunk ``i`` into ``flat`` (the tensor's bytes), checking its length."""
+                flat: np.ndarray, pages: Any = None) -> None:
+    """Copy verified chunk ``i`` into ``flat`` (the tensor's bytes), checking its length.
+
+    ``pages`` (a :class:`tensorkv.pages.FreshPages` tracking ``flat``) maps the
+    fresh pages before the copy.
+    """
     cb = entry["chunk_bytes"]
     off = i * cb
     want = min(cb, entry["nbytes"] - off)
@@ -171,7 +175,11 @@ def place_piece(name: str, entry: dict[str, Any], i: int, piece: memoryview,
         raise CorruptRecordError(
             f"variable {name!r}: chunk {i} has {piece.nbytes} bytes, expected {want}"
         )
-    flat[off : off + want] = np.frombuffer(piece, dtype=np.uint8)
+    dst, src = flat[off : off + want], np.frombuffer(piece, dtype=np.uint8)
+    if pages is None:
+        dst[:] = src
+    else:
+        pages.fill([dst], lambda: np.copyto(dst, src))
 
 
 def _fetch(

@@ -195,6 +195,13 @@ def _apply_rows(
         _import(table, pending, presized)
 
 
+def _fresh_pages() -> Any:
+    """The page policy of the dense arrays a load fills (see ``FreshPages``)."""
+    from tensorkv.pages import FreshPages
+
+    return FreshPages()
+
+
 def _table_class() -> Any:
     try:
         from tensorkv.embedding import EmbeddingTable
@@ -387,8 +394,9 @@ def load(
         slow = [n for n in tnames if n not in fast]
         items: list[_bulk.Item] = []
         staged_dense: dict[str, np.ndarray] = {}
+        pages = _fresh_pages()
         for n in dnames:
-            staged_dense[n], chunks = _bulk.dense_items(n, doc["dense"][n])
+            staged_dense[n], chunks = _bulk.dense_items(n, doc["dense"][n], pages)
             items.extend(chunks)
         imports: dict[str, Any] = {}
         for n in fast:
@@ -410,6 +418,7 @@ def load(
             }
         finally:
             pbar.close()
+            pages.release()
         del items
         for n, (rows, _, _) in staged_tables.items():
             _check_slots(n, tables_t[n], rows)

@@ -31,6 +31,7 @@ from tensorkv.embedding.keys import as_int64_keys
 from tensorkv.embedding.optimizers import get_optimizer
 from tensorkv.errors import ConfigError, NonFiniteGradientError, ShapeError
 from tensorkv.kernels import arena as ak
+from tensorkv.pages import FreshPages
 
 META_FORMAT = 1
 
@@ -991,6 +992,9 @@ class EmbeddingTable:
                 f"initializer={self.initializer!r})")
 
 
+_INDEX_FILL_BYTES = 16 << 20  # a new hash index is filled this much at a time
+
+
 class BulkImport:
     """A new row arena for a table, filled from rows at known positions.
 
@@ -1003,6 +1007,10 @@ class BulkImport:
     alongside :meth:`index` / :meth:`remove`, which run on one thread in the order the rows
     must be applied (a later duplicate key wins, a removal removes what was indexed before).
     The numpy copies and numba kernels release the GIL.
+
+    Pages: the arena's arrays (and the index) are filled through a
+    :class:`~tensorkv.pages.FreshPages` (:attr:`pages`): base pages, populated
+    a range at a time; :meth:`commit` releases them.
     """
 
     def __init__(self, table: EmbeddingTable, positions: int) -> None:
@@ -1023,6 +1031,11 @@ class BulkImport:
         self._index_ready = False
         self._seq = table.mutation_seq + 1  # the rows' change sequence: one mutation
         self._done = False
+        #: The page policy of the arena's new arrays.
+        self.pages = FreshPages()
+        self.pages.track(a.values, a.slots, a.freq, a.version, a.seq, a.row_key, a.live)
+        #: Keys indexed so far that were indexed before (their later row won).
+        self.duplicates = 0
 
     def _check(self, start: int, chunk: Any) -> tuple[np.ndarray, ...]:
         try:
@@ -1077,37 +1090,56 @@ class BulkImport:
         a = self._arena
         stop = start + keys.shape[0]
         a.row_key[start:stop] = keys
-        if values.dtype == a.np_dtype:
-            a.values[start:stop] = values.view(a.values.dtype)
-        else:
-            a.values[start:stop] = a.to_raw(values)
-        if a.slot_width:
-            a.slots[start:stop] = slots
+
+        def copy() -> None:
+            if values.dtype == a.np_dtype:
+                a.values[start:stop] = values.view(a.values.dtype)
+            else:
+                a.values[start:stop] = a.to_raw(values)
+            if a.slot_width:
+                a.slots[start:stop] = slots
+
+        self.pages.fill([a.values[start:stop], a.slots[start:stop]], copy)
         a.freq[start:stop] = freq
         a.version[start:stop] = version
         a.seq[start:stop] = self._seq
         return stop - start
 
     def _ready_index(self) -> None:
-        if not self._index_ready:
-            from tensorkv.embedding.arena import _pow2_at_least
-            from tensorkv.kernels import hashindex as hk
+        if self._index_ready:
+            return
+        from tensorkv.embedding.arena import _pow2_at_least
 
-            a = self._arena
-            a.index = hk.new_index(_pow2_at_least(int(a.capacity / a.max_load) + 1))
-            self._index_ready = True
+        a = self._arena
+        # an empty index, as hashindex.new_index makes it, filled a piece at a time so its
+        # fresh pages follow the page policy too
+        index = np.empty((_pow2_at_least(int(a.capacity / a.max_load) + 1), 2), np.int64)
+        self.pages.track(index)
+        step = max(1, _INDEX_FILL_BYTES // 16)
+        for lo in range(0, index.shape[0], step):
+            piece = index[lo : lo + step]
+
+            def empty(piece: np.ndarray = piece) -> None:
+                piece[:, 0] = 0
+                piece[:, 1] = -1
+
+            self.pages.fill([piece], empty)
+        a.index = index
+        self._index_ready = True
 
     def index(self, start: int, stop: int) -> int:
         """Map the keys of positions ``start .. stop-1`` (put before) to their rows.
 
         A key indexed before moves to its new row (a later duplicate wins). Returns how many
-        keys were already present.
+        keys were already present (also added up in :attr:`duplicates`).
         """
         if not 0 <= start <= stop <= self.positions:
             raise ShapeError(f"rows {start}..{stop} lie outside the {self.positions} positions")
         self._ready_index()
         a = self._arena
-        return int(ak.bulk_index(a.index, a.row_key, a.live, start, stop, a.state))
+        dups = int(ak.bulk_index(a.index, a.row_key, a.live, start, stop, a.state))
+        self.duplicates += dups
+        return dups
 
     def remove(self, keys: Any) -> int:
         """Remove keys indexed so far; returns how many were present."""
@@ -1143,6 +1175,7 @@ class BulkImport:
                 f"{a.max_rows} (growth=False); build it with a larger capacity"
             )
         ak.rebuild_free_list(a.live, a.row_key, a.state)
+        self.pages.release()  # huge pages again for what the table touches from now on
         with t._lock.write():
             t._mseq += 1
             if t._mseq != self._seq:  # the table changed while the rows were copied

@@ -104,11 +104,16 @@ class _SharedEnv:
     be released by the second close), so stores on the same path share this object.
     """
 
-    def __init__(self, key: str, env: lmdb.Environment, readonly: bool, sync: bool) -> None:
+    def __init__(
+        self, key: str, env: lmdb.Environment, readonly: bool, sync: bool, readahead: bool
+    ) -> None:
         self.key = key
         self.env = env
         self.readonly = readonly
         self.sync = sync
+        self.readahead = readahead
+        self.bulk_readers = 0  # get_many_buffers calls reading with readahead on
+        self.bulk_lock = threading.Lock()
         self.gate = _TxnGate()
         self.write_lock = threading.Lock()
         self.pid = os.getpid()
@@ -168,7 +173,7 @@ def _acquire_env(
             raise _open_error(path, exc) from exc
         with contextlib.suppress(lmdb.Error):
             env.reader_check()  # free reader slots left by killed processes
-        shared = _SharedEnv(key, env, readonly, sync)
+        shared = _SharedEnv(key, env, readonly, sync, readahead)
         _ENVS[(shared.pid, key)] = shared
         return shared
 
@@ -292,6 +297,35 @@ class LMDBStore(KVStore):
             self._gate.leave()
             self._check_open()
 
+    @contextmanager
+    def _readahead(self, on: bool) -> Iterator[None]:
+        """Readahead on the memory map while a bulk read touches the pages of its values.
+
+        A store opened with ``readahead=False`` has its map advised ``MADV_RANDOM`` (lookups
+        are random); lending a value walks its pages, and each one not in the page cache
+        then costs a read of its own (4 KiB at a time: 60 s for a 2.8 GB restore from a cold
+        cache instead of 1 s). While any bulk read of this environment runs, the map is
+        advised ``MADV_NORMAL``, and ``MADV_RANDOM`` again after the last one.
+        """
+        sh = self._shared
+        if not on or sh.readahead:
+            yield
+            return
+        from tensorkv import pages
+
+        data = os.path.join(self.path, "data.mdb")
+        with sh.bulk_lock:
+            sh.bulk_readers += 1
+            if sh.bulk_readers == 1:
+                pages.madvise_ranges(pages.file_mappings(data), pages.MADV_NORMAL)
+        try:
+            yield
+        finally:
+            with sh.bulk_lock:
+                sh.bulk_readers -= 1
+                if not sh.bulk_readers:
+                    pages.madvise_ranges(pages.file_mappings(data), pages.MADV_RANDOM)
+
     def _adopt_map_size(self) -> None:
         """Another process grew the map: adopt its size (needs no active transaction)."""
         self._gate.enter_exclusive()
@@ -369,7 +403,8 @@ class LMDBStore(KVStore):
             try:
                 txn = self._env.begin(buffers=True)
                 get = txn.get
-                vals = [get(k) if len(k) <= limit else None for k in ks]
+                with self._readahead(len(ks) > 1):
+                    vals = [get(k) if len(k) <= limit else None for k in ks]
                 break
             except lmdb.MapResizedError:
                 if txn is not None:

@@ -1,0 +1,51 @@
+"""Page hints (tensorkv.pages): they change speed only, never contents."""
+
+from __future__ import annotations
+
+import mmap
+import sys
+
+import numpy as np
+import pytest
+
+from tensorkv import pages
+from tensorkv.stores import open_store
+
+linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise is Linux only")
+
+
+@linux
+def test_madvise_accepts_arrays_and_refuses_bad_advice():
+    a = np.zeros(4 * mmap.PAGESIZE + 100, np.uint8)
+    assert pages.madvise([a], pages.MADV_NOHUGEPAGE)
+    assert pages.madvise_ranges([(a.ctypes.data, a.ctypes.data + a.nbytes)], pages.MADV_NORMAL)
+    assert not pages.madvise([a], 9999)  # EINVAL: reported, not raised
+    assert pages.madvise([a[:10]], 9999)  # no whole page inside: nothing to advise
+
+
+def test_fresh_pages_fill_copies_exactly():
+    src = np.random.default_rng(0).random((1 << 16, 8), dtype=np.float32)
+    dst = np.empty_like(src)
+    fp = pages.FreshPages()
+    fp.track(dst)
+    for lo in range(0, src.shape[0], 10_000):
+        d, s = dst[lo : lo + 10_000], src[lo : lo + 10_000]
+        fp.fill([d], lambda d=d, s=s: np.copyto(d, s))
+    fp.release()
+    np.testing.assert_array_equal(dst, src)
+
+
+@linux
+def test_file_mappings_finds_the_lmdb_map_and_bulk_reads_restore_the_advice(tmp_path):
+    st = open_store(f"lmdb://{tmp_path}/db")
+    try:
+        st.put_many([(b"k%d" % i, bytes([i]) * 50_000) for i in range(8)])
+        maps = pages.file_mappings(str(tmp_path / "db" / "data.mdb"))
+        assert maps and all(hi > lo for lo, hi in maps)
+        assert pages.file_mappings(str(tmp_path / "nothing")) == []
+        with st.get_many_buffers([b"k%d" % i for i in range(8)] + [b"absent"]) as vals:
+            assert st._shared.bulk_readers == 0  # readahead is on only while lending
+            assert [bytes(v[:1]) for v in vals[:8]] == [bytes([i]) for i in range(8)]
+            assert vals[8] is None
+    finally:
+        st.close()
