@@ -39,13 +39,22 @@ def test_fresh_pages_fill_copies_exactly():
 def test_file_mappings_finds_the_lmdb_map_and_bulk_reads_restore_the_advice(tmp_path):
     st = open_store(f"lmdb://{tmp_path}/db")
     try:
-        st.put_many([(b"k%d" % i, bytes([i]) * 50_000) for i in range(8)])
+        st.put_many([(b"k%d" % i, bytes([i]) * 300_000) for i in range(8)])
         maps = pages.file_mappings(str(tmp_path / "db" / "data.mdb"))
         assert maps and all(hi > lo for lo, hi in maps)
         assert pages.file_mappings(str(tmp_path / "nothing")) == []
         with st.get_many_buffers([b"k%d" % i for i in range(8)] + [b"absent"]) as vals:
-            assert st._shared.bulk_readers == 0  # readahead is on only while lending
+            assert st._shared.bulk_readers == 1  # large values: readahead on while lent
             assert [bytes(v[:1]) for v in vals[:8]] == [bytes([i]) for i in range(8)]
             assert vals[8] is None
+        assert st._shared.bulk_readers == 0
+        with st.iter_buffers([b"absent", b"k3", b"k5"]) as it:
+            assert next(it) is None
+            assert st._shared.bulk_readers == 0  # nothing large lent yet
+            assert bytes(next(it)[:1]) == b"\x03"
+            assert st._shared.bulk_readers == 1
+        assert st._shared.bulk_readers == 0
+        assert st.get_many([b"k1", b"k2"])[1][:2] == b"\x02\x02"
+        assert st._shared.bulk_readers == 0
     finally:
         st.close()

@@ -4,7 +4,7 @@ A restore reads every record of the tag once: dense chunks go straight into thei
 arrays, and table blocks straight into the rows of a new row arena
 (:meth:`EmbeddingTable.bulk_import`), each block at positions fixed in advance by the
 manifest's row counts. So the rows are copied once, from the store's memory where the store
-lends it (:meth:`KVStore.get_many_buffers`: LMDB's memory map) or from the values read.
+lends it (LMDB's memory map, lent value by value) or from the values read.
 
 Work is split over threads (the copies, checksums and kernels release the GIL):
 
@@ -43,8 +43,6 @@ RESTORE_THREADS = max(2, min(8, os.cpu_count() or 1))
 READ_GROUP_BYTES = _tables.READ_GROUP_BYTES
 #: Bytes of records handed to the workers and not yet indexed (bounds the values held).
 IN_FLIGHT_BYTES = 2 * READ_GROUP_BYTES
-#: Bytes of records a zero-copy store lends first, before the rest (so the workers start).
-HEAD_BYTES = 16 * 1024 * 1024
 
 
 @dataclass
@@ -141,19 +139,14 @@ def _restore_chunk(c: Chunk, val: Any) -> int:
 def _values(store: KVStore, records: list[Block | Chunk], stack: ExitStack) -> Iterator[Any]:
     """The value of each record, in order, valid until ``stack`` closes.
 
-    A zero-copy store lends the values in two read transactions (a few, then the rest);
-    other stores are read in groups, the next group fetched on a helper thread while this
-    one is used.
+    A zero-copy store lends each value as it is reached (``iter_buffers``); other stores
+    are read in groups, the next group fetched on a helper thread while this one is used.
     """
     keys = [r.key for r in records]
-    if getattr(store, "zero_copy_reads", False):
-        # two read transactions: a few records first, so the workers start at once, then
-        # the rest (lending a value costs a page-table walk over it, not a copy)
-        head = next((i + 1 for i, n in enumerate(np.cumsum([r.nbytes for r in records]))
-                     if n >= HEAD_BYTES), len(records))
-        for lo, hi in ((0, head), (head, len(records))):
-            if hi > lo:
-                yield from stack.enter_context(store.get_many_buffers(keys[lo:hi]))
+    if getattr(store, "zero_copy_reads", False) and hasattr(store, "iter_buffers"):
+        # one read transaction; each value lent as the workers need it, so reading the
+        # pages the page cache lost overlaps the copies
+        yield from stack.enter_context(store.iter_buffers(keys))
         return
     groups: list[tuple[int, int]] = []
     lo = size = 0

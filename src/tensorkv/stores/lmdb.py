@@ -120,6 +120,9 @@ class _SharedEnv:
         self.refs = 1
 
 
+#: Values at least this large make the rest of a batch read with readahead on the map.
+BULK_VALUE_BYTES = 256 * 1024
+
 _ENVS: dict[tuple[int, str], _SharedEnv] = {}
 _ENVS_LOCK = threading.Lock()
 
@@ -297,18 +300,33 @@ class LMDBStore(KVStore):
             self._gate.leave()
             self._check_open()
 
-    @contextmanager
-    def _readahead(self, on: bool) -> Iterator[None]:
-        """Readahead on the memory map while a bulk read touches the pages of its values.
+    def _read_values(self, get: Any, keys: list[bytes]) -> list[Any]:
+        """``get`` each key; large values after the first are read with readahead on.
 
         A store opened with ``readahead=False`` has its map advised ``MADV_RANDOM`` (lookups
-        are random); lending a value walks its pages, and each one not in the page cache
-        then costs a read of its own (4 KiB at a time: 60 s for a 2.8 GB restore from a cold
-        cache instead of 1 s). While any bulk read of this environment runs, the map is
-        advised ``MADV_NORMAL``, and ``MADV_RANDOM`` again after the last one.
+        of small rows are random), so each page of a value not in the page cache costs a read
+        of its own: 4 KiB at a time, 60 s for a 2.8 GB restore from a cold cache instead of
+        1 s. Once a value of ``BULK_VALUE_BYTES`` or more turns up, the rest are read under
+        :meth:`_readahead`.
+        """
+        out: list[Any] = []
+        for i, k in enumerate(keys):
+            v = get(k)
+            out.append(v)
+            if v is not None and len(v) >= BULK_VALUE_BYTES and i + 1 < len(keys):
+                with self._readahead():
+                    out.extend(get(k) for k in keys[i + 1 :])
+                break
+        return out
+
+    @contextmanager
+    def _readahead(self) -> Iterator[None]:
+        """The map advised ``MADV_NORMAL`` while any bulk read of this environment runs.
+
+        ``MADV_RANDOM`` again after the last one (see :meth:`_read_values`).
         """
         sh = self._shared
-        if not on or sh.readahead:
+        if sh.readahead:
             yield
             return
         from tensorkv import pages
@@ -366,8 +384,7 @@ class LMDBStore(KVStore):
             self._enter()
             try:
                 with self._env.begin(buffers=False) as txn:
-                    get = txn.get
-                    return [get(k) for k in keys]
+                    return self._read_values(txn.get, keys)
             except lmdb.MapResizedError:
                 pass
             except lmdb.BadValsizeError:
@@ -394,36 +411,56 @@ class LMDBStore(KVStore):
         LMDB may have reused; arrays made from a view (``np.frombuffer``) are not covered:
         copy what must outlive the block. Keys longer than LMDB allows read as absent.
         """
+        with self.iter_buffers(keys) as values:
+            yield list(values)
+
+    @contextmanager
+    def iter_buffers(self, keys: Sequence[bytes]) -> Iterator[Iterator[memoryview | None]]:
+        """Like :meth:`get_many_buffers`, but each value is looked up as the iterator reaches it.
+
+        Lending a value walks its pages, reading from disk those the page cache lost, so a
+        consumer that works on each value as it comes (a restore) overlaps that reading with
+        its own work. One read transaction serves the whole iteration; the views stay valid
+        until the ``with`` block exits. Large values turn readahead on (see
+        :meth:`_read_values`).
+        """
         self._check_open()
         ks = _check_keys(keys)
         limit = self._max_key
         while True:
             self._enter()
-            txn = None
             try:
                 txn = self._env.begin(buffers=True)
-                get = txn.get
-                with self._readahead(len(ks) > 1):
-                    vals = [get(k) if len(k) <= limit else None for k in ks]
                 break
             except lmdb.MapResizedError:
-                if txn is not None:
-                    txn.abort()
                 self._gate.leave()
             except BaseException:
-                if txn is not None:
-                    txn.abort()
                 self._gate.leave()
                 raise
             self._adopt_map_size()
+        lent: list[memoryview] = []
+        ahead = contextlib.ExitStack()
+
+        def values() -> Iterator[memoryview | None]:
+            get = txn.get
+            bulk = False
+            for k in ks:
+                v = get(k) if len(k) <= limit else None
+                if v is not None:
+                    lent.append(v)
+                    if not bulk and len(v) >= BULK_VALUE_BYTES:
+                        bulk = True
+                        ahead.enter_context(self._readahead())
+                yield v
+
         self._views.depth = getattr(self._views, "depth", 0) + 1
         try:
-            yield vals
+            yield values()
         finally:
-            for v in vals:
-                if v is not None:
-                    with contextlib.suppress(BufferError):  # a view still exported
-                        v.release()
+            ahead.close()
+            for v in lent:
+                with contextlib.suppress(BufferError):  # a view still exported
+                    v.release()
             txn.abort()
             self._views.depth -= 1
             self._gate.leave()
