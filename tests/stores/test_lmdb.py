@@ -342,6 +342,26 @@ def test_get_many_buffers_views_the_map(tmp_path):
             assert vals == []
 
 
+def test_iter_buffers_lends_lazily_from_one_snapshot(tmp_path):
+    with tensorkv.open_store(f"lmdb://{tmp_path}/db") as s:
+        big = os.urandom(MiB)
+        s.put_many({b"a": b"1", b"b": big, b"c": b"3"})
+        with s.iter_buffers([b"a", b"b", b"c", b"absent"]) as it:
+            first = next(it)
+            s.put(b"c", b"changed")  # after the read transaction began: not seen
+            rest = list(it)
+            assert bytes(first) == b"1" and bytes(rest[0]) == big
+            assert bytes(rest[1]) == b"3" and rest[2] is None
+        with pytest.raises(ValueError, match="released"):
+            bytes(rest[0])
+        with s.iter_buffers([b"a", b"b", b"c"]) as it:  # left early: still cleaned up
+            part = next(it)
+        with pytest.raises(ValueError, match="released"):
+            bytes(part)
+        assert s.get(b"c") == b"changed"
+        s.put(b"d", b"4")  # writes still go through: the transaction ended
+
+
 def test_get_many_buffers_bad_keys_and_closed_store(tmp_path):
     s = tensorkv.open_store(f"lmdb://{tmp_path}/db")
     with pytest.raises(TypeError), s.get_many_buffers([b"ok", "str"]):
