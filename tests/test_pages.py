@@ -23,14 +23,15 @@ def test_madvise_accepts_arrays_and_refuses_bad_advice():
     assert pages.madvise([a[:10]], 9999)  # no whole page inside: nothing to advise
 
 
-def test_fresh_pages_fill_copies_exactly():
+def test_fresh_pages_prepared_copies_are_exact():
     src = np.random.default_rng(0).random((1 << 16, 8), dtype=np.float32)
     dst = np.empty_like(src)
     fp = pages.FreshPages()
     fp.track(dst)
     for lo in range(0, src.shape[0], 10_000):
         d, s = dst[lo : lo + 10_000], src[lo : lo + 10_000]
-        fp.fill([d], lambda d=d, s=s: np.copyto(d, s))
+        fp.prepare(d)
+        d[:] = s
     fp.release()
     np.testing.assert_array_equal(dst, src)
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import mmap
 import sys
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -109,7 +109,7 @@ def populate(arrays: Iterable[np.ndarray]) -> None:
 class FreshPages:
     """New arrays filled for the first time, on base pages (see the module docstring).
 
-    Thread-safe: :meth:`fill` may run on several threads at once.
+    Thread-safe: :meth:`prepare` may run on several threads at once.
     """
 
     def __init__(self) -> None:
@@ -122,10 +122,9 @@ class FreshPages:
         with self._lock:
             self._arrays.extend(arrays)
 
-    def fill(self, dst: Sequence[np.ndarray], copy: Callable[[], Any]) -> None:
-        """Populate ``dst`` (views of tracked arrays), then run ``copy``, which writes them."""
-        populate(dst)
-        copy()
+    def prepare(self, *views: np.ndarray) -> None:
+        """Map the pages of ``views`` (of tracked arrays) just before they are written."""
+        populate(views)
 
     def release(self) -> None:
         """Stop tracking the arrays and ask for huge pages again for them."""

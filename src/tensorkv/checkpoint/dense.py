@@ -175,11 +175,10 @@ def place_piece(name: str, entry: dict[str, Any], i: int, piece: memoryview,
         raise CorruptRecordError(
             f"variable {name!r}: chunk {i} has {piece.nbytes} bytes, expected {want}"
         )
-    dst, src = flat[off : off + want], np.frombuffer(piece, dtype=np.uint8)
-    if pages is None:
-        dst[:] = src
-    else:
-        pages.fill([dst], lambda: np.copyto(dst, src))
+    dst = flat[off : off + want]
+    if pages is not None:
+        pages.prepare(dst)
+    dst[:] = np.frombuffer(piece, dtype=np.uint8)
 
 
 def _fetch(

@@ -16,6 +16,7 @@ from tensorkv.checkpoint.access import using_store
 from tensorkv.checkpoint.objects import SINGLE_TABLE_NAME, collect
 from tensorkv.checkpoint.progress import bar
 from tensorkv.errors import CheckpointError, ShapeError
+from tensorkv.pages import FreshPages
 from tensorkv.stores.base import KVStore
 
 
@@ -193,13 +194,6 @@ def _apply_rows(
             pending.append(r)
     if pending:
         _import(table, pending, presized)
-
-
-def _fresh_pages() -> Any:
-    """The page policy of the dense arrays a load fills (see ``FreshPages``)."""
-    from tensorkv.pages import FreshPages
-
-    return FreshPages()
 
 
 def _table_class() -> Any:
@@ -394,7 +388,7 @@ def load(
         slow = [n for n in tnames if n not in fast]
         items: list[_bulk.Item] = []
         staged_dense: dict[str, np.ndarray] = {}
-        pages = _fresh_pages()
+        pages = FreshPages()  # base pages for the new dense arrays
         for n in dnames:
             staged_dense[n], chunks = _bulk.dense_items(n, doc["dense"][n], pages)
             items.extend(chunks)

@@ -820,13 +820,7 @@ class EmbeddingTable:
         return total
 
     def _check_chunk(self, ch: Any) -> tuple[np.ndarray, ...]:
-        try:
-            keys, values, slots, freq, version = tuple(ch)[:5]
-        except (TypeError, ValueError):
-            raise ShapeError(
-                f"import_ got {type(ch).__name__}; give ExportChunk objects or tuples "
-                "(keys, values, slots, freq, version)"
-            ) from None
+        keys, values, slots, freq, version = _chunk_fields(ch, "import_")
         keys = self._as_keys(keys)
         m = keys.shape[0]
         values = np.asarray(values)
@@ -992,7 +986,16 @@ class EmbeddingTable:
                 f"initializer={self.initializer!r})")
 
 
-_INDEX_FILL_BYTES = 16 << 20  # a new hash index is filled this much at a time
+def _chunk_fields(chunk: Any, what: str) -> tuple[Any, ...]:
+    """``(keys, values, slots, freq, version)`` of an imported chunk, unchecked."""
+    try:
+        keys, values, slots, freq, version = tuple(chunk)[:5]
+    except (TypeError, ValueError):
+        raise ShapeError(
+            f"{what} got {type(chunk).__name__}; give ExportChunk objects or tuples "
+            "(keys, values, slots, freq, version)"
+        ) from None
+    return keys, values, slots, freq, version
 
 
 class BulkImport:
@@ -1038,13 +1041,7 @@ class BulkImport:
         self.duplicates = 0
 
     def _check(self, start: int, chunk: Any) -> tuple[np.ndarray, ...]:
-        try:
-            keys, values, slots, freq, version = tuple(chunk)[:5]
-        except (TypeError, ValueError):
-            raise ShapeError(
-                f"bulk import got {type(chunk).__name__}; give ExportChunk objects or tuples "
-                "(keys, values, slots, freq, version)"
-            ) from None
+        keys, values, slots, freq, version = _chunk_fields(chunk, "bulk import")
         t, a = self.table, self._arena
         keys = t._as_keys(keys)
         m = keys.shape[0]
@@ -1090,16 +1087,13 @@ class BulkImport:
         a = self._arena
         stop = start + keys.shape[0]
         a.row_key[start:stop] = keys
-
-        def copy() -> None:
-            if values.dtype == a.np_dtype:
-                a.values[start:stop] = values.view(a.values.dtype)
-            else:
-                a.values[start:stop] = a.to_raw(values)
-            if a.slot_width:
-                a.slots[start:stop] = slots
-
-        self.pages.fill([a.values[start:stop], a.slots[start:stop]], copy)
+        self.pages.prepare(a.values[start:stop], a.slots[start:stop])
+        if values.dtype == a.np_dtype:
+            a.values[start:stop] = values.view(a.values.dtype)
+        else:
+            a.values[start:stop] = a.to_raw(values)
+        if a.slot_width:
+            a.slots[start:stop] = slots
         a.freq[start:stop] = freq
         a.version[start:stop] = version
         a.seq[start:stop] = self._seq
@@ -1111,19 +1105,12 @@ class BulkImport:
         from tensorkv.embedding.arena import _pow2_at_least
 
         a = self._arena
-        # an empty index, as hashindex.new_index makes it, filled a piece at a time so its
-        # fresh pages follow the page policy too
+        # an empty index, as hashindex.new_index makes it, on pages of the same policy
         index = np.empty((_pow2_at_least(int(a.capacity / a.max_load) + 1), 2), np.int64)
         self.pages.track(index)
-        step = max(1, _INDEX_FILL_BYTES // 16)
-        for lo in range(0, index.shape[0], step):
-            piece = index[lo : lo + step]
-
-            def empty(piece: np.ndarray = piece) -> None:
-                piece[:, 0] = 0
-                piece[:, 1] = -1
-
-            self.pages.fill([piece], empty)
+        self.pages.prepare(index)
+        index[:, 0] = 0
+        index[:, 1] = -1
         a.index = index
         self._index_ready = True
 

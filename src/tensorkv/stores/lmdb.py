@@ -112,7 +112,8 @@ class _SharedEnv:
         self.readonly = readonly
         self.sync = sync
         self.readahead = readahead
-        self.bulk_readers = 0  # get_many_buffers calls reading with readahead on
+        self.bulk_readers = 0  # bulk reads running with readahead on
+        self.bulk_ranges: list[tuple[int, int]] = []  # the map's address ranges meanwhile
         self.bulk_lock = threading.Lock()
         self.gate = _TxnGate()
         self.write_lock = threading.Lock()
@@ -300,30 +301,28 @@ class LMDBStore(KVStore):
             self._gate.leave()
             self._check_open()
 
-    def _read_values(self, get: Any, keys: list[bytes]) -> list[Any]:
-        """``get`` each key; large values after the first are read with readahead on.
+    def _values(self, get: Any, keys: list[bytes], ahead: contextlib.ExitStack) -> Iterator[Any]:
+        """``get`` each key in turn; once a large value turns up, readahead is on in ``ahead``.
 
         A store opened with ``readahead=False`` has its map advised ``MADV_RANDOM`` (lookups
         of small rows are random), so each page of a value not in the page cache costs a read
         of its own: 4 KiB at a time, 60 s for a 2.8 GB restore from a cold cache instead of
-        1 s. Once a value of ``BULK_VALUE_BYTES`` or more turns up, the rest are read under
-        :meth:`_readahead`.
+        1 s. From the first value of ``BULK_VALUE_BYTES`` or more, the rest are read under
+        :meth:`_readahead`, entered into ``ahead`` (the caller closes it).
         """
-        out: list[Any] = []
-        for i, k in enumerate(keys):
+        bulk = False
+        for k in keys:
             v = get(k)
-            out.append(v)
-            if v is not None and len(v) >= BULK_VALUE_BYTES and i + 1 < len(keys):
-                with self._readahead():
-                    out.extend(get(k) for k in keys[i + 1 :])
-                break
-        return out
+            if not bulk and v is not None and len(v) >= BULK_VALUE_BYTES:
+                bulk = True
+                ahead.enter_context(self._readahead())
+            yield v
 
     @contextmanager
     def _readahead(self) -> Iterator[None]:
         """The map advised ``MADV_NORMAL`` while any bulk read of this environment runs.
 
-        ``MADV_RANDOM`` again after the last one (see :meth:`_read_values`).
+        ``MADV_RANDOM`` again after the last one (see :meth:`_values`).
         """
         sh = self._shared
         if sh.readahead:
@@ -331,18 +330,18 @@ class LMDBStore(KVStore):
             return
         from tensorkv import pages
 
-        data = os.path.join(self.path, "data.mdb")
         with sh.bulk_lock:
             sh.bulk_readers += 1
-            if sh.bulk_readers == 1:
-                pages.madvise_ranges(pages.file_mappings(data), pages.MADV_NORMAL)
+            if sh.bulk_readers == 1:  # the map cannot move while a transaction is open
+                sh.bulk_ranges = pages.file_mappings(os.path.join(self.path, "data.mdb"))
+                pages.madvise_ranges(sh.bulk_ranges, pages.MADV_NORMAL)
         try:
             yield
         finally:
             with sh.bulk_lock:
                 sh.bulk_readers -= 1
                 if not sh.bulk_readers:
-                    pages.madvise_ranges(pages.file_mappings(data), pages.MADV_RANDOM)
+                    pages.madvise_ranges(sh.bulk_ranges, pages.MADV_RANDOM)
 
     def _adopt_map_size(self) -> None:
         """Another process grew the map: adopt its size (needs no active transaction)."""
@@ -383,8 +382,8 @@ class LMDBStore(KVStore):
         while True:
             self._enter()
             try:
-                with self._env.begin(buffers=False) as txn:
-                    return self._read_values(txn.get, keys)
+                with self._env.begin(buffers=False) as txn, contextlib.ExitStack() as ahead:
+                    return list(self._values(txn.get, keys, ahead))
             except lmdb.MapResizedError:
                 pass
             except lmdb.BadValsizeError:
@@ -422,7 +421,7 @@ class LMDBStore(KVStore):
         consumer that works on each value as it comes (a restore) overlaps that reading with
         its own work. One read transaction serves the whole iteration; the views stay valid
         until the ``with`` block exits. Large values turn readahead on (see
-        :meth:`_read_values`).
+        :meth:`_values`).
         """
         self._check_open()
         ks = _check_keys(keys)
@@ -441,21 +440,15 @@ class LMDBStore(KVStore):
         lent: list[memoryview] = []
         ahead = contextlib.ExitStack()
 
-        def values() -> Iterator[memoryview | None]:
-            get = txn.get
-            bulk = False
-            for k in ks:
-                v = get(k) if len(k) <= limit else None
-                if v is not None:
-                    lent.append(v)
-                    if not bulk and len(v) >= BULK_VALUE_BYTES:
-                        bulk = True
-                        ahead.enter_context(self._readahead())
-                yield v
+        def get(k: bytes, get: Any = txn.get) -> memoryview | None:
+            v = get(k) if len(k) <= limit else None
+            if v is not None:
+                lent.append(v)
+            return v
 
         self._views.depth = getattr(self._views, "depth", 0) + 1
         try:
-            yield values()
+            yield self._values(get, ks, ahead)
         finally:
             ahead.close()
             for v in lent:
