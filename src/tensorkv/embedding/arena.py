@@ -259,6 +259,20 @@ class RowArena:
             self._grow_index(len(self) + keys.size)
             hk.index_attach(self.index, keys, rows, self.state, self.row_key, self.live)
 
+    def hold_rows(self, n: int) -> np.ndarray:
+        """Take ``n`` unused rows without keys (growing if needed), held like detached rows.
+
+        A tiered table fills held rows from a background thread (prefetch) and maps keys to
+        them later with :meth:`attach`; :meth:`free_rows` gives unused ones back.
+        """
+        n = int(n)
+        need = self.high_water + max(0, n - int(self.state[hk.N_FREE]))
+        if need > self.capacity:
+            self._grow_rows(need)
+        rows = np.empty(n, np.int64)
+        got = hk.hold_rows(rows, self.state, self.row_key, self.capacity)
+        return rows[:got]
+
     def free_rows(self, rows: np.ndarray) -> None:
         """Give held (detached) rows back to the free list."""
         if rows.size:

@@ -331,6 +331,20 @@ class EmbeddingTable:
         """
         return self._lookup(self._as_keys(keys), insert, out)
 
+    def prefetch(self, keys: Any) -> None:
+        """Announce the next batch's keys; a no-op for a DRAM-only table.
+
+        A tiered table (``storage=...``) starts moving their rows up from the lower tiers
+        in the background, so the next :meth:`lookup` of them finds them in tier 0. Calling
+        it in every table's training loop is harmless: values never depend on it.
+
+        Parameters
+        ----------
+        keys
+            The keys of the batch after the current one (1-D int64 array or str/bytes).
+        """
+        self._as_keys(keys)
+
     def _lookup_buffer(self, n: int, out: np.ndarray | None) -> np.ndarray:
         """Validate ``out`` and return the buffer rows are gathered into (storage dtype)."""
         if out is not None and (not isinstance(out, np.ndarray) or out.dtype != np.float32

@@ -36,17 +36,19 @@ from typing import Any
 
 import numpy as np
 
+from tensorkv.embedding import prefetch
 from tensorkv.embedding.arena import RowArena
 from tensorkv.embedding.filters import Eviction
 from tensorkv.embedding.table import ExportChunk
 from tensorkv.embedding.tiers.base import LowerTier, RecordLayout, RowSink, RowSource
 from tensorkv.embedding.writeback import WriteQueue
-from tensorkv.errors import ConfigError, StoreClosedError
+from tensorkv.errors import ConfigError, StoreClosedError, TableError
 from tensorkv.kernels import cache as ck
 from tensorkv.kernels import hashindex as hk
 
 DEFAULT_MAX_PENDING_BYTES = 256 * 1024 * 1024
 CASCADE_LOW_WATER = 0.9  # a full lower tier cascades down to this share of its budget
+PREFETCH_MIN_ROWS = 4096  # rows held for a prefetch before its first result sizes them
 
 
 def _distinct(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -185,9 +187,19 @@ class TierChain:
         self.landed: list[_Pending] = []  # landed batches whose held rows are not freed yet
         self.stale: list[np.ndarray] = []  # keys promoted out of lower tiers, delete queued
         self.queue = WriteQueue(name)
+        # prefetch (:mod:`tensorkv.embedding.prefetch`): the job in flight, the rows it
+        # fetched (a held batch: keys not mapped yet) and how many rows the next one holds
+        self._prefetch: prefetch.FetchJob | None = None
+        self.fetched: _Pending | None = None
+        self.fetch_rows = PREFETCH_MIN_ROWS
+        # In a prefetching loop (lookup i, prefetch i + 1, apply i) the writes of the rows
+        # lookup i moved down wait for the prefetch, so its job runs first on the queue
+        self._prefetching = False
+        self._deferred: list[_Pending] = []
         names = ["tier0"] + [f"tier{i + 1}" for i in range(len(self.lowers))]
         self.counters = {n: dict.fromkeys(("hits", "misses", "promotions", "evictions"), 0)
                          for n in names}
+        self.counters["tier0"]["prefetched"] = 0
         self.closed = False
 
     def _check_open(self) -> None:
@@ -196,6 +208,74 @@ class TierChain:
                 "this tiered table was closed (its lower tiers are released); create a new "
                 "table and load it from a checkpoint"
             )
+
+    # ------------------------------------------------------------------ prefetch
+    def _held(self) -> list[_Pending]:
+        """Batches of detached rows searched before the lower tiers: pending, then fetched."""
+        return self.pending + [self.fetched] if self.fetched is not None else self.pending
+
+    def start_prefetch(self, keys: np.ndarray) -> None:
+        """Start moving the lower-tier rows of ``keys`` up in the background (training thread).
+
+        Call under the table's write lock. Rows of an earlier prefetch that no batch used go
+        back down first. See :mod:`tensorkv.embedding.prefetch`.
+        """
+        self._check_open()
+        self.queue.check()
+        if not self.lowers or keys.size == 0:
+            return
+        self.join_prefetch()
+        self._release_fetched()
+        a = self.arena
+        last = self._last
+        valid = last is not None and last[2] is a.state and np.array_equal(last[3], a.state)
+        held = a.hold_rows(min(int(keys.size), self.fetch_rows))
+        self._ensure_tick()
+        if valid:  # holding rows moves no key: the previous batch's rows stay valid
+            self._last = (last[0], last[1], a.state, a.state.copy())
+        job = prefetch.FetchJob(self, keys.copy(), held)
+        self._prefetch = job
+        self._prefetching = True
+        self.queue.submit(job, first=True)  # before queued writes: the next lookup waits
+        self._submit_deferred()
+
+    def join_prefetch(self) -> None:
+        """Wait for the prefetch in flight and take its rows over (training thread)."""
+        job, self._prefetch = self._prefetch, None
+        if job is None:
+            return
+        job.stop.set()  # what it has not fetched yet, this batch's promotion reads itself
+        if self.queue.cancel(job):
+            got = job.not_run()
+        else:
+            job.done.wait()
+            got = job.result
+        self.arena.free_rows(got.spare)
+        n = int(got.keys.size)
+        # the next prefetch holds room for a quarter more than this one found (at least the
+        # minimum): a job stops early when its held rows run out
+        self.fetch_rows = max(PREFETCH_MIN_ROWS, n + n // 4)
+        if n:
+            self.fetched = _Pending.make(got.keys, got.rows, self.layout.record_bytes)
+            self.counters["tier0"]["prefetched"] += n
+            for ti, c in enumerate(got.by_tier, start=1):
+                self.counters[f"tier{ti}"]["promotions"] += c
+        if got.error is not None:
+            raise TableError(
+                f"prefetching rows from the lower tiers failed: {got.error!r}. Rows read "
+                "before the error are kept; the next lookup reads the rest itself"
+            ) from got.error
+
+    def _release_fetched(self) -> None:
+        """Send fetched rows no batch took back down (they become a pending batch)."""
+        f, self.fetched = self.fetched, None
+        if f is None or not f.live.any():
+            return
+        with self.lock:
+            self.pending.append(f)
+            self.pending_bytes += f.nbytes
+        self.counters["tier0"]["evictions"] += int(f.live.sum())
+        self.queue.submit(lambda: self._land(f))
 
     # ------------------------------------------------------------------ reads of lower tiers
     def _stale(self) -> np.ndarray:
@@ -214,7 +294,7 @@ class TierChain:
         recs = np.zeros((n, self.layout.record_bytes), np.uint8)
         if n == 0:
             return found, recs
-        for p in self.pending:
+        for p in self._held():
             left = np.flatnonzero(~found)
             if left.size == 0:
                 break
@@ -259,6 +339,7 @@ class TierChain:
         """
         self._check_open()
         self.queue.check()
+        self._submit_deferred()
         a = self.arena
         last, self._last = self._last, None
         if not count and last is not None and last[2] is a.state and \
@@ -269,6 +350,7 @@ class TierChain:
             # and its rows are the most recently used already (no new tick, no touch)
             self._batch = (keys, last[1], a.state, a.state.copy(), True)
             return 0
+        self.join_prefetch()  # its rows may be some of this batch's
         self._reclaim()
         # the writer caught up: undo a spread left by a burst of writes (rows move)
         if not self.pending and self.pack_tier0(spread=1.5) and rows is not None:
@@ -300,6 +382,8 @@ class TierChain:
                     else int((where == ti).sum())
                 if c:
                     self.counters[f"tier{ti}"]["promotions"] += c
+        if self.fetched is not None and not self.fetched.live.any():
+            self.fetched = None  # every fetched row is in use
         # the batch's rows now, so after() need not look them up again
         rows[mpos] = mrows[inv]
         self._batch = (keys, rows, a.state, a.state.copy(), False)
@@ -308,18 +392,18 @@ class TierChain:
     def _take_lower(self, mk: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Move the distinct keys ``mk`` found below tier 0 into tier 0 (call under lock).
 
-        Returns ``(rows, where)``: each key's new tier-0 row (-1: not found) and where it came
-        from (0: the pending buffer, ``i``: lower tier ``i``, -1: nowhere). Pending rows are
-        taken at once (their held rows are attached again), and so are the rows of tiers that
-        move on read (SSDHASH); other lower-tier copies are deleted by a queued background job
-        (until it runs, readers ignore them).
+        Returns ``(rows, where)``: each key's new tier-0 row (-1: not found) and where it
+        came from (0: the pending buffer, ``i``: lower tier ``i``, -2: a prefetch, -1:
+        nowhere). Pending rows are taken at once (their held rows are attached again), and
+        so are the rows of tiers that move on read (SSDHASH); other lower-tier copies are
+        deleted by a queued background job (until it runs, readers ignore them).
         """
         a = self.arena
         n = mk.size
         rows = np.full(n, -1, np.int64)
         where = np.full(n, -1, np.int64)
         sink = RowSink(a, self.layout)
-        for p in self.pending:
+        for p in self._held():
             left = np.flatnonzero(rows < 0)
             if left.size == 0:
                 break
@@ -330,7 +414,7 @@ class TierChain:
                 p.live[j] = False
                 a.attach(mk[pos], p.rows[j])
                 rows[pos] = p.rows[j]
-                where[pos] = 0
+                where[pos] = -2 if p is self.fetched else 0
         stale = self._stale()
         stale_map = _key_map(stale) if stale.size else None
         queued: list[np.ndarray] = []  # keys whose lower-tier copy a background job deletes
@@ -434,10 +518,20 @@ class TierChain:
             self.pending.append(p)
             self.pending_bytes += p.nbytes
         self.counters["tier0"]["evictions"] += keys.size
-        self.queue.submit(lambda: self._land(p))
+        if self._prefetching:  # the next prefetch's job goes first (see start_prefetch)
+            self._deferred.append(p)
+        else:
+            self.queue.submit(lambda: self._land(p))
         if self.pending_bytes > self.max_pending_bytes:
+            self._submit_deferred()
             self.queue.wait_below(2)  # let the writer catch up: at most the newest in flight
             self._reclaim()
+
+    def _submit_deferred(self) -> None:
+        """Queue the writes of batches moved down while a prefetch was expected."""
+        done, self._deferred = self._deferred, []
+        for p in done:
+            self.queue.submit(lambda p=p: self._land(p))
 
     def _reclaim(self) -> None:
         """Free the held rows of landed batches (training thread, under the table's lock).
@@ -509,8 +603,8 @@ class TierChain:
         or between batches when the writer has caught up). Returns the rows moved.
         """
         a = self.arena
-        if self.pending:
-            return 0
+        if self.pending or self.fetched is not None or self._prefetch is not None:
+            return 0  # held rows would be overwritten
         self._reclaim()
         n = len(a)
         if a.high_water <= spread * n or a.high_water - n < 1024:
@@ -526,9 +620,18 @@ class TierChain:
 
     # ------------------------------------------------------------------ whole-table views
     def sync(self) -> None:
-        """Wait until every pending batch has landed (re-raising a failed write)."""
+        """Wait until every pending batch has landed (re-raising a failed write).
+
+        A prefetch is finished first and the rows it fetched go back down, so the lower tiers
+        hold every row below tier 0 afterwards.
+        """
         self._check_open()
-        self.queue.flush()
+        try:
+            self.join_prefetch()
+        finally:
+            self._release_fetched()
+            self._submit_deferred()
+            self.queue.flush()
 
     def lower_len(self) -> int:
         """Rows below tier 0 (after :meth:`sync`)."""
@@ -545,6 +648,7 @@ class TierChain:
         """``(found, records)`` of keys below tier 0, without moving them."""
         self._check_open()
         self.queue.check()
+        self.join_prefetch()  # no row is on its way up meanwhile
         with self.lock:
             return self.lookup_lower(keys)
 

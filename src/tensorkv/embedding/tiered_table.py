@@ -185,6 +185,39 @@ class TieredEmbeddingTable(EmbeddingTable):
             with self._lock.read():
                 return self._arena.lookup_torch(k, fill=host)
 
+    def prefetch(self, keys: Any) -> None:
+        """Start moving the next batch's rows up from the lower tiers in the background.
+
+        Call it with the keys of batch ``i + 1`` once batch ``i`` has been looked up (before
+        its :meth:`apply_gradients`, or before the dense model's forward pass): a background
+        thread reads their records from the lower tiers into spare tier-0 rows while batch
+        ``i`` trains, and the :meth:`lookup` of batch ``i + 1`` only maps the keys to those
+        rows. Results are bit-identical with or without prefetching (rows move whole); the
+        tier-0 hit/miss counters still count the prefetched keys as misses, and
+        ``stats()["tiers"][0]["prefetched"]`` counts the rows moved ahead.
+
+        One prefetch is in flight at a time: a second call first finishes the first, and
+        rows it fetched that no lookup used go back down. Operations that read below
+        tier 0 (``contains``, ``frequency``, ``len``, ``export``...) wait for it.
+
+        Examples
+        --------
+        >>> import numpy as np, tempfile
+        >>> from tensorkv import EmbeddingTable
+        >>> t = EmbeddingTable(8, optimizer="adagrad", storage="DRAM_SSDHASH",
+        ...                    storage_path=tempfile.mkdtemp(), storage_size=["64KiB"])
+        >>> batches = [np.arange(i * 100, i * 100 + 100) for i in range(4)] * 2
+        >>> for i, keys in enumerate(batches):
+        ...     rows = t.lookup(keys)
+        ...     if i + 1 < len(batches):
+        ...         t.prefetch(batches[i + 1])
+        ...     n = t.apply_gradients(keys, np.ones_like(rows))
+        >>> t.close()
+        """
+        k = self._as_keys(keys)
+        with self._op, self._lock.write():
+            self._chain.start_prefetch(k)
+
     def lookup(self, keys: Any, insert: bool = True,  # noqa: D102
                out: np.ndarray | None = None) -> np.ndarray:
         k = self._as_keys(keys)

@@ -79,10 +79,19 @@ class WriteQueue:
         self._error: BaseException | None = None
         self.completed = 0
 
-    def submit(self, job: Callable[[], None]) -> None:
-        """Queue ``job``; it runs after every job queued before it."""
+    def submit(self, job: Callable[[], None], first: bool = False) -> None:
+        """Queue ``job``; it runs after every job queued before it.
+
+        ``first``: run it next instead, before the queued jobs (after the running one); for
+        jobs whose order against the others does not matter (a prefetch).
+        """
         with self._cond:
-            self._jobs.append(job)
+            if not first:
+                self._jobs.append(job)
+            elif self._running and self._jobs:
+                self._jobs.insert(1, job)  # jobs[0] is running
+            else:
+                self._jobs.appendleft(job)
             if self._running:
                 return
             self._running = True
@@ -111,6 +120,18 @@ class WriteQueue:
                 self._jobs.popleft()
                 self.completed += 1
                 self._cond.notify_all()
+
+    def cancel(self, job: Callable[[], None]) -> bool:
+        """Remove ``job`` if it has not started; returns whether it was removed."""
+        with self._cond:
+            if self._running and self._jobs and self._jobs[0] is job:
+                return False  # running (or about to)
+            try:
+                self._jobs.remove(job)
+            except ValueError:
+                return False  # done
+            self._cond.notify_all()
+            return True
 
     @property
     def pending(self) -> int:

@@ -1,0 +1,170 @@
+"""Fetching the next batch's rows up from the lower tiers while the current batch trains.
+
+``TieredEmbeddingTable.prefetch(next_keys)`` hands the keys of the next batch to the table's
+background write-back queue (:mod:`tensorkv.embedding.writeback`). The job moves the rows of
+those keys that live below tier 0 into *held* tier-0 rows -- rows of tier 0's arrays that no
+key maps to yet (:meth:`~tensorkv.embedding.arena.RowArena.hold_rows`), so the training
+thread's work on the other rows is undisturbed. The next
+:meth:`~tensorkv.embedding.tiered.TierChain.promote` maps the keys to those rows (an index
+insert, no copy), as it does for rows still waiting in the write-back buffer. Values never
+depend on whether or when a prefetch ran: a row is moved whole (value, slots, frequency,
+version, change sequence), exactly as a promotion moves it.
+
+What keeps this consistent with the other threads:
+
+* The training thread waits for the job (:meth:`TierChain.join_prefetch`) before it reads or
+  moves anything below tier 0, so the job is the only reader of the lower tiers' copies it
+  takes; it writes only its held rows and never touches tier 0's index or allocator.
+* The job runs on the table's write-back queue, whose jobs run one at a time: no landing,
+  cascade or delete of this table runs while it reads. It goes before queued writes.
+* It skips keys in the write-back buffer or whose lower copies are stale (their delete
+  still queued): a key found in a lower tier and in neither list is in no other place.
+* Records land in tier 0's arrays under ``pack_lock`` (the arrays cannot move then).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from tensorkv.embedding.tiers.base import RowSink
+
+if TYPE_CHECKING:
+    from tensorkv.embedding.tiered import TierChain
+
+CHUNK_KEYS = 2048  # keys read between two checks of ``stop``
+
+
+class GuardedSink(RowSink):
+    """A :class:`RowSink` that writes while holding ``guard`` (tier 0's arrays stay put)."""
+
+    def __init__(self, arena: Any, layout: Any, guard: Any) -> None:
+        super().__init__(arena, layout)
+        self.guard = guard
+
+    def write(self, src: np.ndarray, src_rows: np.ndarray | None, rows: np.ndarray) -> None:
+        """:meth:`RowSink.write` under the guard."""
+        with self.guard:
+            super().write(src, src_rows, rows)
+
+
+@dataclass
+class Fetched:
+    """What a prefetch job moved up: keys, the held rows now holding them, and the rest.
+
+    Attributes
+    ----------
+    keys, rows
+        Distinct keys fetched and their held tier-0 rows.
+    spare
+        Held rows the job did not use (freed by the training thread).
+    by_tier
+        Rows fetched from each lower tier (index 0: tier 1).
+    error
+        The exception that stopped the job early (what it fetched before is kept).
+    """
+
+    keys: np.ndarray
+    rows: np.ndarray
+    spare: np.ndarray
+    by_tier: list[int] = field(default_factory=list)
+    error: BaseException | None = None
+
+
+class FetchJob:
+    """One prefetch: run on the table's write-back queue, stopped early on request.
+
+    Parameters
+    ----------
+    chain
+        The tier chain.
+    keys
+        The next batch's keys.
+    held
+        Held tier-0 rows the job may fill.
+    """
+
+    def __init__(self, chain: TierChain, keys: np.ndarray, held: np.ndarray) -> None:
+        self.chain = chain
+        self.keys = keys
+        self.held = held
+        self.stop = threading.Event()  # set by the training thread: finish the chunk, return
+        self.done = threading.Event()
+        self.result: Fetched | None = None
+
+    def __call__(self) -> None:
+        """Run the fetch (on the write-back thread); ``done`` is set however it ends."""
+        try:
+            self.result = fetch(self.chain, self.keys, self.held, self.stop)
+        finally:
+            self.done.set()
+
+    def not_run(self) -> Fetched:
+        """The result of a job removed from the queue before it started."""
+        empty = np.empty(0, np.int64)
+        return Fetched(empty, empty, self.held, [0] * len(self.chain.lowers))
+
+
+def fetch(chain: TierChain, keys: np.ndarray, held: np.ndarray,
+          stop: threading.Event | None = None) -> Fetched:
+    """Background job: move the rows of ``keys`` stored below tier 0 into ``held`` rows.
+
+    At most ``held.size`` rows are fetched (the first ones found, in key order of first
+    occurrence); keys in the write-back buffer or with stale lower copies are left to the
+    promotion, as are keys already in tier 0 (no lower tier holds them). ``stop``: checked
+    between chunks; once set, the job returns what it has fetched.
+    """
+    from tensorkv.embedding.tiered import _distinct, _find, _key_map
+
+    lowers = [t for t, _ in chain.lowers]
+    by_tier = [0] * len(lowers)
+    got_keys: list[np.ndarray] = []
+    got_rows: list[np.ndarray] = []
+    used = 0
+    try:
+        uniq, _ = _distinct(keys)
+        with chain.lock:
+            skip = [p.keys for p in chain.pending] + list(chain.stale)
+        if skip:
+            uniq = uniq[_find(_key_map(np.concatenate(skip)), uniq) < 0]
+        sink = GuardedSink(chain.arena, chain.layout, chain.pack_lock)
+        for start in range(0, uniq.size, CHUNK_KEYS):
+            if used >= held.size or (stop is not None and stop.is_set()):
+                break
+            left = uniq[start:start + CHUNK_KEYS]
+            for ti, tier in enumerate(lowers):
+                if left.size == 0 or used >= held.size:
+                    break
+                if left.size > held.size - used:  # fetch only what the held rows hold
+                    left = left[tier.contains(left)][:held.size - used]
+                base = used
+
+                def alloc(found: np.ndarray, base: int = base) -> np.ndarray:
+                    return held[base:base + int(found.sum())]
+
+                found = tier.read_into(left, alloc, sink, take=True)
+                n = int(found.sum())
+                if n:
+                    got = left[found]
+                    got_keys.append(got)
+                    got_rows.append(held[base:base + n])
+                    used += n
+                    by_tier[ti] += n
+                    if not tier.takes_on_read:  # the copies go in the background
+                        with chain.lock:
+                            chain.stale.append(got)
+                        chain.queue.submit(lambda g=got: chain._drop(g))
+                    left = left[~found]
+        error = None
+    except BaseException as e:  # kept: the training thread re-raises it after taking the rows
+        error = e
+    empty = np.empty(0, np.int64)
+    return Fetched(np.concatenate(got_keys) if got_keys else empty,
+                   np.concatenate(got_rows) if got_rows else empty,
+                   held[used:], by_tier, error)
+
+
+__all__ = ["CHUNK_KEYS", "FetchJob", "Fetched", "GuardedSink", "fetch"]
