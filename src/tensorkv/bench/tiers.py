@@ -16,6 +16,12 @@ Figures per case:
   (:func:`tensorkv.kernels.cache.lru_hits`); ratio 1.0 = same as the simulation.
 * ``SSDHASH vs LEVELDB``: ``DRAM_SSDHASH`` throughput vs ``DRAM_LEVELDB`` at each setting.
 
+Options: ``prefetch=true`` trains the tiered tables as a pipelined loop (``prefetch`` of
+batch ``i + 1`` between the lookup and the apply of batch ``i``; the DRAM-only table's
+``prefetch`` does nothing). ``model_ms=N`` makes every step of every table wait ``N`` ms
+between lookup and apply, standing for the dense model's forward and backward pass on an
+accelerator, during which a prefetch runs.
+
 Timing: 40 timed steps after 3 warm-up steps (quick: 8); the DRAM-only baseline is the best of
 3 passes over the same timed batches, the tiered table one pass (its cost depends on its
 cache state). Runs long enough to roll SSDHASH segments include compaction, as they would in
@@ -71,18 +77,35 @@ def _fill(table, n_keys: int, dim: int, num_slots: int, chunk: int) -> None:
         table.import_([(keys, values, slots, z, z)])
 
 
+def _steps(table, batches: list[np.ndarray], grads: np.ndarray, prefetch: bool,
+           model_s: float = 0.0) -> None:
+    """Lookup + apply each batch; with ``prefetch`` the next batch is announced in between.
+
+    ``model_s``: seconds the training thread waits between lookup and apply, standing for the
+    dense model's forward and backward pass on an accelerator.
+    """
+    for i, b in enumerate(batches):
+        table.lookup(b)
+        if prefetch and i + 1 < len(batches):
+            table.prefetch(batches[i + 1])
+        if model_s:
+            time.sleep(model_s)
+        table.apply_gradients(b, grads)
+
+
 def _train(table, batches: list[np.ndarray], grads: np.ndarray, warmup: int,
-           stats: list | None = None, passes: int = 1) -> float:
+           stats: list | None = None, passes: int = 1, prefetch: bool = False,
+           model_s: float = 0.0) -> float:
     """Seconds of the timed batches (after ``warmup`` untimed ones), final flush included.
 
     With ``stats`` (a list), the tiered table's per-tier counters (``stats()["tiers"]``)
     before and after the timed batches are appended to it. ``passes`` > 1 runs the timed
     batches that many times and returns the fastest pass (for the DRAM-only baseline, whose
-    cost does not depend on what ran before).
+    cost does not depend on what ran before). ``prefetch``: announce each next batch with
+    ``table.prefetch`` between its lookup and apply (a pipelined training loop); ``model_s``
+    as in :func:`_steps`.
     """
-    for b in batches[:warmup]:
-        table.lookup(b)
-        table.apply_gradients(b, grads)
+    _steps(table, batches[:warmup], grads, prefetch, model_s)
     if hasattr(table, "wait_writes"):
         table.wait_writes()
     if stats is not None:
@@ -90,9 +113,7 @@ def _train(table, batches: list[np.ndarray], grads: np.ndarray, warmup: int,
     best = float("inf")
     for _ in range(passes):
         t0 = time.perf_counter()
-        for b in batches[warmup:]:
-            table.lookup(b)
-            table.apply_gradients(b, grads)
+        _steps(table, batches[warmup:], grads, prefetch, model_s)
         if hasattr(table, "wait_writes"):
             table.wait_writes()  # every evicted row has landed in its tier
         best = min(best, time.perf_counter() - t0)
@@ -140,13 +161,21 @@ def run(
     zipfs: tuple[float, ...] = ZIPFS,
     backends: tuple[str, ...] = BACKENDS,
     data_dir: str | None = None,
+    prefetch: bool = False,
+    model_ms: float = 0.0,
 ) -> None:
     """Run the workload (see the module docstring).
 
     Keyword arguments shrink it for tests or pick cases: ``fractions``, ``zipfs`` and
     ``backends`` also take comma-separated strings (``tensorkv bench tiers -p
-    fractions=0.1 -p backends=DRAM_SSDHASH,DRAM_LEVELDB``).
+    fractions=0.1 -p backends=DRAM_SSDHASH,DRAM_LEVELDB``). ``prefetch=true`` runs the
+    tiered tables as a pipelined loop (``prefetch`` of batch ``i + 1`` after the lookup of
+    batch ``i``); ``model_ms`` makes every step (baseline too) wait that long between
+    lookup and apply, standing for the dense model's pass on an accelerator.
     """
+    model_s = float(model_ms) / 1000.0
+    if model_s < 0:
+        raise ValueError(f"model_ms={model_ms!r} must be >= 0")
     fractions = _as_tuple(fractions, float)
     zipfs = _as_tuple(zipfs, float)
     backends = _as_tuple(backends, lambda b: str(b).upper())
@@ -158,7 +187,7 @@ def run(
         "timed_steps": steps, "warmup_steps": warmup, "baseline_passes": baseline_passes,
         "fractions": list(fractions),
         "zipf": list(zipfs), "backends": list(backends), "cache_strategy": "lru",
-        "record_bytes": lay.record_bytes,
+        "record_bytes": lay.record_bytes, "prefetch": bool(prefetch), "model_ms": float(model_ms),
         "note": "default full size is 5M keys (20M with -p n_keys=20000000); hit % counts a "
                 "key missing twice in a batch as one miss",
     })
@@ -168,6 +197,7 @@ def run(
     rng = np.random.default_rng(0)
     perm = rng.permutation(n_keys)
     grads = (rng.standard_normal((batch, dim), dtype=np.float32) * np.float32(1e-3))
+    mode = (" prefetch" if prefetch else "") + (f" model={model_ms:g}ms" if model_s else "")
     try:
         _warm_up(root, dim)
         for a in zipfs:
@@ -176,7 +206,8 @@ def run(
             timed = trace[warmup * batch:]
             ref = EmbeddingTable(dim, optimizer="adagrad", capacity=n_keys)
             _fill(ref, n_keys, dim, 1, batch)
-            t_ref = _train(ref, batches, grads, warmup, passes=baseline_passes)
+            t_ref = _train(ref, batches, grads, warmup, passes=baseline_passes,
+                           model_s=model_s)
             dram = timed.size / t_ref / 1e6
             del ref
             gc.collect()
@@ -198,32 +229,36 @@ def run(
                         _fill(t, n_keys, dim, 1, batch)
                         t.flush()
                         snaps: list = []
-                        secs = _train(t, batches, grads, warmup, snaps)
+                        secs = _train(t, batches, grads, warmup, snaps, prefetch=prefetch,
+                                      model_s=model_s)
                         before, after = snaps
                     finally:
                         t.close()
                         del t
                         shutil.rmtree(path, ignore_errors=True)
                         gc.collect()
-                    case = f"{name} tier0={frac:.0%} zipf={a}"
+                    case = f"{name} tier0={frac:.0%} zipf={a}{mode}"
                     mk = timed.size / secs / 1e6
                     by_backend[(name, frac)] = mk
                     compactions = after[1].get("compactions", 0) - before[1].get("compactions", 0)
+                    # lookups only: the chain counts hits/misses of lookup batches
+                    hits = after[0]["hits"] - before[0]["hits"]
+                    misses = after[0]["misses"] - before[0]["misses"]
+                    fetched = after[0]["prefetched"] - before[0]["prefetched"]
                     report.add(case, "Mkeys/s", mk, "DRAM-only table", dram,
                                note="lookup+apply, incl. landing all write-backs; baseline: "
                                     f"best of {baseline_passes} passes"
                                     + (f"; {compactions} compactions" if name == "DRAM_SSDHASH"
-                                       else ""))
-                    # lookups only: the chain counts hits/misses of lookup batches
-                    hits = after[0]["hits"] - before[0]["hits"]
-                    misses = after[0]["misses"] - before[0]["misses"]
+                                       else "")
+                                    + (f"; {100.0 * fetched / max(misses, 1):.0f}% of misses "
+                                       "prefetched" if prefetch else ""))
                     hit = 100.0 * hits / max(hits + misses, 1)
                     over = " (< one batch: tier 0 holds the batch while it runs)" \
                         if rows0 < distinct else ""
                     report.add(case, "tier0 hit %", hit, "LRU simulation", sim_hit,
                                note=f"tier0={rows0} rows, batch ~{distinct} distinct{over}")
                 if ("DRAM_SSDHASH", frac) in by_backend and ("DRAM_LEVELDB", frac) in by_backend:
-                    report.add(f"SSDHASH vs LEVELDB tier0={frac:.0%} zipf={a}", "Mkeys/s",
+                    report.add(f"SSDHASH vs LEVELDB tier0={frac:.0%} zipf={a}{mode}", "Mkeys/s",
                                by_backend[("DRAM_SSDHASH", frac)], "DRAM_LEVELDB",
                                by_backend[("DRAM_LEVELDB", frac)])
     finally:
