@@ -24,3 +24,22 @@ def test_bench_tiers_tiny(tmp_path):
             assert 0 < r.value <= 100 and 0 < r.baseline_value <= 100
     assert report.params["n_keys"] == 3000
     assert list(tmp_path.iterdir()) == []  # data removed
+
+
+def test_bench_tiers_prefetch_and_model_step(tmp_path):
+    report = Report("tiers", quick=True, echo=False)
+    bench_tiers.run(True, report, n_keys=3000, batch=256, dim=8, steps=3,
+                    fractions=(0.1,), zipfs=(1.05,), backends=("DRAM_SSDHASH",),
+                    data_dir=str(tmp_path), prefetch=True, model_ms=1)
+    (speed, hit) = report.results
+    assert speed.case == "DRAM_SSDHASH tier0=10% zipf=1.05 prefetch model=1ms"
+    assert "of misses prefetched" in speed.note and hit.metric == "tier0 hit %"
+    assert report.params["prefetch"] is True and report.params["model_ms"] == 1.0
+
+
+def test_bench_tiers_rejects_negative_model_time(tmp_path):
+    import pytest
+
+    with pytest.raises(ValueError, match="model_ms=-1"):
+        bench_tiers.run(True, Report("tiers", quick=True, echo=False), n_keys=100,
+                        model_ms=-1, data_dir=str(tmp_path))
