@@ -269,13 +269,8 @@ class TierChain:
     def _release_fetched(self) -> None:
         """Send fetched rows no batch took back down (they become a pending batch)."""
         f, self.fetched = self.fetched, None
-        if f is None or not f.live.any():
-            return
-        with self.lock:
-            self.pending.append(f)
-            self.pending_bytes += f.nbytes
-        self.counters["tier0"]["evictions"] += int(f.live.sum())
-        self.queue.submit(lambda: self._land(f))
+        if f is not None and f.live.any():
+            self._queue_down(f, int(f.live.sum()))
 
     # ------------------------------------------------------------------ reads of lower tiers
     def _stale(self) -> np.ndarray:
@@ -513,19 +508,26 @@ class TierChain:
         a = self.arena
         keys = a.row_key[rows].copy()
         held = a.detach(keys)
-        p = _Pending.make(keys, held, self.layout.record_bytes)
-        with self.lock:
-            self.pending.append(p)
-            self.pending_bytes += p.nbytes
-        self.counters["tier0"]["evictions"] += keys.size
-        if self._prefetching:  # the next prefetch's job goes first (see start_prefetch)
-            self._deferred.append(p)
-        else:
-            self.queue.submit(lambda: self._land(p))
+        self._queue_down(_Pending.make(keys, held, self.layout.record_bytes), keys.size)
         if self.pending_bytes > self.max_pending_bytes:
             self._submit_deferred()
             self.queue.wait_below(2)  # let the writer catch up: at most the newest in flight
             self._reclaim()
+
+    def _queue_down(self, p: _Pending, n_rows: int) -> None:
+        """Make ``p`` a pending batch and queue its write to tier 1 (``n_rows`` move down).
+
+        In a prefetching loop the write waits for the next prefetch's job (see
+        :meth:`start_prefetch`, :meth:`_submit_deferred`).
+        """
+        with self.lock:
+            self.pending.append(p)
+            self.pending_bytes += p.nbytes
+        self.counters["tier0"]["evictions"] += n_rows
+        if self._prefetching:
+            self._deferred.append(p)
+        else:
+            self.queue.submit(lambda: self._land(p))
 
     def _submit_deferred(self) -> None:
         """Queue the writes of batches moved down while a prefetch was expected."""
