@@ -154,6 +154,41 @@ def test_hbm_table_bit_identical_to_dram_table(tmp_path, storage, optimizer):
         assert_same(ref, t)
 
 
+CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device")])
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("storage", ["HBM", "HBM_SSDHASH"])
+def test_hbm_lookup_torch_trains_like_lookup(tmp_path, storage, device):
+    """lookup_torch in the training loop: the DRAM table's lookup values, admission included."""
+    from tensorkv.embedding.filters import CounterFilter
+    from tensorkv.embedding.table import EmbeddingTable
+
+    from .test_exactness import assert_same
+
+    adm = CounterFilter(min_count=2).config()
+    ref = EmbeddingTable(DIM, optimizer="adagrad", seed=2, admission=adm)
+    sizes = None if storage == "HBM" else [24 * 80]
+    t = hbm_table(tmp_path, storage, sizes, device=device, admission=adm)
+    rng = np.random.default_rng(5)
+    with t:
+        for _ in range(25):
+            keys = rng.choice(300, 20, replace=False).astype(np.int64)
+            keys[-1] = keys[0]  # a duplicate in the batch
+            g = rng.standard_normal((keys.size, DIM)).astype(np.float32)
+            out = t.lookup_torch(keys)
+            assert isinstance(out, torch.Tensor) and out.device == t.device
+            np.testing.assert_array_equal(out.cpu().numpy(), ref.lookup(keys))
+            probe = rng.integers(-5, 320, 30)
+            np.testing.assert_array_equal(t.lookup_torch(probe, insert=False).cpu().numpy(),
+                                          ref.lookup(probe, insert=False))
+            for x in (ref, t):
+                x.apply_gradients(keys, g)
+        assert ref.stats()["admissions_rejected"] > 0
+        assert_same(ref, t)
+
+
 def test_dram_table_lookup_torch(tmp_path):
     from tensorkv.embedding.tiered import TieredEmbeddingTable
 

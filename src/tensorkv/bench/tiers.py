@@ -22,6 +22,14 @@ batch ``i + 1`` between the lookup and the apply of batch ``i``; the DRAM-only t
 between lookup and apply, standing for the dense model's forward and backward pass on an
 accelerator, during which a prefetch runs.
 
+HBM chains (``-p backends=HBM,HBM_SSDHASH,HBM_DRAM_SSDHASH -p device=cuda``, a GPU machine):
+tier 0 holds its rows in device memory and the training loop uses ``lookup_torch`` (the rows
+as a tensor on the device, what a GPU model consumes); the baseline of these cases is the
+DRAM-only table whose ``lookup`` result is copied to the device (``torch.from_numpy(...)
+.to(device)``), timed in the same run. ``HBM`` alone holds every row on the device (one case,
+tier0=100%); a middle tier (``HBM_DRAM_SSDHASH``, ``DRAM_PMEM_SSDHASH``) holds 4x tier 0's
+rows.
+
 Timing: 40 timed steps after 3 warm-up steps (quick: 8); the DRAM-only baseline is the best of
 3 passes over the same timed batches, the tiered table one pass (its cost depends on its
 cache state). Runs long enough to roll SSDHASH segments include compaction, as they would in
@@ -40,6 +48,8 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -47,6 +57,7 @@ from tensorkv.bench.common import Report
 from tensorkv.embedding.table import EmbeddingTable
 from tensorkv.embedding.tiered import TieredEmbeddingTable
 from tensorkv.embedding.tiers.base import RecordLayout
+from tensorkv.errors import MissingDependencyError
 from tensorkv.kernels.cache import lru_hits
 
 DIM = 64
@@ -78,14 +89,16 @@ def _fill(table, n_keys: int, dim: int, num_slots: int, chunk: int) -> None:
 
 
 def _steps(table, batches: list[np.ndarray], grads: np.ndarray, prefetch: bool,
-           model_s: float = 0.0) -> None:
+           model_s: float = 0.0, lookup: Callable | None = None) -> None:
     """Lookup + apply each batch; with ``prefetch`` the next batch is announced in between.
 
     ``model_s``: seconds the training thread waits between lookup and apply, standing for the
-    dense model's forward and backward pass on an accelerator.
+    dense model's forward and backward pass on an accelerator. ``lookup``: the call that reads
+    a batch (default ``table.lookup``).
     """
+    lookup = lookup or table.lookup
     for i, b in enumerate(batches):
-        table.lookup(b)
+        lookup(b)
         if prefetch and i + 1 < len(batches):
             table.prefetch(batches[i + 1])
         if model_s:
@@ -95,7 +108,8 @@ def _steps(table, batches: list[np.ndarray], grads: np.ndarray, prefetch: bool,
 
 def _train(table, batches: list[np.ndarray], grads: np.ndarray, warmup: int,
            stats: list | None = None, passes: int = 1, prefetch: bool = False,
-           model_s: float = 0.0) -> float:
+           model_s: float = 0.0, lookup: Callable | None = None,
+           sync: Callable | None = None) -> float:
     """Seconds of the timed batches (after ``warmup`` untimed ones), final flush included.
 
     With ``stats`` (a list), the tiered table's per-tier counters (``stats()["tiers"]``)
@@ -103,9 +117,10 @@ def _train(table, batches: list[np.ndarray], grads: np.ndarray, warmup: int,
     batches that many times and returns the fastest pass (for the DRAM-only baseline, whose
     cost does not depend on what ran before). ``prefetch``: announce each next batch with
     ``table.prefetch`` between its lookup and apply (a pipelined training loop); ``model_s``
-    as in :func:`_steps`.
+    and ``lookup`` as in :func:`_steps`; ``sync`` waits for queued device work (CUDA) before
+    the clock stops.
     """
-    _steps(table, batches[:warmup], grads, prefetch, model_s)
+    _steps(table, batches[:warmup], grads, prefetch, model_s, lookup)
     if hasattr(table, "wait_writes"):
         table.wait_writes()
     if stats is not None:
@@ -113,9 +128,11 @@ def _train(table, batches: list[np.ndarray], grads: np.ndarray, warmup: int,
     best = float("inf")
     for _ in range(passes):
         t0 = time.perf_counter()
-        _steps(table, batches[warmup:], grads, prefetch, model_s)
+        _steps(table, batches[warmup:], grads, prefetch, model_s, lookup)
         if hasattr(table, "wait_writes"):
             table.wait_writes()  # every evicted row has landed in its tier
+        if sync is not None:
+            sync()
         best = min(best, time.perf_counter() - t0)
     if stats is not None:
         stats.append(table.stats()["tiers"])
@@ -129,6 +146,44 @@ def _as_tuple(value, cast) -> tuple:
     if isinstance(value, (list, tuple)):
         return tuple(cast(v) for v in value)
     return (cast(value),)
+
+
+def _device_io(device: str) -> tuple[Callable[[np.ndarray], Any], Callable[[], None]]:
+    """``(to_device, sync)`` for the HBM cases: copy a host array to ``device``; wait for it.
+
+    Raises a clear error where torch, or the CUDA device, is missing.
+    """
+    try:
+        import torch
+    except ImportError as e:
+        raise MissingDependencyError("HBM backends need torch: pip install 'tensorkv[torch]'"
+                                     ) from e
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device={device!r} is not a torch device; use 'cuda' or 'cpu'"
+                         ) from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r}: the HBM backends need a CUDA device, which this "
+                         "machine lacks; run them on a GPU machine, or with -p device=cpu")
+
+    def to_device(a: np.ndarray) -> Any:
+        return torch.from_numpy(a).to(dev)
+
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    return to_device, sync
+
+
+def _storage_size(name: str, rows0: int, n_keys: int, record_bytes: int) -> list[int] | None:
+    """Tier sizes of storage type ``name``: tier 0 ``rows0`` rows, a middle tier 4x that."""
+    n_tiers = name.count("_") + 1
+    if n_tiers == 1:
+        return None  # HBM / DRAM alone: every row in tier 0
+    mid = min(4 * rows0, n_keys)
+    return [rows0 * record_bytes] + [mid * record_bytes] * (n_tiers - 2)
 
 
 def _warm_up(root: str, dim: int) -> None:
@@ -163,6 +218,7 @@ def run(
     data_dir: str | None = None,
     prefetch: bool = False,
     model_ms: float = 0.0,
+    device: str = "cuda",
 ) -> None:
     """Run the workload (see the module docstring).
 
@@ -171,7 +227,8 @@ def run(
     fractions=0.1 -p backends=DRAM_SSDHASH,DRAM_LEVELDB``). ``prefetch=true`` runs the
     tiered tables as a pipelined loop (``prefetch`` of batch ``i + 1`` after the lookup of
     batch ``i``); ``model_ms`` makes every step (baseline too) wait that long between
-    lookup and apply, standing for the dense model's pass on an accelerator.
+    lookup and apply, standing for the dense model's pass on an accelerator. ``device``: the
+    torch device of the ``HBM*`` backends' tier 0.
     """
     model_s = float(model_ms) / 1000.0
     if model_s < 0:
@@ -179,6 +236,8 @@ def run(
     fractions = _as_tuple(fractions, float)
     zipfs = _as_tuple(zipfs, float)
     backends = _as_tuple(backends, lambda b: str(b).upper())
+    hbm = any(b.startswith("HBM") for b in backends)
+    to_device, sync = _device_io(device) if hbm else (None, None)
     n_keys = n_keys or (200_000 if quick else 5_000_000)
     steps = steps or (8 if quick else 40)
     lay = RecordLayout(dim, num_slots=1)
@@ -188,6 +247,7 @@ def run(
         "fractions": list(fractions),
         "zipf": list(zipfs), "backends": list(backends), "cache_strategy": "lru",
         "record_bytes": lay.record_bytes, "prefetch": bool(prefetch), "model_ms": float(model_ms),
+        **({"device": str(device)} if hbm else {}),
         "note": "default full size is 5M keys (20M with -p n_keys=20000000); hit % counts a "
                 "key missing twice in a batch as one miss",
     })
@@ -209,6 +269,11 @@ def run(
             t_ref = _train(ref, batches, grads, warmup, passes=baseline_passes,
                            model_s=model_s)
             dram = timed.size / t_ref / 1e6
+            if hbm:  # the HBM cases' baseline: DRAM lookups copied to the device
+                t_dev = _train(ref, batches, grads, warmup, passes=baseline_passes,
+                               model_s=model_s, lookup=lambda b, r=ref: to_device(r.lookup(b)),
+                               sync=sync)
+                dram_dev = timed.size / t_dev / 1e6
             del ref
             gc.collect()
             distinct = int(np.mean([np.unique(b).size for b in batches]))
@@ -219,40 +284,55 @@ def run(
                 sim = lru_hits(np.concatenate([np.arange(n_keys, dtype=np.int64), trace]), rows0)
                 sim_hit = sim[n_keys + warmup * batch:].mean() * 100
                 for name in backends:
+                    sizes = _storage_size(name, rows0, n_keys, lay.record_bytes)
+                    if sizes is None and frac != fractions[0]:
+                        continue  # one case holds every row in tier 0
+                    on_device = name.startswith("HBM")
                     path = os.path.join(root, f"{name}-{frac}-{a}")
                     os.makedirs(path)
                     t = TieredEmbeddingTable(
                         dim, optimizer="adagrad", storage=name, storage_path=path,
-                        storage_size=[rows0 * lay.record_bytes], cache_strategy="lru",
+                        storage_size=sizes, cache_strategy="lru", device=device,
                     )
                     try:
                         _fill(t, n_keys, dim, 1, batch)
                         t.flush()
                         snaps: list = []
                         secs = _train(t, batches, grads, warmup, snaps, prefetch=prefetch,
-                                      model_s=model_s)
+                                      model_s=model_s,
+                                      lookup=t.lookup_torch if on_device else None,
+                                      sync=sync if on_device else None)
                         before, after = snaps
                     finally:
                         t.close()
                         del t
                         shutil.rmtree(path, ignore_errors=True)
                         gc.collect()
-                    case = f"{name} tier0={frac:.0%} zipf={a}{mode}"
+                    share = frac if sizes is not None else 1.0
+                    case = f"{name} tier0={share:.0%} zipf={a}{mode}"
                     mk = timed.size / secs / 1e6
                     by_backend[(name, frac)] = mk
-                    compactions = after[1].get("compactions", 0) - before[1].get("compactions", 0)
+                    compactions = sum(x.get("compactions", 0) for x in after[1:]) - sum(
+                        x.get("compactions", 0) for x in before[1:])
                     # lookups only: the chain counts hits/misses of lookup batches
                     hits = after[0]["hits"] - before[0]["hits"]
                     misses = after[0]["misses"] - before[0]["misses"]
                     fetched = after[0]["prefetched"] - before[0]["prefetched"]
-                    report.add(case, "Mkeys/s", mk, "DRAM-only table", dram,
-                               note="lookup+apply, incl. landing all write-backs; baseline: "
+                    report.add(case, "Mkeys/s", mk,
+                               f"DRAM-only table + copy to {device}" if on_device
+                               else "DRAM-only table", dram_dev if on_device else dram,
+                               note=("lookup_torch" if on_device else "lookup")
+                                    + "+apply, incl. landing all write-backs; baseline: "
                                     f"best of {baseline_passes} passes"
-                                    + (f"; {compactions} compactions" if name == "DRAM_SSDHASH"
+                                    + (f"; {compactions} compactions" if "SSDHASH" in name
                                        else "")
                                     + (f"; {100.0 * fetched / max(misses, 1):.0f}% of misses "
                                        "prefetched" if prefetch else ""))
                     hit = 100.0 * hits / max(hits + misses, 1)
+                    if sizes is None:
+                        report.add(case, "tier0 hit %", hit, "every row in tier 0", 100.0,
+                                   note=f"tier0={n_keys} rows")
+                        continue
                     over = " (< one batch: tier 0 holds the batch while it runs)" \
                         if rows0 < distinct else ""
                     report.add(case, "tier0 hit %", hit, "LRU simulation", sim_hit,

@@ -170,20 +170,30 @@ class TieredEmbeddingTable(EmbeddingTable):
     def lookup_torch(self, keys: Any, insert: bool = True) -> Any:
         """:meth:`lookup` as a float32 torch tensor on tier 0's device.
 
-        With an HBM tier 0 the rows are gathered on the device (``index_select``) after the
-        usual lookup (promotion, insertion, admission, frequency counts); keys without a row
-        (not admitted, or ``insert=False``) read their initial/default value. With a DRAM
-        tier 0 it is ``torch.from_numpy(lookup(keys))``.
+        With an HBM tier 0 the lookup does the usual work on the host (promotion, insertion,
+        admission, frequency counts) and the rows are gathered on the device
+        (``index_select``): only keys without a row (not admitted, or ``insert=False``) have
+        their initial/default value made on the host and copied up; the batch's values never
+        travel to the host. With a DRAM tier 0 it is ``torch.from_numpy(lookup(keys))``.
         """
         import torch
 
         k = self._as_keys(keys)
+        if not isinstance(self._arena, HBMArena):
+            return torch.from_numpy(self.lookup(k, insert))
         with self._op:
-            host = self.lookup(k, insert)
-            if not isinstance(self._arena, HBMArena):
-                return torch.from_numpy(host)
+            with self._lock.write():
+                rows = self._arena.find(k)
+                self._chain.promote(k, count=True, rows=rows)
+            # ``raw`` marks the values as gathered: _lookup only writes the rows of keys it
+            # inserts or leaves out, and the device gather below reads every row that exists
+            host = self._lookup(k, insert, None, rows,
+                                raw=np.empty((k.shape[0], self.dim), np.float32))
             with self._lock.read():
-                return self._arena.lookup_torch(k, fill=host)
+                out = self._arena.lookup_torch(k, fill=host)
+            with self._lock.write():
+                self._chain.after(k)
+        return out
 
     def prefetch(self, keys: Any) -> None:
         """Start moving the next batch's rows up from the lower tiers in the background.

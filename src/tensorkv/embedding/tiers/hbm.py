@@ -182,14 +182,19 @@ class HBMArena(RowArena):
             out[hit] = self._to_host(self.slots.index_select(0, self._rows_t(rows[hit])))
         return out
 
-    def _scatter(self, tensor, rows: np.ndarray, src: np.ndarray) -> None:
+    def _scatter(self, tensor, rows: np.ndarray, src: np.ndarray, unique: bool = False) -> None:
+        """``tensor[rows] = src``; ``unique``: the caller guarantees distinct rows >= 0."""
         torch = _torch()
         rows = np.asarray(rows, np.int64)
-        pos = _last_wins(rows)  # a later duplicate wins, as in the DRAM arena
-        if pos.size == 0:
-            return
-        data = torch.from_numpy(np.ascontiguousarray(np.asarray(src)[pos], dtype=np.float32))
-        tensor.index_copy_(0, self._rows_t(rows[pos]), data.to(self.device))
+        if unique:
+            data = torch.from_numpy(np.ascontiguousarray(src, dtype=np.float32))
+        else:
+            pos = _last_wins(rows)  # a later duplicate wins, as in the DRAM arena
+            rows = rows[pos]
+            data = torch.from_numpy(np.ascontiguousarray(np.asarray(src)[pos],
+                                                         dtype=np.float32))
+        if rows.size:
+            tensor.index_copy_(0, self._rows_t(rows), data.to(self.device))
 
     def scatter(self, rows: np.ndarray, values: np.ndarray) -> None:
         """Write value rows from host data (in order; a later duplicate wins)."""
@@ -243,8 +248,9 @@ class HBMArena(RowArena):
         s = self.gather_slots(rows)
         optimizer.apply(v, s, np.arange(m, dtype=np.int64),
                         np.ascontiguousarray(grads, dtype=np.float32), step)
-        self.scatter(rows, v)
-        self.scatter_slots(rows, s)
+        self._scatter(self.values, rows, v, unique=True)
+        if self.slot_width:
+            self._scatter(self.slots, rows, s, unique=True)
 
     def row_l2(self, rows: np.ndarray) -> np.ndarray:
         """L2 norm (float64) of value rows, computed on the host like the DRAM table's kernel."""
