@@ -84,7 +84,7 @@ def test_hbm_arena_on_cuda(tmp_path):
     ref = EmbeddingTable(DIM, optimizer="adagrad", seed=2)
     with hbm_table(tmp_path, "HBM_SSDHASH", [24 * 80], device="cuda") as t:
         steps([ref, t], n_steps=20, n_ids=300)
-        assert t.lookup_torch(np.arange(5)).is_cuda
+        assert t.lookup_torch(np.arange(5), insert=False).is_cuda  # ref has no such lookup
         assert_same(ref, t)
 
 
@@ -178,7 +178,7 @@ def test_hbm_lookup_torch_trains_like_lookup(tmp_path, storage, device):
             keys[-1] = keys[0]  # a duplicate in the batch
             g = rng.standard_normal((keys.size, DIM)).astype(np.float32)
             out = t.lookup_torch(keys)
-            assert isinstance(out, torch.Tensor) and out.device == t.device
+            assert isinstance(out, torch.Tensor) and out.device.type == device
             np.testing.assert_array_equal(out.cpu().numpy(), ref.lookup(keys))
             probe = rng.integers(-5, 320, 30)
             np.testing.assert_array_equal(t.lookup_torch(probe, insert=False).cpu().numpy(),

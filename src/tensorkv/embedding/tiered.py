@@ -572,10 +572,16 @@ class TierChain:
             self.pending = [q for q in self.pending if q is not p]
             self.pending_bytes -= p.nbytes
             self.landed.append(p)
-            self._cascade(0)
+        self._cascade(0)
 
     def _cascade(self, ti: int) -> None:
-        """Move the coldest rows of lower tier ``ti`` to ``ti + 1`` while it is over budget."""
+        """Move the coldest rows of lower tier ``ti`` to ``ti + 1`` while it is over budget.
+
+        Runs on the write-back thread. The scan that picks the coldest rows runs without the
+        chain lock (the training thread keeps promoting meanwhile); only the move itself
+        (get, put below, delete) holds it, so a promotion sees each row in exactly one tier.
+        A picked row that was promoted since is no longer found and stays where it went.
+        """
         while ti + 1 < len(self.lowers):
             tier, budget = self.lowers[ti]
             if budget is None or len(tier) <= budget:
@@ -589,10 +595,11 @@ class TierChain:
             allk, alls = np.concatenate(keys), np.concatenate(score)
             order = np.lexsort((allk, alls))[:n_move]
             mk = allk[order]
-            found, recs = tier.get(mk)
-            self.lowers[ti + 1][0].put(mk[found], recs[found])
-            tier.delete(mk[found])
-            self.counters[f"tier{ti + 1}"]["evictions"] += int(found.sum())
+            with self.lock:
+                found, recs = tier.get(mk)
+                self.lowers[ti + 1][0].put(mk[found], recs[found])
+                tier.delete(mk[found])
+                self.counters[f"tier{ti + 1}"]["evictions"] += int(found.sum())
             ti += 1
 
     def pack_tier0(self, spread: float = 2.0) -> int:

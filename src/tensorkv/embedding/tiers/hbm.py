@@ -351,9 +351,15 @@ class DRAMTier(LowerTier):
         with self._lock:
             self._check_open()
             keys = self._idx.keys()
-            rows = self._idx.find(keys)
         for s in range(0, keys.size, chunk_rows):
-            yield keys[s:s + chunk_rows], self._rec[rows[s:s + chunk_rows]]
+            with self._lock:  # rows removed since the listing are skipped
+                self._check_open()
+                ck = keys[s:s + chunk_rows]
+                rows = self._idx.find(ck)
+                ok = rows >= 0
+                recs = self._rec[rows[ok]]
+            if recs.shape[0]:
+                yield (ck if ok.all() else ck[ok]), recs
 
 
 __all__ = ["DRAMTier", "HBMArena"]
