@@ -587,12 +587,7 @@ class TierChain:
             if budget is None or len(tier) <= budget:
                 return
             n_move = len(tier) - int(budget * CASCADE_LOW_WATER)
-            keys, score = [], []
-            for k, r in tier.scan():
-                f = self.layout.unpack(r)
-                keys.append(k.copy())
-                score.append((f.freq if self.policy == "lfu" else f.change_seq).copy())
-            allk, alls = np.concatenate(keys), np.concatenate(score)
+            allk, alls = tier.scores("freq" if self.policy == "lfu" else "change_seq")
             order = np.lexsort((allk, alls))[:n_move]
             mk = allk[order]
             with self.lock:

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
 from tensorkv.embedding.tiers.base import LowerTier, RecordLayout
-from tensorkv.errors import KeyTypeError, ShapeError, StoreClosedError
+from tensorkv.errors import ConfigError, KeyTypeError, ShapeError, StoreClosedError
 
 I64 = np.iinfo(np.int64)
 LAYOUTS = [
@@ -163,6 +163,24 @@ class TierTests:
         np.testing.assert_array_equal(r, recs[idx])
         with pytest.raises(ValueError):
             list(tier.scan(0))
+
+    def test_scores_match_the_records(self, tier: LowerTier) -> None:
+        """``scores`` (what a cascade ranks by) reads the same fields as whole records."""
+        keys = np.arange(500, dtype=np.int64) * 3 - 700
+        recs = make_records(self.layout, keys)
+        f = self.layout.unpack(recs)
+        f.freq[:] = np.arange(keys.size) * 11 + 2**40
+        f.change_seq[:] = -np.arange(keys.size) - 5
+        tier.put(keys, recs)
+        tier.delete(keys[:50])
+        for field, want in (("freq", f.freq), ("change_seq", f.change_seq)):
+            k, v = tier.scores(field)
+            assert k.dtype == np.int64 and v.dtype == np.int64 and k.size == v.size == 450
+            order = np.argsort(k)
+            np.testing.assert_array_equal(k[order], keys[50:])
+            np.testing.assert_array_equal(v[order], want[50:])
+        with pytest.raises(ConfigError, match="score field"):
+            tier.scores("values")
 
     def test_check_clean(self, tier: LowerTier) -> None:
         keys = np.arange(300, dtype=np.int64)

@@ -34,6 +34,8 @@ from tensorkv.errors import ConfigError, KeyTypeError, ShapeError, StoreClosedEr
 from tensorkv.kernels import records as kr
 
 HEADER_BYTES = 32  # key, freq, version, change_seq
+#: int64 header words a cascade ranks rows by (LFU: freq, LRU: change_seq).
+SCORE_WORDS = {"freq": 1, "change_seq": 3}
 
 _VALUE_DTYPES = ("float32", "float16", "bfloat16")
 
@@ -387,6 +389,20 @@ class LowerTier(ABC):
     def scan(self, chunk_rows: int = 65536) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """Yield ``(keys, records)`` chunks covering every row once."""
 
+    def scores(self, field: str) -> tuple[np.ndarray, np.ndarray]:
+        """``(keys, values)``: one int64 header field of every stored row.
+
+        ``field`` is ``"freq"`` or ``"change_seq"`` (what LFU / LRU cascades rank rows by).
+        This default reads whole records through :meth:`scan`; tiers whose records sit in
+        memory read the column alone.
+        """
+        word = score_word(field)
+        keys, vals = [np.empty(0, np.int64)], [np.empty(0, np.int64)]
+        for k, r in self.scan():
+            keys.append(np.array(k, np.int64))
+            vals.append(r[:, 8 * word:8 * word + 8].copy().view(np.int64)[:, 0])
+        return np.concatenate(keys), np.concatenate(vals)
+
     #: :meth:`read_into` with ``take=True`` removes the rows it read (else the caller must).
     takes_on_read: bool = False
 
@@ -544,6 +560,15 @@ class RowSource(_RowCopier):
                                self.keys, rows, out.view(wd), out.view(np.int64),
                                lay.values_offset // wd.itemsize, lay.slots_offset // wd.itemsize)
         return out
+
+
+def score_word(field: str) -> int:
+    """The int64 word of header field ``field`` (``"freq"`` or ``"change_seq"``)."""
+    try:
+        return SCORE_WORDS[field]
+    except KeyError:
+        raise ConfigError(f"field={field!r} is not a score field; use one of "
+                          f"{sorted(SCORE_WORDS)}") from None
 
 
 def check_chunk_rows(chunk_rows: object) -> int:

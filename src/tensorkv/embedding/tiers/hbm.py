@@ -36,7 +36,13 @@ import numpy as np
 
 from tensorkv import config
 from tensorkv.embedding.arena import RowArena
-from tensorkv.embedding.tiers.base import LowerTier, RecordLayout, as_keys, check_chunk_rows
+from tensorkv.embedding.tiers.base import (
+    LowerTier,
+    RecordLayout,
+    as_keys,
+    check_chunk_rows,
+    score_word,
+)
 from tensorkv.errors import ConfigError
 
 
@@ -345,6 +351,15 @@ class DRAMTier(LowerTier):
             rows = self._idx.find(keys)
             bad = self.layout.record_keys(self._rec[rows]) != keys
             return [f"row of key {int(k)} holds another key" for k in keys[bad][:10]]
+
+    def scores(self, field: str) -> tuple[np.ndarray, np.ndarray]:  # noqa: D102
+        word = score_word(field)
+        with self._lock:
+            self._check_open()
+            keys = self._idx.keys()
+            rows = self._idx.find(keys)
+            col = self._rec[rows, 8 * word:8 * word + 8]  # one cache line per row, not the record
+        return keys, col.view(np.int64)[:, 0]
 
     def scan(self, chunk_rows: int = 65536) -> Iterator[tuple[np.ndarray, np.ndarray]]:  # noqa: D102
         chunk_rows = check_chunk_rows(chunk_rows)

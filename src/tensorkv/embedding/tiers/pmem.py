@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from tensorkv import config
-from tensorkv.embedding.tiers.base import IndexedTier, RecordLayout, as_keys
+from tensorkv.embedding.tiers.base import IndexedTier, RecordLayout, as_keys, score_word
 from tensorkv.errors import (
     CapacityError,
     CorruptRecordError,
@@ -257,6 +257,14 @@ class PMEMTier(IndexedTier):
             self._counters["reads"] += keys.size
         return found, out.view(np.uint8)
 
+
+    def scores(self, field: str) -> tuple[np.ndarray, np.ndarray]:
+        """``(keys, values)`` of one header field, read from the mapping without whole records."""
+        word = score_word(field)
+        with self._lock:
+            self._check_open()
+            keys, slots = self.index.items()
+            return keys, self._arr[slots, word].view(np.int64)
 
     # ----------------------------------------------------------------- checks
     def check(self) -> list[str]:
