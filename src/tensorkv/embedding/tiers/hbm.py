@@ -108,6 +108,9 @@ class HBMArena(RowArena):
                 "use device='cpu' or a DRAM table"
             )
         super().__init__(dim, slot_width, capacity=capacity, growth=growth, max_load=max_load)
+        # pinned host buffers for the optimizer's round trip (CUDA), and the event of the last
+        # upload from each (the buffer is reused once that copy has finished)
+        self._stage: dict[str, tuple[Any, Any]] = {}
 
     # --- allocation ---------------------------------------------------------------------------
     def _alloc_row_arrays(self, cap: int) -> None:
@@ -239,24 +242,62 @@ class HBMArena(RowArena):
             self.scatter_slots(rows, np.broadcast_to(s, (rows.size, self.slot_width)))
         self.freq[rows] = 0
 
+    def _download(self, name: str, tensor, rt) -> tuple[np.ndarray, Any]:
+        """``tensor[rt]`` on the host: ``(numpy array, torch tensor sharing its memory)``.
+
+        On CUDA the rows land in a pinned buffer (reused across steps, grown as needed), so
+        the copy runs at full bus speed and :meth:`_upload` can send it back asynchronously.
+        """
+        torch = _torch()
+        src = tensor.index_select(0, rt)
+        if self.device.type != "cuda":
+            return src.numpy(), src  # index_select made a copy on the host already
+        m, width = src.shape
+        buf, done = self._stage.get(name, (None, None))
+        if done is not None:
+            done.synchronize()  # the previous upload from this buffer has finished
+        if buf is None or buf.shape[0] < m or buf.shape[1] != width:
+            rows = max(m, 2 * buf.shape[0] if buf is not None else 0)
+            buf = torch.empty((rows, width), dtype=torch.float32, pin_memory=True)
+        self._stage[name] = (buf, None)
+        host = buf[:m]
+        host.copy_(src)  # device -> pinned host; returns once the data is there
+        return host.numpy(), host
+
+    def _upload(self, name: str, tensor, rt, host) -> None:
+        """``tensor[rt] = host`` (a tensor from :meth:`_download`), asynchronous on CUDA."""
+        torch = _torch()
+        if self.device.type != "cuda":
+            tensor.index_copy_(0, rt, host)
+            return
+        tensor.index_copy_(0, rt, host.to(self.device, non_blocking=True))
+        done = torch.cuda.Event()
+        done.record()
+        self._stage[name] = (self._stage[name][0], done)
+
     def apply_optimizer(self, optimizer, rows: np.ndarray, grads: np.ndarray,
                         step: int) -> None:
         """One optimizer step on ``rows`` (unique), bit-identical to the DRAM table.
 
-        Gathers the rows' values and slots to host float32, runs ``optimizer.apply`` (the
-        numba kernel) with ``rows = arange(m)``, and copies both back to the device.
+        Gathers the rows' values and slots to host float32 (pinned buffers on CUDA), runs
+        ``optimizer.apply`` (the numba kernel) with ``rows = arange(m)``, and copies both back
+        to the device.
         """
         rows = np.ascontiguousarray(rows, dtype=np.int64)
         m = rows.size
         if m == 0:  # the DRAM table does not call the optimizer for an empty step either
             return
-        v = self.gather(rows)
-        s = self.gather_slots(rows)
+        rt = self._rows_t(rows)
+        v, vt = self._download("values", self.values, rt)
+        if self.slot_width:
+            s, st = self._download("slots", self.slots, rt)
+        else:
+            s, st = np.zeros((m, 0), np.float32), None
         optimizer.apply(v, s, np.arange(m, dtype=np.int64),
                         np.ascontiguousarray(grads, dtype=np.float32), step)
-        self._scatter(self.values, rows, v, unique=True)
-        if self.slot_width:
-            self._scatter(self.slots, rows, s, unique=True)
+        self._upload("values", self.values, rt, vt)
+        if st is not None:
+            self._upload("slots", self.slots, rt, st)
 
     def row_l2(self, rows: np.ndarray) -> np.ndarray:
         """L2 norm (float64) of value rows, computed on the host like the DRAM table's kernel."""
