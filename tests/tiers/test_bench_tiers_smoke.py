@@ -43,3 +43,32 @@ def test_bench_tiers_rejects_negative_model_time(tmp_path):
     with pytest.raises(ValueError, match="model_ms=-1"):
         bench_tiers.run(True, Report("tiers", quick=True, echo=False), n_keys=100,
                         model_ms=-1, data_dir=str(tmp_path))
+
+
+def test_bench_tiers_hbm_chains_on_cpu(tmp_path):
+    report = Report("tiers", quick=True, echo=False)
+    bench_tiers.run(True, report, n_keys=3000, batch=256, dim=8, steps=2,
+                    fractions=(0.1, 0.5), zipfs=(1.05,),
+                    backends=("HBM", "HBM_SSDHASH", "HBM_DRAM_SSDHASH"), data_dir=str(tmp_path),
+                    device="cpu")
+    by = {(r.case, r.metric): r for r in report.results}
+    # HBM alone holds every row: one case, whatever the fractions
+    assert [c for c, _ in by if c.startswith("HBM tier0")] == ["HBM tier0=100% zipf=1.05"] * 2
+    assert by[("HBM tier0=100% zipf=1.05", "tier0 hit %")].value == 100.0
+    speed = by[("HBM_DRAM_SSDHASH tier0=10% zipf=1.05", "Mkeys/s")]
+    assert speed.baseline == "DRAM-only table + copy to cpu" and "lookup_torch" in speed.note
+    assert len(report.results) == 2 + 2 * 2 * 2 and report.params["device"] == "cpu"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bench_tiers_hbm_needs_a_device(tmp_path):
+    import pytest
+    import torch
+
+    with pytest.raises(ValueError, match="not a torch device"):
+        bench_tiers.run(True, Report("tiers", quick=True, echo=False), n_keys=100,
+                        backends=("HBM",), device="floppy", data_dir=str(tmp_path))
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device=cpu"):
+            bench_tiers.run(True, Report("tiers", quick=True, echo=False), n_keys=100,
+                            backends=("HBM_SSDHASH",), data_dir=str(tmp_path))
