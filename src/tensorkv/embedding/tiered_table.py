@@ -181,19 +181,11 @@ class TieredEmbeddingTable(EmbeddingTable):
         k = self._as_keys(keys)
         if not isinstance(self._arena, HBMArena):
             return torch.from_numpy(self.lookup(k, insert))
-        with self._op:
-            with self._lock.write():
-                rows = self._arena.find(k)
-                self._chain.promote(k, count=True, rows=rows)
-            # ``raw`` marks the values as gathered: _lookup only writes the rows of keys it
-            # inserts or leaves out, and the device gather below reads every row that exists
-            host = self._lookup(k, insert, None, rows,
-                                raw=np.empty((k.shape[0], self.dim), np.float32))
-            with self._lock.read():
-                out = self._arena.lookup_torch(k, fill=host)
-            with self._lock.write():
-                self._chain.after(k)
-        return out
+        # ``raw`` marks the values as gathered: _lookup only writes the rows of keys it inserts
+        # or leaves out, and the device gather reads every row that exists
+        return self._promoted_lookup(k, insert, None,
+                                     raw=np.empty((k.shape[0], self.dim), np.float32),
+                                     then=lambda host: self._arena.lookup_torch(k, fill=host))
 
     def prefetch(self, keys: Any) -> None:
         """Start moving the next batch's rows up from the lower tiers in the background.
@@ -232,17 +224,29 @@ class TieredEmbeddingTable(EmbeddingTable):
                out: np.ndarray | None = None) -> np.ndarray:
         k = self._as_keys(keys)
         self._lookup_buffer(k.shape[0], out)  # a bad ``out`` fails before anything moves
+        return self._promoted_lookup(k, insert, out)
+
+    lookup.__doc__ = EmbeddingTable.lookup.__doc__
+
+    def _promoted_lookup(self, k: np.ndarray, insert: bool, out: np.ndarray | None,
+                         raw: np.ndarray | None = None, then: Any = None) -> Any:
+        """Promote the batch, look it up, then move tier 0's excess down.
+
+        ``raw`` is passed to :meth:`_lookup`; ``then(result)``, if given, runs on the lookup's
+        result under the read lock before anything moves down, and its value is returned.
+        """
         with self._op:
             with self._lock.write():
                 # every key's row, after promotion; the lookup gathers them without probing
                 rows = self._arena.find(k)
                 self._chain.promote(k, count=True, rows=rows)
-            out = self._lookup(k, insert, out, rows)
+            res = self._lookup(k, insert, out, rows, raw)
+            if then is not None:
+                with self._lock.read():
+                    res = then(res)
             with self._lock.write():
                 self._chain.after(k)
-        return out
-
-    lookup.__doc__ = EmbeddingTable.lookup.__doc__
+        return res
 
     def apply_gradients(self, keys: Any, grads: Any, step: int | None = None) -> int:  # noqa: D102
         k = self._as_keys(keys)

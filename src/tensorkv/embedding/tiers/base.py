@@ -33,9 +33,11 @@ import numpy as np
 from tensorkv.errors import ConfigError, KeyTypeError, ShapeError, StoreClosedError
 from tensorkv.kernels import records as kr
 
-HEADER_BYTES = 32  # key, freq, version, change_seq
-#: int64 header words a cascade ranks rows by (LFU: freq, LRU: change_seq).
-SCORE_WORDS = {"freq": 1, "change_seq": 3}
+#: The record header: one int64 word per field, in this order.
+HEADER_WORDS = {"keys": 0, "freq": 1, "version": 2, "change_seq": 3}
+HEADER_BYTES = 8 * len(HEADER_WORDS)
+#: Header fields a cascade ranks rows by (LFU: freq, LRU: change_seq).
+SCORE_FIELDS = ("freq", "change_seq")
 
 _VALUE_DTYPES = ("float32", "float16", "bfloat16")
 
@@ -233,18 +235,17 @@ class RecordLayout:
         """Views of the fields of ``buf`` (``uint8[n, record_bytes]``); writes go through."""
         buf = self.check_records(buf, None)
         vo, so = self.values_offset, self.slots_offset
+        head = {f: buf[:, 8 * w:8 * w + 8].view(np.int64)[:, 0] for f, w in HEADER_WORDS.items()}
         return RecordFields(
-            keys=buf[:, 0:8].view(np.int64)[:, 0],
-            freq=buf[:, 8:16].view(np.int64)[:, 0],
-            version=buf[:, 16:24].view(np.int64)[:, 0],
-            change_seq=buf[:, 24:32].view(np.int64)[:, 0],
+            **head,
             values=buf[:, vo : vo + self.values_bytes].view(self.dtype),
             slots=buf[:, so : so + 4 * self.slot_width].view(np.float32),
         )
 
     def record_keys(self, buf: np.ndarray) -> np.ndarray:
         """The key column of a record buffer (a view)."""
-        return buf[:, 0:8].view(np.int64)[:, 0]
+        w = HEADER_WORDS["keys"]
+        return buf[:, 8 * w:8 * w + 8].view(np.int64)[:, 0]
 
     def check_records(self, records: object, n: int | None) -> np.ndarray:
         """Validate a record batch: ``uint8[n, record_bytes]``; returns it C-contiguous."""
@@ -564,11 +565,10 @@ class RowSource(_RowCopier):
 
 def score_word(field: str) -> int:
     """The int64 word of header field ``field`` (``"freq"`` or ``"change_seq"``)."""
-    try:
-        return SCORE_WORDS[field]
-    except KeyError:
+    if field not in SCORE_FIELDS:
         raise ConfigError(f"field={field!r} is not a score field; use one of "
-                          f"{sorted(SCORE_WORDS)}") from None
+                          f"{list(SCORE_FIELDS)}")
+    return HEADER_WORDS[field]
 
 
 def check_chunk_rows(chunk_rows: object) -> int:

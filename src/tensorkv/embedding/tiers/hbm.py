@@ -191,19 +191,14 @@ class HBMArena(RowArena):
             out[hit] = self._to_host(self.slots.index_select(0, self._rows_t(rows[hit])))
         return out
 
-    def _scatter(self, tensor, rows: np.ndarray, src: np.ndarray, unique: bool = False) -> None:
-        """``tensor[rows] = src``; ``unique``: the caller guarantees distinct rows >= 0."""
+    def _scatter(self, tensor, rows: np.ndarray, src: np.ndarray) -> None:
         torch = _torch()
         rows = np.asarray(rows, np.int64)
-        if unique:
-            data = torch.from_numpy(np.ascontiguousarray(src, dtype=np.float32))
-        else:
-            pos = _last_wins(rows)  # a later duplicate wins, as in the DRAM arena
-            rows = rows[pos]
-            data = torch.from_numpy(np.ascontiguousarray(np.asarray(src)[pos],
-                                                         dtype=np.float32))
-        if rows.size:
-            tensor.index_copy_(0, self._rows_t(rows), data.to(self.device))
+        pos = _last_wins(rows)  # a later duplicate wins, as in the DRAM arena
+        if pos.size == 0:
+            return
+        data = torch.from_numpy(np.ascontiguousarray(np.asarray(src)[pos], dtype=np.float32))
+        tensor.index_copy_(0, self._rows_t(rows[pos]), data.to(self.device))
 
     def scatter(self, rows: np.ndarray, values: np.ndarray) -> None:
         """Write value rows from host data (in order; a later duplicate wins)."""
@@ -305,8 +300,6 @@ class HBMArena(RowArena):
 
         v = self.gather(rows)
         return ak.row_l2(v, np.arange(rows.size, dtype=np.int64))
-
-
 
 
 class DRAMTier(LowerTier):

@@ -257,7 +257,6 @@ class PMEMTier(IndexedTier):
             self._counters["reads"] += keys.size
         return found, out.view(np.uint8)
 
-
     def scores(self, field: str) -> tuple[np.ndarray, np.ndarray]:
         """``(keys, values)`` of one header field, read from the mapping without whole records."""
         word = score_word(field)
