@@ -443,3 +443,44 @@ def test_synchronous_compaction_runs_in_steps(tmp_path, monkeypatch):
     assert t._compacting is None and t.check() == []
     np.testing.assert_array_equal(t.get(keys)[1], want)
     t.close()
+
+
+@pytest.mark.parametrize("reuse", [False, True])
+def test_readers_do_not_wait_for_a_segment_roll(tmp_path, monkeypatch, reuse):
+    """Starting a new head segment syncs files (header, rename, directory); readers go on
+    meanwhile, and see every record once the roll is done."""
+    import threading
+
+    t = open_tier(tmp_path, segment_bytes=4096, max_free_segments=2)
+    keys = np.arange(100, dtype=np.int64)
+    for i in range(12 if reuse else 1):
+        t.put(keys, make_records(LAY, keys, i))
+        if reuse and i % 4 == 3:
+            t.compact()
+    assert (t.stats()["free_segments"] > 0) == reuse
+    syncing, release = threading.Event(), threading.Event()
+    real = sf.fsync_dir
+
+    def slow_fsync_dir(path):
+        syncing.set()
+        assert release.wait(10)
+        real(path)
+
+    monkeypatch.setattr(sf, "fsync_dir", slow_fsync_dir)
+    more = np.arange(100, 400, dtype=np.int64)  # enough records to roll the head
+    writer = threading.Thread(target=t.put, args=(more, make_records(LAY, more, 50)))
+    writer.start()
+    try:
+        assert syncing.wait(10)
+        found, got = t.get(keys)  # the writer is inside the roll: this must not wait for it
+        assert found.all()
+        np.testing.assert_array_equal(got, make_records(LAY, keys, 11 if reuse else 0))
+    finally:
+        release.set()
+        writer.join(10)
+    monkeypatch.setattr(sf, "fsync_dir", real)
+    found, got = t.get(more)
+    assert found.all()
+    np.testing.assert_array_equal(got, make_records(LAY, more, 50))
+    assert t.check() == []
+    t.close()

@@ -323,40 +323,47 @@ class SSDHashTier(IndexedTier):
         self._active = seg
 
     def _new_segment(self) -> None:
+        """Start the next head segment (a reused free file where one is kept).
+
+        The file work (header write, fsync, rename, directory fsync) runs with the state lock
+        released (``_io``): the new segment is registered only afterwards, and no reader looks
+        at it or at the free file before then.
+        """
         sid = self._next_id
         self._next_id += 1
         p = os.path.join(self.path, sf.seg_name(sid))
         header = sf.segment_header(sid, self.record_bytes, self.stored_bytes)
-        if self._free:
-            # Reuse a compacted segment's file: its pages are cached (and mapped), so writing
-            # over them costs no new page-cache memory. The new header is durable before the
-            # file takes its segment name.
-            seg = self._free.pop()
-            fd = os.open(seg.path, os.O_WRONLY)
-            try:
-                sf.pwrite_all(fd, header, 0)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.rename(seg.path, p)
-            mm, arr = seg.mm, seg.arr
-            seg = Segment(sid, p)
-            seg.mm, seg.arr = mm, arr
+        reused = self._free.pop() if self._free else None
+        with self._io():
+            if reused is not None:
+                # Reuse a compacted segment's file: its pages are cached (and mapped), so
+                # writing over them costs no new page-cache memory. The new header is durable
+                # before the file takes its segment name.
+                fd = os.open(reused.path, os.O_WRONLY)
+                try:
+                    sf.pwrite_all(fd, header, 0)
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                os.rename(reused.path, p)
+                seg = Segment(sid, p)
+                seg.mm, seg.arr = reused.mm, reused.arr
+            else:
+                fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                try:
+                    sf.pwrite_all(fd, header, 0)
+                finally:
+                    os.close(fd)
+                seg = Segment(sid, p)
+            sf.fsync_dir(self.path)
+        if reused is not None:
             self._counters["reused_segments"] += 1
-        else:
-            fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            try:
-                sf.pwrite_all(fd, header, 0)
-            finally:
-                os.close(fd)
-            seg = Segment(sid, p)
         self._segs[sid] = seg
         if seg.arr is not None and seg.arr.shape[0] >= self.segment_rows:
             seg.fd = os.open(seg.path, os.O_WRONLY)  # already full size and mapped
             self._active = seg
         else:
             self._activate(seg)
-        sf.fsync_dir(self.path)
 
     # ================================================================= writing
     @contextlib.contextmanager
