@@ -271,11 +271,15 @@ def test_closed_table_refuses(tmp_path):
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
-def test_bulk_load_spread_rows_are_packed_on_flush(tmp_path, policy):
+def test_bulk_load_spread_rows_are_packed_on_flush(tmp_path, monkeypatch, policy):
     """A bulk load outpaces the writer and tier 0 holds many rows for it; flush() packs the
-    live rows densely again, and training goes on bit-identical to the DRAM table."""
+    live rows densely again and gives the memory held for the writes back, and training
+    goes on (growing tier 0 again) bit-identical to the DRAM table."""
     import threading
 
+    from tensorkv.embedding import tiered
+
+    monkeypatch.setattr(tiered, "SPARE_ROWS_MIN", 16)
     ref, t = pair(tmp_path, rows0=40, policy=policy)
     tier = t._chain.lowers[0][0]
     gate = threading.Event()
@@ -298,12 +302,40 @@ def test_bulk_load_spread_rows_are_packed_on_flush(tmp_path, policy):
             t.import_([part])
         a = t._arena
         assert a.high_water > 10 * 40  # rows held for the writes in flight
+        grown = a.capacity
         gate.set()
         t.flush()
         assert a.high_water == len(a) <= 40 + 300
+        assert a.capacity == len(a) + max(len(a) // 2, 16) < grown  # memory given back
         assert_same(ref, t)
         steps([ref, t], n_steps=30, n_ids=3000)
         assert_same(ref, t)
+
+
+@pytest.mark.parametrize("device", [None, "cpu"])
+def test_arena_shrink_rows_keeps_rows_below_high_water(device):
+    from tensorkv.embedding.arena import RowArena
+    from tensorkv.embedding.tiers.hbm import HBMArena
+
+    a = RowArena(2, 2, capacity=16) if device is None else HBMArena(2, 2, capacity=16,
+                                                                   device=device)
+    keys = np.arange(100, 140, dtype=np.int64)
+    rows, _ = a.insert(keys)
+    vals = np.arange(80, dtype=np.float32).reshape(40, 2)
+    a.scatter(rows, vals)
+    a.scatter_slots(rows, -vals)
+    a.freq[rows] = keys
+    a.remove(keys[20:])
+    assert a.capacity >= 40
+    assert a.shrink_rows(4) == a.high_water == 40  # never below the rows ever used
+    a.pack_rows()
+    assert a.shrink_rows(25) == a.capacity == 25
+    got = a.find(keys[:20])
+    np.testing.assert_array_equal(a.gather(got), vals[:20])
+    np.testing.assert_array_equal(a.gather_slots(got), -vals[:20])
+    np.testing.assert_array_equal(a.freq[got], keys[:20])
+    new, fresh = a.insert(np.arange(200, 230, dtype=np.int64))  # grows again
+    assert fresh.all() and a.capacity >= 50 and len(a) == 50
 
 
 def test_arena_pack_rows_moves_live_rows_down():

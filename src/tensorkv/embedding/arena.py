@@ -109,7 +109,7 @@ class RowArena:
         self.slots = np.zeros((cap, self.slot_width), np.float32)
 
     def _resize_row_arrays(self, new: int) -> None:
-        """Grow ``values`` and ``slots`` to ``new`` rows, keeping their contents."""
+        """Resize ``values`` and ``slots`` to ``new`` rows, keeping the contents that fit."""
         for name in ("values", "slots"):
             arr = getattr(self, name)
             arr.resize((new, arr.shape[1]), refcheck=False)
@@ -160,6 +160,22 @@ class RowArena:
             self._resize_row_arrays(new)
             for name in ("freq", "version", "seq", "row_key", "live"):
                 getattr(self, name).resize(new, refcheck=False)
+
+    def shrink_rows(self, rows: int) -> int:
+        """Give back row capacity above ``rows`` (never below :attr:`high_water`).
+
+        For an arena that grew for a burst (a tiered table's tier 0 holding rows for writes
+        in flight during a bulk load): ``realloc`` returns the tail's pages to the system.
+        Returns the capacity afterwards.
+        """
+        new = max(int(rows), self.high_water, 1)
+        if new >= self.capacity:
+            return self.capacity
+        with self.resize_guard:  # the arrays move: no other thread may be reading them
+            self._resize_row_arrays(new)
+            for name in ("freq", "version", "seq", "row_key", "live"):
+                getattr(self, name).resize(new, refcheck=False)
+        return new
 
     def _grow_index(self, need_keys: int) -> None:
         n_slots = self.n_slots

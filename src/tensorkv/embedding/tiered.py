@@ -49,6 +49,9 @@ from tensorkv.kernels import hashindex as hk
 DEFAULT_MAX_PENDING_BYTES = 256 * 1024 * 1024
 CASCADE_LOW_WATER = 0.9  # a full lower tier cascades down to this share of its budget
 PREFETCH_MIN_ROWS = 4096  # rows held for a prefetch before its first result sizes them
+# tier 0's row capacity kept beyond its rows when memory held for a burst is given back
+SPARE_ROWS_SHARE = 0.5
+SPARE_ROWS_MIN = 65536
 
 
 def _distinct(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -597,30 +600,41 @@ class TierChain:
                 self.counters[f"tier{ti + 1}"]["evictions"] += int(found.sum())
             ti += 1
 
-    def pack_tier0(self, spread: float = 2.0) -> int:
+    def pack_tier0(self, spread: float = 2.0, release: bool = False) -> int:
         """Make tier 0's rows dense again once no row is held for a pending write.
 
         Tier 0 may have held many rows for in-flight writes (a bulk load outpaces the
         writer): its live rows are then spread over a larger arena, which slows every
         gather and update. Packs when the rows in use span more than ``spread`` times their
-        number. Call under the table's write lock, with nothing pending (after :meth:`sync`,
-        or between batches when the writer has caught up). Returns the rows moved.
+        number. ``release``: also give back row capacity past the rows in use plus a spare
+        share (``SPARE_ROWS_SHARE`` of them, at least ``SPARE_ROWS_MIN``) when the arena
+        holds more than twice that, so tier 0's memory returns to about its budget after a
+        bulk load. Call under the table's write lock, with nothing pending (after
+        :meth:`sync`, or between batches when the writer has caught up). Returns the rows
+        moved.
         """
         a = self.arena
         if self.pending or self.fetched is not None or self._prefetch is not None:
             return 0  # held rows would be overwritten
         self._reclaim()
         n = len(a)
-        if a.high_water <= spread * n or a.high_water - n < 1024:
-            return 0
-        src, dst = a.pack_rows()
-        self._ensure_tick()
-        self.tick[dst] = self.tick[src]
-        if self.recency is not None:  # the log names rows: rebuild it in LRU order
-            order = np.argsort(self.tick[:n], kind="stable")
-            self.recency.reset(order, self.tick[order])
-        self._batch = self._last = None
-        return int(src.size)
+        moved = 0
+        if a.high_water > spread * n and a.high_water - n >= 1024:
+            src, dst = a.pack_rows()
+            self._ensure_tick()
+            self.tick[dst] = self.tick[src]
+            if self.recency is not None:  # the log names rows: rebuild it in LRU order
+                order = np.argsort(self.tick[:n], kind="stable")
+                self.recency.reset(order, self.tick[order])
+            self._batch = self._last = None
+            moved = int(src.size)
+        if release:
+            keep = a.high_water + max(int(n * SPARE_ROWS_SHARE), SPARE_ROWS_MIN)
+            if a.capacity > 2 * keep:
+                a.shrink_rows(keep)
+                self.tick = self.tick[:a.capacity].copy()
+                self._batch = self._last = None
+        return moved
 
     # ------------------------------------------------------------------ whole-table views
     def sync(self) -> None:

@@ -375,22 +375,24 @@ class TieredEmbeddingTable(EmbeddingTable):
 
         Re-raises a failed write as :class:`~tensorkv.embedding.writeback.WriteBackError`.
         Tier 0's rows are made dense again if a bulk load left them spread out (it held
-        more than twice its rows for writes in flight).
+        more than twice its rows for writes in flight), and the memory it held for those
+        writes is given back.
         """
         with self._op:
             self._chain.sync()
             with self._lock.write():
-                self._chain.pack_tier0()
+                self._chain.pack_tier0(release=True)
 
     def flush(self) -> None:
         """Wait for pending background writes and flush the lower tiers (durable).
 
-        Tier 0's rows are also made dense again if a bulk load left them spread out.
+        Tier 0's rows are also made dense again if a bulk load left them spread out, and the
+        memory it held for writes in flight is given back.
         """
         with self._op:
             self._chain.flush()
             with self._lock.write():
-                self._chain.pack_tier0()
+                self._chain.pack_tier0(release=True)
 
     def close(self) -> None:
         """Flush and close the lower tiers (the table is unusable afterwards for tiered rows)."""

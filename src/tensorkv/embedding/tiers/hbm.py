@@ -137,7 +137,8 @@ class HBMArena(RowArena):
         for name in ("values", "slots"):
             old = getattr(self, name)
             t = torch.zeros((new, old.shape[1]), dtype=old.dtype, device=self.device)
-            t[:cap] = old
+            keep = min(cap, new)
+            t[:keep] = old[:keep]
             setattr(self, name, t)
 
     def _move_rows(self, src: np.ndarray, dst: np.ndarray) -> None:
