@@ -156,6 +156,10 @@ class RowArena:
         new = max(need, int(cap * ROW_GROWTH) + 1)
         if self.max_rows is not None and not self.growth:
             new = min(new, self.max_rows)
+        self._resize_rows(new)
+
+    def _resize_rows(self, new: int) -> None:
+        """Resize every per-row array to ``new`` rows (grow or shrink, contents kept)."""
         with self.resize_guard:  # the arrays move: no other thread may be reading them
             self._resize_row_arrays(new)
             for name in ("freq", "version", "seq", "row_key", "live"):
@@ -171,10 +175,7 @@ class RowArena:
         new = max(int(rows), self.high_water, 1)
         if new >= self.capacity:
             return self.capacity
-        with self.resize_guard:  # the arrays move: no other thread may be reading them
-            self._resize_row_arrays(new)
-            for name in ("freq", "version", "seq", "row_key", "live"):
-                getattr(self, name).resize(new, refcheck=False)
+        self._resize_rows(new)
         return new
 
     def _grow_index(self, need_keys: int) -> None:

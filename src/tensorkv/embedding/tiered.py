@@ -631,9 +631,7 @@ class TierChain:
         if release:
             keep = a.high_water + max(int(n * SPARE_ROWS_SHARE), SPARE_ROWS_MIN)
             if a.capacity > 2 * keep:
-                a.shrink_rows(keep)
-                self.tick = self.tick[:a.capacity].copy()
-                self._batch = self._last = None
+                self.tick.resize(a.shrink_rows(keep), refcheck=False)
         return moved
 
     # ------------------------------------------------------------------ whole-table views

@@ -335,26 +335,21 @@ class SSDHashTier(IndexedTier):
         header = sf.segment_header(sid, self.record_bytes, self.stored_bytes)
         reused = self._free.pop() if self._free else None
         with self._io():
-            if reused is not None:
-                # Reuse a compacted segment's file: its pages are cached (and mapped), so
-                # writing over them costs no new page-cache memory. The new header is durable
-                # before the file takes its segment name.
-                fd = os.open(reused.path, os.O_WRONLY)
-                try:
-                    sf.pwrite_all(fd, header, 0)
+            # A reused compacted segment's file has its pages cached (and mapped), so writing
+            # over them costs no new page-cache memory; its new header is durable before the
+            # file takes its segment name.
+            fd = os.open(reused.path, os.O_WRONLY) if reused is not None else \
+                os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                sf.pwrite_all(fd, header, 0)
+                if reused is not None:
                     os.fsync(fd)
-                finally:
-                    os.close(fd)
+            finally:
+                os.close(fd)
+            seg = Segment(sid, p)
+            if reused is not None:
                 os.rename(reused.path, p)
-                seg = Segment(sid, p)
                 seg.mm, seg.arr = reused.mm, reused.arr
-            else:
-                fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-                try:
-                    sf.pwrite_all(fd, header, 0)
-                finally:
-                    os.close(fd)
-                seg = Segment(sid, p)
             sf.fsync_dir(self.path)
         if reused is not None:
             self._counters["reused_segments"] += 1
