@@ -8,6 +8,8 @@ Environment variable                   Default     Meaning
 ``TENSORKV_REDIS_CONFIG_PATH``         (unset)     JSON file with Redis connection options
 ``TENSORKV_PROGRESS``                  auto        ``0`` disables progress bars everywhere
 ``TENSORKV_PARALLEL_KERNELS``          1           ``0``: optimizer kernels always run serial
+``TENSORKV_ASSIST_THREAD``             1           ``0``: tiered tables never share kernels
+                                                   with the helper thread (embedding.assist)
 =====================================  ==========  =========================================
 """
 
@@ -42,6 +44,7 @@ ENV_EVICTION_THREADS = "TENSORKV_EVICTION_THREADS"
 ENV_SSDHASH_ASYNC_COMPACTION = "TENSORKV_SSDHASH_ASYNC_COMPACTION"
 ENV_REDIS_CONFIG_PATH = "TENSORKV_REDIS_CONFIG_PATH"
 ENV_PROGRESS = "TENSORKV_PROGRESS"
+ENV_ASSIST_THREAD = "TENSORKV_ASSIST_THREAD"
 
 
 def parse_scalar(text: str) -> Any:
@@ -140,6 +143,14 @@ def eviction_threads() -> int:
 def ssdhash_async_compaction() -> bool:
     """Whether SSDHASH compacts on its own thread (``TENSORKV_SSDHASH_ASYNC_COMPACTION``)."""
     return env_bool(ENV_SSDHASH_ASYNC_COMPACTION, False)
+
+
+def assist_thread() -> bool:
+    """Whether tiered tables share row kernels with a helper thread (``TENSORKV_ASSIST_THREAD``).
+
+    Used where their optimizer runs serially, i.e. the write-back pool shares the cores.
+    """
+    return env_bool(ENV_ASSIST_THREAD, True)
 
 
 def progress_enabled(progress: bool | None) -> bool:

@@ -205,7 +205,8 @@ class Optimizer:
 
     # -- the update
     def apply(self, values: np.ndarray, slots: np.ndarray | None, rows: np.ndarray,
-              grads: np.ndarray, step: int, parallel: bool | None = None) -> None:
+              grads: np.ndarray, step: int, parallel: bool | None = None,
+              split: Callable[[Callable[[int, int], None], int], None] | None = None) -> None:
         """Update ``values[rows]`` and ``slots[rows]`` in place from ``grads``.
 
         Parameters
@@ -225,6 +226,10 @@ class Optimizer:
         parallel : bool, optional
             Force the multi-threaded (True) or the serial (False) kernel; by default large
             updates run on all cores (see :func:`tensorkv.kernels.optimizers.get_kernel`).
+        split : callable, optional
+            ``split(fn, m)`` runs ``fn(start, stop)`` over row ranges covering ``[0, m)``
+            (e.g. :func:`tensorkv.embedding.assist.run_split`); the serial kernel then runs
+            once per range. Rows are independent, so the result is the same bit for bit.
 
         Raises
         ------
@@ -248,7 +253,11 @@ class Optimizer:
         m, dim = grads.shape
         if m == 0 or dim == 0:
             return
-        get_kernel(self._kernel, m * dim, parallel)(values, slots, rows, grads, *scalars)
+        if split is None:
+            get_kernel(self._kernel, m * dim, parallel)(values, slots, rows, grads, *scalars)
+            return
+        kernel = get_kernel(self._kernel, m * dim, False)
+        split(lambda lo, hi: kernel(values, slots, rows[lo:hi], grads[lo:hi], *scalars), m)
 
     def _check_lr_value(self, lr: float, step: int) -> None:
         """Hook for optimizers that cannot run with a zero learning rate."""

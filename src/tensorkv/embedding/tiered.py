@@ -172,6 +172,7 @@ class TierChain:
         self.lowers = list(lowers)
         self.policy = policy
         self.max_pending_bytes = int(max_pending_bytes)
+        self.split: Any = None  # how promotions copy records (see RowSink), set by the table
         self.tick = np.zeros(arena.capacity, np.int64)
         self.cur = 0
         # LRU order without scanning tier 0 (LFU victims are chosen by a scan of the counts)
@@ -400,7 +401,7 @@ class TierChain:
         n = mk.size
         rows = np.full(n, -1, np.int64)
         where = np.full(n, -1, np.int64)
-        sink = RowSink(a, self.layout)
+        sink = RowSink(a, self.layout, self.split)
         for p in self._held():
             left = np.flatnonzero(rows < 0)
             if left.size == 0:

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from tensorkv import config
+from tensorkv.embedding import assist
 from tensorkv.embedding.storage import DRAM, HBM, PMEM, StorageOption
 from tensorkv.embedding.storage import KVTier as KVTierSpec
 from tensorkv.embedding.table import EmbeddingTable, ExportChunk
@@ -143,9 +144,15 @@ class TieredEmbeddingTable(EmbeddingTable):
         # writer), so it runs serially unless cores outnumber the training plus writer threads.
         self._parallel = None if not lowers or (os.cpu_count() or 1) > 2 * (
             1 + config.eviction_threads()) else False
+        # ... but its rows, and those of promoted-record copies, are shared with the helper
+        # thread, which takes a chunk whenever the writer leaves a core idle (the training
+        # thread never waits for a chunk the helper has not started)
+        helper = assist.run_split if config.assist_thread() else None
+        self._split = helper if self._parallel is False else None
         self._chain = TierChain(self._arena, layout, budget, lowers, policy,
                                 name=f"table(dim={self.dim})",
                                 max_pending_bytes=max_pending_bytes)
+        self._chain.split = helper
 
     @property
     def device(self) -> Any:
@@ -158,7 +165,7 @@ class TieredEmbeddingTable(EmbeddingTable):
             self._arena.apply_optimizer(self.optimizer, rows, sums, self._step)
         else:
             self.optimizer.apply(self._arena.values, self._arena.slots, rows, sums, self._step,
-                                 parallel=self._parallel)
+                                 parallel=self._parallel, split=self._split)
 
     def _init_rows(self, rows: np.ndarray, keys: np.ndarray) -> None:
         if isinstance(self._arena, HBMArena):

@@ -479,7 +479,14 @@ class RowSink(_RowCopier):
         Tier 0 (:class:`~tensorkv.embedding.arena.RowArena` or an HBM arena).
     layout
         The record layout of the lower tiers.
+    split
+        ``split(fn, n)`` runs ``fn(start, stop)`` over ranges covering ``[0, n)``
+        (:func:`tensorkv.embedding.assist.run_split`); None: one call.
     """
+
+    def __init__(self, arena: Any, layout: RecordLayout, split: Any = None) -> None:
+        super().__init__(arena, layout)
+        self.split = split
 
     def write(self, src: np.ndarray, src_rows: np.ndarray | None, rows: np.ndarray) -> None:
         """Copy records ``src[src_rows]`` (all of ``src`` when None) into tier-0 ``rows``.
@@ -488,20 +495,45 @@ class RowSink(_RowCopier):
         (``width >= record_bytes``, a multiple of 8), e.g. a memory-mapped SSDHASH segment.
         Every field but the key is written (the arena already maps the key to its row).
         """
-        a, lay = self.arena, self.layout
         if src_rows is None:
             src_rows = np.arange(rows.shape[0], dtype=np.int64)
+        self.write_many([(src, src_rows, rows)])
+
+    def write_many(self, pieces: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> None:
+        """:meth:`write` for several ``(src, src_rows, rows)`` at once (e.g. one per segment).
+
+        With ``split``, the rows of all pieces together are cut into ranges shared with the
+        helper thread; each tier-0 row is written by one range, so the result is the same.
+        """
+        a, lay = self.arena, self.layout
         if not isinstance(a.values, np.ndarray):  # rows on a device
-            f = lay.unpack(np.ascontiguousarray(src[src_rows, :lay.record_bytes]))
-            a.scatter(rows, np.ascontiguousarray(f.values))
-            if a.slot_width:
-                a.scatter_slots(rows, np.ascontiguousarray(f.slots))
-            a.freq[rows], a.version[rows], a.seq[rows] = f.freq, f.version, f.change_seq
+            for src, src_rows, rows in pieces:
+                f = lay.unpack(np.ascontiguousarray(src[src_rows, :lay.record_bytes]))
+                a.scatter(rows, np.ascontiguousarray(f.values))
+                if a.slot_width:
+                    a.scatter_slots(rows, np.ascontiguousarray(f.slots))
+                a.freq[rows], a.version[rows], a.seq[rows] = f.freq, f.version, f.change_seq
             return
         wd = self.word
-        kr.records_to_rows(src.view(wd), src.view(np.int64), src_rows, rows,
-                           lay.values_offset // wd.itemsize, lay.slots_offset // wd.itemsize,
-                           a.values.view(wd), a.slots.view(wd), a.freq, a.version, a.seq)
+        args = (lay.values_offset // wd.itemsize, lay.slots_offset // wd.itemsize,
+                a.values.view(wd), a.slots.view(wd), a.freq, a.version, a.seq)
+        views = [(src.view(wd), src.view(np.int64), src_rows, rows)
+                 for src, src_rows, rows in pieces if rows.shape[0]]
+        if self.split is None:
+            for s, s64, src_rows, rows in views:
+                kr.records_to_rows(s, s64, src_rows, rows, *args)
+            return
+        bounds = np.cumsum([0] + [v[3].shape[0] for v in views]).tolist()
+
+        def copy(lo: int, hi: int) -> None:  # rows [lo, hi) of the pieces laid end to end
+            k = int(np.searchsorted(bounds, lo, side="right")) - 1
+            while k < len(views) and bounds[k] < hi:
+                s, s64, src_rows, rows = views[k]
+                i, j = max(lo, bounds[k]) - bounds[k], min(hi, bounds[k + 1]) - bounds[k]
+                kr.records_to_rows(s, s64, src_rows[i:j], rows[i:j], *args)
+                k += 1
+
+        self.split(copy, bounds[-1])
 
 
 class RowSource(_RowCopier):

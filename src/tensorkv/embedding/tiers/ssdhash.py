@@ -645,23 +645,26 @@ class SSDHashTier(IndexedTier):
         return found
 
     def _copy_to_rows(self, locs: np.ndarray, rows: np.ndarray, sink: RowSink) -> None:
-        """Copy the records at ``locs`` into tier-0 ``rows`` through ``sink``, by segment."""
+        """Copy the records at ``locs`` (sorted) into tier-0 ``rows`` through ``sink``.
+
+        One :meth:`RowSink.write_many` call over every segment the records are in.
+        """
         sids = locs >> REC_BITS
-        lo = int(sids.min())
-        order, starts = K.group_by(sids - lo, int(sids.max()) - lo + 1)
         rows_all = locs & REC_MASK
-        for g in np.flatnonzero(np.diff(starts)).tolist():
-            sel = order[starts[g] : starts[g + 1]]
-            seg = self._segs[lo + g]
-            src, dst = rows_all[sel], rows[sel]
+        cuts = [0, *(np.flatnonzero(np.diff(sids)) + 1).tolist(), locs.size]
+        pieces = []
+        for lo, hi in zip(cuts[:-1], cuts[1:], strict=True):
+            seg = self._segs[int(sids[lo])]
+            src, dst = rows_all[lo:hi], rows[lo:hi]
             if seg is self._active and self._buf_n:
                 tail = src >= seg.written
                 if tail.any():
-                    sink.write(self._buf[: self._buf_n].view(np.uint8), src[tail] - seg.written,
-                               dst[tail])
+                    pieces.append((self._buf[: self._buf_n].view(np.uint8),
+                                   src[tail] - seg.written, dst[tail]))
                     src, dst = src[~tail], dst[~tail]
             if src.size:
-                sink.write(seg.mapped(self.words, seg.written).view(np.uint8), src, dst)
+                pieces.append((seg.mapped(self.words, seg.written).view(np.uint8), src, dst))
+        sink.write_many(pieces)
 
     def get(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Return ``(found, records)``; absent rows are zero."""

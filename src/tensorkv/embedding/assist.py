@@ -1,0 +1,124 @@
+"""A helper thread that shares row-parallel kernels with the training thread.
+
+On a machine with few cores the tier write-back thread occupies the second core for most of
+each step, so a multi-threaded kernel (numba ``prange``) waits for its slowest thread: the one
+queued behind the writer. :func:`run_split` instead cuts a kernel's rows into chunks that the
+calling thread and ONE shared helper thread claim one at a time. The caller starts on the
+first chunk at once and takes every chunk the helper has not claimed, so it never waits for
+a helper that has not started; it only waits for chunks the helper is already running.
+
+The kernels must release the GIL (``nogil=True``) and write disjoint rows per chunk, so the
+result is the same as one call over all rows, bit for bit. Enabled by
+``TENSORKV_ASSIST_THREAD`` (:func:`tensorkv.config.assist_thread`, default on); tiered
+tables use it when their optimizer runs serially (see
+:class:`~tensorkv.embedding.tiered_table.TieredEmbeddingTable`).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+
+#: Fewer rows than this run in one call on the calling thread (a hand-off costs ~20-50 us).
+MIN_SPLIT_ROWS = 2048
+#: Chunks per split: the caller and the helper alternate over them.
+CHUNKS = 4
+
+Kernel = Callable[[int, int], None]
+
+
+class _Split:
+    """One kernel cut into chunks; each chunk is claimed once, by the caller or the helper."""
+
+    def __init__(self, fn: Kernel, n: int, chunks: int) -> None:
+        self.fn = fn
+        self.bounds = [n * i // chunks for i in range(chunks + 1)]
+        self.next = 0
+        self.running = 0  # chunks claimed by the helper and not finished
+        self.error: BaseException | None = None
+        self.lock = threading.Lock()
+        self.idle = threading.Condition(self.lock)
+
+    def _claim(self, helper: bool) -> int:
+        """The next chunk (-1: none left, or a chunk failed); the helper's count as running."""
+        with self.lock:
+            i = self.next
+            if i >= len(self.bounds) - 1 or self.error is not None:
+                return -1
+            self.next = i + 1
+            self.running += helper
+            return i
+
+    def work(self, helper: bool) -> None:
+        """Run chunks until none is left; an error stops the others from claiming more."""
+        while (i := self._claim(helper)) >= 0:
+            try:
+                self.fn(self.bounds[i], self.bounds[i + 1])
+            except BaseException as e:  # noqa: BLE001 - re-raised on the calling thread
+                with self.lock:
+                    self.error = self.error or e
+                if not helper:
+                    raise
+            finally:
+                if helper:
+                    with self.lock:
+                        self.running -= 1
+                        self.idle.notify_all()
+
+    def wait(self) -> BaseException | None:
+        """Wait for the helper's running chunks; return the first error of any chunk."""
+        with self.lock:
+            while self.running:
+                self.idle.wait()
+            return self.error
+
+
+class Helper:
+    """The process-wide helper thread (started on first use, a daemon)."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[_Split] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="tensorkv-assist", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            self._jobs.get().work(helper=True)
+
+    def run_split(self, fn: Kernel, n: int) -> None:
+        """Run ``fn(start, stop)`` over ``[0, n)`` in chunks, shared with the helper.
+
+        Returns once every chunk has run. An exception from a chunk is raised here; chunks
+        not yet claimed then do not run (the caller's data may be partly updated, as with a
+        kernel that fails midway).
+        """
+        if n < MIN_SPLIT_ROWS:
+            fn(0, n)
+            return
+        s = _Split(fn, n, CHUNKS)
+        self._jobs.put(s)
+        try:
+            s.work(helper=False)
+        finally:
+            error = s.wait()
+        if error is not None:
+            raise error
+
+
+_helper: Helper | None = None
+_helper_lock = threading.Lock()
+
+
+def helper() -> Helper:
+    """The shared :class:`Helper` (created on first call)."""
+    global _helper
+    with _helper_lock:
+        if _helper is None:
+            _helper = Helper()
+        return _helper
+
+
+def run_split(fn: Kernel, n: int) -> None:
+    """:meth:`Helper.run_split` on the shared helper."""
+    helper().run_split(fn, n)

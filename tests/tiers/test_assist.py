@@ -1,0 +1,121 @@
+"""The helper thread that shares row kernels with the training thread (embedding.assist)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from tensorkv import config
+from tensorkv.embedding import assist
+from tensorkv.embedding.optimizers import get_optimizer
+from tensorkv.embedding.table import EmbeddingTable
+from tensorkv.embedding.tiered import TieredEmbeddingTable
+from tensorkv.embedding.tiers.base import RecordLayout
+from tensorkv.errors import ConfigError
+
+from .test_exactness import assert_same, chain, train
+
+
+def _ranges(n: int, slow_caller: float = 0.0) -> list[tuple[int, int, str]]:
+    seen: list[tuple[int, int, str]] = []
+    lock = threading.Lock()
+
+    def fn(lo: int, hi: int) -> None:
+        name = threading.current_thread().name
+        if slow_caller and name != "tensorkv-assist":
+            time.sleep(slow_caller)  # leaves the helper time to claim chunks
+        with lock:
+            seen.append((lo, hi, name))
+
+    assist.run_split(fn, n)
+    return seen
+
+
+@pytest.mark.parametrize("n", [0, 1, assist.MIN_SPLIT_ROWS - 1, assist.MIN_SPLIT_ROWS, 100_003])
+def test_chunks_cover_every_row_once(n):
+    seen = _ranges(n, slow_caller=0.02)
+    covered = np.zeros(n, np.int64)
+    for lo, hi, _ in seen:
+        covered[lo:hi] += 1
+    assert (covered == 1).all()
+    if n < assist.MIN_SPLIT_ROWS:
+        assert len(seen) == 1 and seen[0][2] == threading.current_thread().name
+    else:
+        assert len(seen) == assist.CHUNKS
+
+
+def test_helper_takes_chunks_the_caller_leaves():
+    seen = _ranges(100_000, slow_caller=0.05)
+    assert {s[2] for s in seen} == {threading.current_thread().name, "tensorkv-assist"}
+
+
+@pytest.mark.parametrize("where", ["caller", "helper"])
+def test_a_failing_chunk_raises_in_the_caller(where):
+    ran: list[str] = []
+
+    def fn(lo: int, hi: int) -> None:
+        name = threading.current_thread().name
+        on_helper = name == "tensorkv-assist"
+        if not on_helper:
+            time.sleep(0.05)
+        ran.append(name)
+        if on_helper == (where == "helper"):
+            raise ValueError(f"chunk {lo}:{hi} failed on {name}")
+
+    with pytest.raises(ValueError, match="failed on"):
+        assist.run_split(fn, 100_000)
+    # the helper is still serving later splits
+    assert len(_ranges(100_000, slow_caller=0.05)) == assist.CHUNKS
+
+
+@pytest.mark.parametrize("name", ["adagrad", "adam", "ftrl", "sgd"])
+def test_optimizer_split_is_bit_identical(name):
+    rng = np.random.default_rng(1)
+    m, dim, n_rows = 10_000, 16, 30_000
+    rows = rng.choice(n_rows, m, replace=False).astype(np.int64)
+    grads = rng.standard_normal((m, dim)).astype(np.float32)
+    outs = []
+    for split in (None, assist.run_split):
+        opt = get_optimizer(name)
+        values = np.full((n_rows, dim), 0.5, np.float32)
+        slots = np.full((n_rows, max(opt.num_slots, 1) * dim), 0.1, np.float32)
+        for step in range(1, 4):
+            opt.apply(values, slots if opt.num_slots else None, rows, grads, step,
+                      parallel=False, split=split)
+        outs.append((values, slots))
+    assert np.array_equal(outs[0][0], outs[1][0])
+    assert np.array_equal(outs[0][1], outs[1][1])
+
+
+@pytest.mark.parametrize("name", ["DRAM_SSDHASH", "DRAM_PMEM_SSDHASH"])
+def test_tiered_training_with_the_helper_is_bit_identical(tmp_path, monkeypatch, name):
+    """Promotions and optimizer steps split over the helper train exactly as DRAM-only."""
+    monkeypatch.setattr(assist, "MIN_SPLIT_ROWS", 1)  # split even the small test batches
+    dim = 8
+    ref = EmbeddingTable(dim, optimizer="adagrad", seed=3)
+    lay = RecordLayout(dim, num_slots=1)
+    opts = chain(name, tmp_path, lay, tier1_rows=300 if "PMEM" in name else None)
+    with TieredEmbeddingTable(dim, optimizer="adagrad", seed=3, **opts) as t:
+        calls = []
+        real = assist.run_split
+
+        def counting(fn, n):
+            calls.append(n)
+            real(fn, n)
+
+        t._split = t._chain.split = counting  # also where cores are plenty
+        train([ref, t], string_keys=False, steps=120)
+        assert t.stats()["tiers"][1]["promotions"] > 0
+        assert len(calls) > 120  # every optimizer step and the promotions went through it
+        assert_same(ref, t)
+
+
+def test_assist_setting(monkeypatch):
+    monkeypatch.setenv(config.ENV_ASSIST_THREAD, "0")
+    assert config.assist_thread() is False
+    monkeypatch.setenv(config.ENV_ASSIST_THREAD, "maybe")
+    with pytest.raises(ConfigError, match="TENSORKV_ASSIST_THREAD"):
+        config.assist_thread()
