@@ -22,8 +22,9 @@ from collections.abc import Callable
 
 #: Fewer rows than this run in one call on the calling thread (a hand-off costs ~20-50 us).
 MIN_SPLIT_ROWS = 2048
-#: Chunks per split: the caller and the helper alternate over them.
-CHUNKS = 4
+#: Chunks per split: the caller and the helper claim them in turn. Small chunks let a helper
+#: that wakes late still take a fair share (16 measured 4 % faster than 4 per step).
+CHUNKS = 16
 
 Kernel = Callable[[int, int], None]
 
