@@ -113,6 +113,26 @@ def test_tiered_training_with_the_helper_is_bit_identical(tmp_path, monkeypatch,
         assert_same(ref, t)
 
 
+def _child_split(out) -> None:
+    names = {name for _, _, name in _ranges(100_000, slow_caller=0.05)}
+    out.put(sorted(names))
+
+
+def test_a_forked_child_gets_its_own_helper():
+    """After fork the parent's helper thread is gone: the child starts its own."""
+    import multiprocessing
+
+    _ranges(100_000)  # the parent's helper exists before the fork
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    p = ctx.Process(target=_child_split, args=(out,))
+    p.start()
+    names = out.get(timeout=60)
+    p.join(60)
+    assert p.exitcode == 0
+    assert "tensorkv-assist" in names
+
+
 def test_assist_setting(monkeypatch):
     monkeypatch.setenv(config.ENV_ASSIST_THREAD, "0")
     assert config.assist_thread() is False

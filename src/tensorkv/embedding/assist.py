@@ -16,6 +16,7 @@ tables use it when their optimizer runs serially (see
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from collections.abc import Callable
@@ -109,6 +110,16 @@ class Helper:
 
 _helper: Helper | None = None
 _helper_lock = threading.Lock()
+
+
+def _forget_after_fork() -> None:
+    """In a forked child: the parent's helper thread does not exist there; start anew."""
+    global _helper, _helper_lock
+    _helper, _helper_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 def helper() -> Helper:
