@@ -148,7 +148,8 @@ def ssdhash_async_compaction() -> bool:
 def assist_thread() -> bool:
     """Whether tiered tables share row kernels with a helper thread (``TENSORKV_ASSIST_THREAD``).
 
-    Used where their optimizer runs serially, i.e. the write-back pool shares the cores.
+    Promoted-record copies always; the optimizer step where it runs serially (the write-back
+    pool shares the cores).
     """
     return env_bool(ENV_ASSIST_THREAD, True)
 

@@ -178,3 +178,33 @@ def test_dram_only_prefetch_is_a_no_op():
     t = EmbeddingTable(DIM)
     t.prefetch(np.arange(5))
     assert len(t) == 0
+
+
+def test_guarded_sink_copies_only_under_its_guard(tmp_path, monkeypatch):
+    """A prefetch's copies (SSDHASH reads go through ``write_many``) hold tier 0's guard."""
+    import threading
+
+    import tensorkv.embedding.tiers.base as base
+    from tensorkv.embedding.arena import RowArena
+    from tensorkv.embedding.prefetch import GuardedSink
+    from tensorkv.embedding.tiers.ssdhash import SSDHashTier
+
+    guard = threading.RLock()
+    real = base.kr.records_to_rows
+    held: list[bool] = []
+
+    def checked(*args):
+        held.append(guard._is_owned())
+        real(*args)
+
+    monkeypatch.setattr(base.kr, "records_to_rows", checked)
+    lay = RecordLayout(DIM, num_slots=1)
+    keys = np.arange(200, dtype=np.int64)
+    recs = lay.pack(keys, np.full((200, DIM), 0.5, np.float32))
+    with SSDHashTier(tmp_path / "s", lay, segment_bytes=8192) as tier:  # several segments
+        tier.put(keys, recs)
+        arena = RowArena(DIM, lay.slot_width)
+        found = tier.read_into(keys, lambda f: arena.insert(keys[f])[0],
+                               GuardedSink(arena, lay, guard))
+    assert found.all() and held and all(held)
+    assert np.array_equal(arena.values[arena.find(keys)], np.full((200, DIM), 0.5, np.float32))

@@ -45,10 +45,10 @@ class GuardedSink(RowSink):
         super().__init__(arena, layout)
         self.guard = guard
 
-    def write(self, src: np.ndarray, src_rows: np.ndarray | None, rows: np.ndarray) -> None:
-        """:meth:`RowSink.write` under the guard."""
+    def write_many(self, pieces: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> None:
+        """:meth:`RowSink.write_many` (which :meth:`RowSink.write` goes through) under the guard."""
         with self.guard:
-            super().write(src, src_rows, rows)
+            super().write_many(pieces)
 
 
 @dataclass
