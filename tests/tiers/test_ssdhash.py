@@ -3,8 +3,9 @@ import os
 import numpy as np
 import pytest
 
+from tensorkv.embedding.arena import RowArena
 from tensorkv.embedding.tiers import ssdhash_files as sf
-from tensorkv.embedding.tiers.base import RecordLayout
+from tensorkv.embedding.tiers.base import RecordLayout, RowSink
 from tensorkv.embedding.tiers.ssdhash import SSDHashTier
 from tensorkv.errors import ConfigError, CorruptRecordError, StoreLockedError
 from tensorkv.testing.tiers import TierTests, make_records
@@ -210,9 +211,6 @@ def test_concurrent_readers_and_writer(tmp_path, async_c, buffer_bytes):
     # writers let go of the state lock during file I/O: readers must still see whole records
     # (a small buffer sends puts through the direct-write path, a large one through the buffer)
     import threading
-
-    from tensorkv.embedding.arena import RowArena
-    from tensorkv.embedding.tiers.base import RowSink
 
     t = open_tier(tmp_path, segment_bytes=4096, async_compaction=async_c,
                   buffer_bytes=buffer_bytes)
@@ -484,3 +482,37 @@ def test_readers_do_not_wait_for_a_segment_roll(tmp_path, monkeypatch, reuse):
     np.testing.assert_array_equal(got, make_records(LAY, more, 50))
     assert t.check() == []
     t.close()
+
+
+def test_read_into_take_moves_rows_and_a_failed_copy_keeps_them(tmp_path):
+    """``take=True`` removes what it read (one index probe per key); if the copy fails, the
+    tier still holds every row, readable and counted live."""
+    keys = np.arange(300, dtype=np.int64)
+    recs = make_records(LAY, keys, seed=3)
+    with open_tier(tmp_path / "t") as t:  # several segments, some rows still buffered
+        t.put(keys, recs)
+        want = t.get(keys)[1]
+        live = sum(s.live for s in t._segs.values())
+
+        def broken_alloc(found):
+            raise MemoryError("no rows")
+
+        arena = RowArena(LAY.dim, LAY.slot_width)
+        with pytest.raises(MemoryError):
+            t.read_into(keys, broken_alloc, RowSink(arena, LAY), take=True)
+        found, got = t.get(keys)
+        assert found.all() and np.array_equal(got, want)
+        assert len(t) == 300 and sum(s.live for s in t._segs.values()) == live
+        assert t.check() == []
+
+        q = np.array([5, 299, 1000, 5], np.int64)  # absent key and a repeat
+        found = t.read_into(q, lambda f: arena.insert(q[f])[0], RowSink(arena, LAY), take=True)
+        assert found.tolist() == [True, True, False, False]  # a key moves once
+        assert len(t) == 298 and not t.get(q)[0].any()
+        assert sum(s.live for s in t._segs.values()) == live - 2
+        rows = arena.find(np.array([5, 299], np.int64))
+        f = LAY.unpack(want[[5, 299]])
+        assert np.array_equal(arena.values[rows], f.values)
+        assert np.array_equal(arena.slots[rows], f.slots)
+        assert np.array_equal(arena.version[rows], f.version)
+        assert t.check() == []

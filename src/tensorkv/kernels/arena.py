@@ -160,6 +160,8 @@ def dedup_rows(rows, grads, uniq_out, sums_out, bad_out, first, pos):  # pragma:
     u = 0
     ndup = 0
     for i in range(n):
+        if i + PREFETCH_DISTANCE < n:  # one entry per arena row: random, often uncached
+            prefetch1(first, rows[i + PREFETCH_DISTANCE])
         r = rows[i]
         p = first[r]
         if p < 0:

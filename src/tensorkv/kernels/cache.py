@@ -16,6 +16,11 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from tensorkv.kernels.hashindex import prefetch1
+
+#: How many rows ahead the touch kernel prefetches a row's tick.
+PREFETCH_DISTANCE = 16
+
 
 @njit(nogil=True, cache=True)
 def _candidates(live, tick, freq, hw, cur, lfu, rows_out, score_out):  # pragma: no cover
@@ -155,7 +160,10 @@ def _log_touch(tick, rows, start, cur, log_rows, log_ticks, end):  # pragma: no 
     when the log filled up (the caller compacts or grows it and resumes there).
     """
     cap = log_rows.shape[0]
-    for i in range(start, rows.shape[0]):
+    n = rows.shape[0]
+    for i in range(start, n):
+        if i + PREFETCH_DISTANCE < n and rows[i + PREFETCH_DISTANCE] >= 0:
+            prefetch1(tick, rows[i + PREFETCH_DISTANCE])  # one tick per row: random lines
         r = rows[i]
         if r < 0 or tick[r] == cur:
             continue

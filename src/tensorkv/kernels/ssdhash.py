@@ -95,7 +95,12 @@ def index_apply(tkeys, tvals, q, vals, tomb, old):
     mask = np.uint64(tkeys.size - 1)
     live = 0
     dels = 0
-    for i in range(q.size):
+    m = q.size
+    for i in range(m):
+        if i + 16 < m:
+            ha = np.int64(_mix(q[i + 16]) & mask)
+            prefetch1(tvals, ha)
+            prefetch1(tkeys, ha)
         k = q[i]
         h, found = _find_or_slot(tkeys, tvals, k, mask)
         if found:
@@ -115,6 +120,38 @@ def index_apply(tkeys, tvals, q, vals, tomb, old):
                 tvals[h] = vals[i]
                 live += 1
     return live, dels
+
+
+@njit(nogil=True, cache=True)
+def index_take(tkeys, tvals, q, out):
+    """Remove each key of ``q`` and put its value in ``out[i]`` (-1 where absent).
+
+    :func:`index_lookup` and a delete in one probe per key. Returns how many were removed
+    (each becomes a ``DELETED`` slot).
+    """
+    mask = np.uint64(tkeys.size - 1)
+    n = q.size
+    taken = 0
+    for i in range(n):
+        if i + 16 < n:
+            ha = np.int64(_mix(q[i + 16]) & mask)
+            prefetch1(tvals, ha)
+            prefetch1(tkeys, ha)
+        k = q[i]
+        h = np.int64(_mix(k) & mask)
+        res = -1
+        while True:
+            v = tvals[h]
+            if v == EMPTY:
+                break
+            if v != DELETED and tkeys[h] == k:
+                res = v
+                tvals[h] = DELETED
+                taken += 1
+                break
+            h = np.int64((np.uint64(h) + np.uint64(1)) & mask)
+        out[i] = res
+    return taken
 
 
 @njit(nogil=True, cache=True)
@@ -441,6 +478,14 @@ class HashIndex:
         self.live += dl
         self.deleted += dd
         return old
+
+    def take(self, keys: np.ndarray) -> np.ndarray:
+        """Remove keys; return their values (-1 where absent): lookup and remove in one probe."""
+        out = np.empty(keys.size, np.int64)
+        n = int(index_take(self._keys, self._vals, keys, out))
+        self.live -= n
+        self.deleted += n
+        return out
 
     def items(self) -> tuple[np.ndarray, np.ndarray]:
         """``(keys, values)`` of every live entry."""

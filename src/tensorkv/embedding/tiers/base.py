@@ -21,6 +21,7 @@ whole batches with numpy views; every :class:`LowerTier` method takes and return
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import threading
 from abc import ABC, abstractmethod
@@ -526,7 +527,7 @@ class RowSink(_RowCopier):
         bounds = np.cumsum([0] + [v[3].shape[0] for v in views]).tolist()
 
         def copy(lo: int, hi: int) -> None:  # rows [lo, hi) of the pieces laid end to end
-            k = int(np.searchsorted(bounds, lo, side="right")) - 1
+            k = bisect.bisect_right(bounds, lo) - 1  # holds the GIL: no hand-off mid-copy
             while k < len(views) and bounds[k] < hi:
                 s, s64, src_rows, rows = views[k]
                 i, j = max(lo, bounds[k]) - bounds[k], min(hi, bounds[k + 1]) - bounds[k]

@@ -629,15 +629,22 @@ class SSDHashTier(IndexedTier):
         keys = as_keys(keys)
         with self._lock:
             self._check_open()
-            locs = self.index.lookup(keys)
+            # taking: the lookup removes the keys at once (one probe each); they are put
+            # back if the copy fails, so the tier keeps its rows
+            locs = self.index.take(keys) if take else self.index.lookup(keys)
             found = locs >= 0
             if found.any():
-                rows = alloc(found)
                 locs = locs[found]
-                order = np.argsort(locs)  # read the files front to back
-                self._copy_to_rows(locs[order], rows[order], sink)
+                try:
+                    rows = alloc(found)
+                    order = np.argsort(locs)  # read the files front to back
+                    self._copy_to_rows(locs[order], rows[order], sink)
+                except BaseException:
+                    if take:
+                        self.index.upsert(keys[found], locs)
+                    raise
                 if take:
-                    self._account(self.index.remove(keys[found]), None)
+                    self._account(locs, None)
                     self._counters["deletes"] += int(locs.size)
                     if self.async_compaction and self._candidates():
                         self._wake.set()  # synchronous compaction runs on the next write
