@@ -139,3 +139,97 @@ def test_assist_setting(monkeypatch):
     monkeypatch.setenv(config.ENV_ASSIST_THREAD, "maybe")
     with pytest.raises(ConfigError, match="TENSORKV_ASSIST_THREAD"):
         config.assist_thread()
+
+
+def test_a_task_runs_once_on_the_helper_or_on_the_joiner():
+    ran: list[str] = []
+    gate = threading.Event()
+    blocker = assist.start(lambda: gate.wait(10))  # keeps the helper busy
+    task = assist.start(lambda: ran.append(threading.current_thread().name) or 7)
+    assert task.join() == 7  # not started by the busy helper: runs here, at once
+    gate.set()
+    blocker.join()
+    assert ran == [threading.current_thread().name]
+    late = assist.start(lambda: threading.current_thread().name)
+    late.done.wait(10)
+    assert late.join() == "tensorkv-assist" and late.join() == "tensorkv-assist"
+
+    def boom():
+        raise ValueError("demotion failed")
+
+    failed = assist.start(boom)
+    for _ in range(2):  # every join re-raises
+        with pytest.raises(ValueError, match="demotion failed"):
+            failed.join()
+
+
+def _deferring(t) -> list[str]:
+    """Record on which thread each of ``t``'s deferred demotions ran."""
+    where: list[str] = []
+    real = t._chain._detach_victims
+
+    def detach(*args):
+        where.append(threading.current_thread().name)
+        return real(*args)
+
+    t._chain._detach_victims = detach
+    return where
+
+
+def test_deferred_demotions_are_exact_and_never_seen_half_done(tmp_path):
+    """A lookup's demotion runs on the helper while gradients are summed: the same rows
+    move as when it runs inline, and reads between lookup and apply see a whole table."""
+    dim = 8
+    lay = RecordLayout(dim, num_slots=1)
+    ref = EmbeddingTable(dim, optimizer="adagrad", seed=3)
+    inline = TieredEmbeddingTable(dim, optimizer="adagrad", seed=3,
+                                  **chain("DRAM_SSDHASH", tmp_path / "a", lay))
+    inline._defer = None
+    deferred = TieredEmbeddingTable(dim, optimizer="adagrad", seed=3,
+                                    **chain("DRAM_SSDHASH", tmp_path / "b", lay))
+    assert deferred._defer is not None
+    where = _deferring(deferred)
+    rng = np.random.default_rng(0)
+    with inline, deferred:
+        for step in range(60):
+            keys = rng.choice(2000, 300, replace=False).astype(np.int64)
+            grads = rng.standard_normal((keys.size, dim)).astype(np.float32)
+            outs = [t.lookup(keys) for t in (ref, inline, deferred)]
+            assert np.array_equal(outs[0], outs[2]) and np.array_equal(outs[1], outs[2])
+            if step % 10 == 3:  # reads while the demotion may still run
+                probe = rng.choice(2500, 200, replace=False).astype(np.int64)
+                assert len(deferred) == len(ref)
+                assert np.array_equal(deferred.contains(probe), ref.contains(probe))
+                assert np.array_equal(deferred.frequency(probe), ref.frequency(probe))
+            for t in (ref, inline, deferred):
+                t.apply_gradients(keys, grads)
+        assert "tensorkv-assist" in where  # some demotions did run on the helper
+        assert_same(ref, deferred)
+        assert_same(inline, deferred)
+        a, b = inline.stats()["tiers"], deferred.stats()["tiers"]
+        for x, y in zip(a, b, strict=True):
+            for f in ("rows", "hits", "misses", "promotions", "evictions"):
+                assert x[f] == y[f], f
+
+
+def test_a_failed_deferred_demotion_raises_at_the_next_operation(tmp_path):
+    dim = 8
+    lay = RecordLayout(dim, num_slots=1)
+    t = TieredEmbeddingTable(dim, optimizer="adagrad",
+                             **chain("DRAM_SSDHASH", tmp_path, lay, tier0_rows=50))
+    keys = np.arange(200, dtype=np.int64)
+    t.lookup(keys[:100])
+    assert len(t) == 100  # settles the first lookup's demotion
+
+    def broken(*args):
+        raise MemoryError("no memory for the victims")
+
+    t._chain._detach_victims = broken
+    t.lookup(keys[100:])  # its demotion fails in the background
+    with pytest.raises(MemoryError, match="no memory"):
+        t.apply_gradients(keys[100:], np.ones((100, dim), np.float32))
+    del t._chain._detach_victims  # the next lookup demotes again
+    t.lookup(keys[:10])
+    t.apply_gradients(keys[:10], np.ones((10, dim), np.float32))
+    assert len(t) == 200
+    t.close()

@@ -8,7 +8,9 @@ first chunk at once and takes every chunk the helper has not claimed, so it neve
 a helper that has not started; it only waits for chunks the helper is already running.
 
 The kernels must release the GIL (``nogil=True``) and write disjoint rows per chunk, so the
-result is the same as one call over all rows, bit for bit. Enabled by
+result is the same as one call over all rows, bit for bit. :func:`start` hands the helper one
+whole task instead (a tiered table's demotion after a lookup); its :meth:`Task.join` runs the
+task on the joining thread if the helper has not started it. Enabled by
 ``TENSORKV_ASSIST_THREAD`` (:func:`tensorkv.config.assist_thread`, default on); tiered
 tables use it when their optimizer runs serially (see
 :class:`~tensorkv.embedding.tiered_table.TieredEmbeddingTable`).
@@ -76,11 +78,55 @@ class _Split:
             return self.error
 
 
+class Task:
+    """One function run by the helper thread, or by the caller of :meth:`join` if first.
+
+    Returned by :meth:`Helper.start`. Whoever claims it first runs it, once.
+    """
+
+    def __init__(self, fn: Callable[[], object]) -> None:
+        self.fn = fn
+        self.claimed = False
+        self.result: object = None
+        self.error: BaseException | None = None
+        self.lock = threading.Lock()
+        self.done = threading.Event()
+
+    def _claim(self) -> bool:
+        with self.lock:
+            if self.claimed:
+                return False
+            self.claimed = True
+            return True
+
+    def work(self, helper: bool) -> None:
+        """Run the function if no one has claimed it yet (the helper thread's entry)."""
+        if not self._claim():
+            return
+        try:
+            self.result = self.fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised by join()
+            self.error = e
+        finally:
+            self.done.set()
+
+    def join(self) -> object:
+        """The function's result: run it here if the helper has not started it, else wait.
+
+        An exception the function raised is raised here.
+        """
+        self.work(helper=False)
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
 class Helper:
     """The process-wide helper thread (started on first use, a daemon)."""
 
     def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[_Split] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[_Split | Task] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="tensorkv-assist", daemon=True)
         self._thread.start()
 
@@ -106,6 +152,17 @@ class Helper:
             error = s.wait()
         if error is not None:
             raise error
+
+
+    def start(self, fn: Callable[[], object]) -> Task:
+        """Queue ``fn()`` for the helper thread; :meth:`Task.join` waits for (or runs) it.
+
+        The caller never waits for a task the helper has not started: joining an unclaimed
+        task runs it on the joining thread.
+        """
+        task = Task(fn)
+        self._jobs.put(task)
+        return task
 
 
 _helper: Helper | None = None
@@ -134,3 +191,8 @@ def helper() -> Helper:
 def run_split(fn: Kernel, n: int) -> None:
     """:meth:`Helper.run_split` on the shared helper."""
     helper().run_split(fn, n)
+
+
+def start(fn: Callable[[], object]) -> Task:
+    """:meth:`Helper.start` on the shared helper."""
+    return helper().start(fn)

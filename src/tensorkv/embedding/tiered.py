@@ -16,7 +16,10 @@ For each batch the table calls, under its write lock:
    tier 0 into a *pending* batch that the shared write-back pool
    (:mod:`tensorkv.embedding.writeback`) writes to tier 1 in the background. Lookups check the
    pending batches before the lower tiers, so results never depend on timing. When tier 1
-   passes its budget, its coldest rows cascade to tier 2 (in the background job).
+   passes its budget, its coldest rows cascade to tier 2 (in the background job). After a
+   lookup, this step may run on the helper thread (:mod:`tensorkv.embedding.assist`) while
+   the training thread sums the batch's gradients; :meth:`TierChain.settle` finishes it
+   before tier 0 is next read or changed.
 
 Tier 0 may hold one batch more than its budget while the batch runs: a batch with more
 distinct keys than the budget is still served (all its keys are resident during the call), and
@@ -188,6 +191,9 @@ class TierChain:
         arena.resize_guard = self.pack_lock
         self.pending: list[_Pending] = []
         self.pending_bytes = 0
+        # a demotion running on the helper thread (see after(defer=...)) and its guard
+        self._demotion: Any = None
+        self._settle_lock = threading.Lock()
         self.landed: list[_Pending] = []  # landed batches whose held rows are not freed yet
         self.stale: list[np.ndarray] = []  # keys promoted out of lower tiers, delete queued
         self.queue = WriteQueue(name)
@@ -228,6 +234,7 @@ class TierChain:
         self.queue.check()
         if not self.lowers or keys.size == 0:
             return
+        self.settle()
         self.join_prefetch()
         self._release_fetched()
         a = self.arena
@@ -341,14 +348,15 @@ class TierChain:
         self._submit_deferred()
         a = self.arena
         last, self._last = self._last, None
-        if not count and last is not None and last[2] is a.state and \
-                np.array_equal(last[3], a.state) and \
-                (last[0] is keys or np.array_equal(last[0], keys)):
+        if not count and self._valid(last, keys, same=True):
             # the same batch as the previous operation (lookup, then apply_gradients), and no
-            # row was inserted or removed since: every key that exists anywhere is resident,
-            # and its rows are the most recently used already (no new tick, no touch)
-            self._batch = (keys, last[1], a.state, a.state.copy(), True)
+            # row was inserted or removed since (but maybe other rows moved down, by a
+            # demotion still running): every key that exists anywhere is resident, and its
+            # rows are the most recently used already (no new tick, no touch)
+            self._batch = (keys, last[1], a.state,
+                           None if last[3] is None else a.state.copy(), True)
             return 0
+        self.settle()
         self.join_prefetch()  # its rows may be some of this batch's
         self._reclaim()
         # the writer caught up: undo a spread left by a burst of writes (rows move)
@@ -451,11 +459,18 @@ class TierChain:
         else:
             ck.touch(self.tick, rows, self.cur)
 
-    def _valid(self, b: tuple | None, keys: np.ndarray) -> bool:
-        """Whether ``b`` (see ``_batch``) holds the rows of ``keys`` in tier 0 as it is now."""
+    def _valid(self, b: tuple | None, keys: np.ndarray, same: bool = False) -> bool:
+        """Whether ``b`` (see ``_batch``) holds the rows of ``keys`` in tier 0 as it is now.
+
+        ``b[3]``, a copy of tier 0's state when ``b`` was made, is None while a deferred
+        demotion runs: it moves other rows only, and anything else that changes tier 0
+        settles it first (:meth:`settle`), which fills the copy in. ``same``: ``keys`` may
+        be an equal array rather than the very same one.
+        """
         a = self.arena
-        return b is not None and b[0] is keys and b[2] is a.state and \
-            np.array_equal(b[3], a.state)
+        return b is not None and b[2] is a.state and \
+            (b[0] is keys or (same and np.array_equal(b[0], keys))) and \
+            (b[3] is None or np.array_equal(b[3], a.state))
 
     def batch_rows(self, keys: np.ndarray) -> np.ndarray | None:
         """Tier-0 rows of ``keys`` as :meth:`promote` left them (None: unknown or stale).
@@ -465,54 +480,98 @@ class TierChain:
         b = self._batch
         return b[1] if self._valid(b, keys) else None
 
-    def after(self, keys: np.ndarray, protect: bool = True) -> int:
+    def after(self, keys: np.ndarray, protect: bool = True, defer: Any = None) -> int:
         """Mark the batch's rows as used now and move tier-0 excess down; returns rows moved.
 
         ``protect``: never move the batch's own rows (they are the most recent anyway; without
         protection tier 0 is trimmed to its budget even after a batch larger than it).
+        ``defer`` (with ``protect``): a function that runs a task in the background and
+        returns a handle with ``join()`` (:func:`tensorkv.embedding.assist.start`). The
+        touch, the choice of victims and their removal from tier 0's index then run there
+        (returns 0), and :meth:`settle` finishes the move before tier 0 is next read or
+        changed: meanwhile the caller may only update this batch's rows (an optimizer step
+        on the rows of the lookup just made). The same victims move either way.
         """
+        self.settle()
         a = self.arena
         self._ensure_tick()
         b, self._batch = self._batch, None
         if self._valid(b, keys):
             rows = b[1]  # no row was inserted or removed since promote(): rows still valid
-            if not b[4]:
-                self._touch(rows)
+            touch = not b[4]
         else:
             rows = a.find(keys)
-            self._touch(rows)
+            touch = True
         self._reclaim()  # frees rows (not keys): the batch's rows stay valid
-        moved = 0
-        if self.budget is not None and self.lowers:
-            excess = len(a) - self.budget
-            if excess > 0:
-                protect_tick = self.cur if protect else -1
-                if self.recency is not None:
-                    victims = self.recency.take(a.live, self.tick, excess, protect_tick)
-                else:
-                    victims = ck.select_victims(a.live, self.tick, a.freq, a.high_water,
-                                                protect_tick, excess, self.policy)
-                if victims.size:
-                    self.demote_rows(victims)
-                    moved = int(victims.size)
+        excess = len(a) - self.budget if self.budget is not None and self.lowers else 0
+        protect_tick = self.cur if protect else -1
+        if defer is not None and protect and (touch or excess > 0):
+            self._demotion = defer(
+                lambda: self._detach_victims(rows if touch else None, excess, protect_tick))
+            self._last = (keys, rows, a.state, None)
+            return 0
+        p = self._detach_victims(rows if touch else None, excess, protect_tick)
+        if p is not None:
+            self._move_down(p)
         if protect:  # demotion spared the batch: its rows stay valid for the next operation
             self._last = (keys, rows, a.state, a.state.copy())
-        return moved
+        return 0 if p is None else int(p.keys.size)
+
+    def _detach_victims(self, touch: np.ndarray | None, excess: int,
+                        protect_tick: int) -> _Pending | None:
+        """Touch rows ``touch``, pick ``excess`` victims and detach them from tier 0.
+
+        Returns the victims as a pending batch for :meth:`_move_down` (None: no victim).
+        Runs on the training thread or, deferred, on the helper thread (see :meth:`after`).
+        """
+        if touch is not None:
+            self._touch(touch)
+        if excess <= 0:
+            return None
+        a = self.arena
+        if self.recency is not None:
+            victims = self.recency.take(a.live, self.tick, excess, protect_tick)
+        else:
+            victims = ck.select_victims(a.live, self.tick, a.freq, a.high_water,
+                                        protect_tick, excess, self.policy)
+        if victims.size == 0:
+            return None
+        # detached, not copied: the writer packs the rows into records and tier 0 reuses
+        # them once their batch has landed (_reclaim)
+        keys = a.row_key[victims].copy()
+        return _Pending.make(keys, a.detach(keys), self.layout.record_bytes)
+
+    def settle(self) -> None:
+        """Finish a deferred demotion (see :meth:`after`); re-raises its error.
+
+        Waits for the helper thread, or runs the demotion here if it has not started, then
+        queues the write of the detached rows. Any thread may call it, any number of times.
+        """
+        if self._demotion is None:
+            return
+        with self._settle_lock:
+            task = self._demotion
+            if task is None:
+                return
+            try:
+                p = task.join()
+            finally:
+                self._demotion = None
+            a = self.arena
+            for name in ("_last", "_batch"):  # tier 0 as the batch's rows now find it
+                b = getattr(self, name)
+                if b is not None and b[3] is None:
+                    setattr(self, name, (*b[:3], a.state.copy(), *b[4:]))
+            if p is not None:
+                self._move_down(p)
 
     def _read_rows(self, rows: np.ndarray) -> np.ndarray:
         """Whole records of tier-0 rows (padding zeroed)."""
         return RowSource(self.arena, self.layout, self.arena.row_key[rows], rows).pack()
 
-    def demote_rows(self, rows: np.ndarray) -> None:
-        """Move ``rows`` out of tier 0 into a pending batch written down in the background.
-
-        The rows are detached, not copied: the writer packs them into records and tier 0
-        reuses them once the batch has landed (:meth:`_reclaim`).
-        """
-        a = self.arena
-        keys = a.row_key[rows].copy()
-        held = a.detach(keys)
-        self._queue_down(_Pending.make(keys, held, self.layout.record_bytes), keys.size)
+    def _move_down(self, p: _Pending) -> None:
+        """Queue the write of detached rows ``p``; block while too much is pending."""
+        self._queue_down(p, p.keys.size)
         if self.pending_bytes > self.max_pending_bytes:
             self._submit_deferred()
             self.queue.wait_below(2)  # let the writer catch up: at most the newest in flight
@@ -614,6 +673,7 @@ class TierChain:
         :meth:`sync`, or between batches when the writer has caught up). Returns the rows
         moved.
         """
+        self.settle()
         a = self.arena
         if self.pending or self.fetched is not None or self._prefetch is not None:
             return 0  # held rows would be overwritten
@@ -644,6 +704,7 @@ class TierChain:
         """
         self._check_open()
         try:
+            self.settle()
             self.join_prefetch()
         finally:
             self._release_fetched()
@@ -665,6 +726,7 @@ class TierChain:
         """``(found, records)`` of keys below tier 0, without moving them."""
         self._check_open()
         self.queue.check()
+        self.settle()
         self.join_prefetch()  # no row is on its way up meanwhile
         with self.lock:
             return self.lookup_lower(keys)
@@ -763,6 +825,7 @@ class TierChain:
 
     def stats(self) -> list[dict[str, Any]]:
         """Per-tier rows, bytes, hits, misses, promotions, evictions (and tier counters)."""
+        self.settle()
         a = self.arena
         kind = "DRAM" if isinstance(a.values, np.ndarray) else "HBM"
         out = [{"tier": 0, "kind": kind, "rows": len(a), "bytes": a.nbytes,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -25,6 +26,40 @@ from tensorkv.embedding.tiered import DEFAULT_MAX_PENDING_BYTES, TierChain
 from tensorkv.embedding.tiers.base import LowerTier, RecordLayout
 from tensorkv.embedding.tiers.hbm import DRAMTier, HBMArena
 from tensorkv.errors import ConfigError
+
+
+class _SettlingLock:
+    """The table's readers-writer lock; entering it first settles a deferred demotion.
+
+    A lookup may leave its demotion running on the helper thread (see
+    :meth:`TierChain.after`); whatever reads or changes tier 0 next takes this lock, and
+    finds the demotion finished. Only :meth:`TieredEmbeddingTable.apply_gradients` enters
+    without settling, for the promotion check of the batch just looked up.
+    """
+
+    def __init__(self, lock: Any, owner: TieredEmbeddingTable) -> None:
+        self._lock = lock
+        self._owner = owner
+
+    def _settle(self) -> None:
+        chain = getattr(self._owner, "_chain", None)
+        if chain is not None:
+            chain.settle()
+
+    @contextmanager
+    def read(self) -> Iterator[None]:
+        """Shared section."""
+        with self._lock.read():
+            self._settle()
+            yield
+
+    @contextmanager
+    def write(self, settle: bool = True) -> Iterator[None]:
+        """Exclusive section (``settle=False``: a deferred demotion may still run)."""
+        with self._lock.write():
+            if settle:
+                self._settle()
+            yield
 
 
 def _budget_rows(size: int | None, record_bytes: int) -> int | None:
@@ -98,6 +133,7 @@ class TieredEmbeddingTable(EmbeddingTable):
         super().__init__(dim, **kwargs)
         self.storage = opt
         self._op = threading.RLock()
+        self._lock = _SettlingLock(self._lock, self)
         layout = RecordLayout(self.dim, self.dtype, self.num_slots)
         self.layout = layout
         lowers: list[tuple[LowerTier, int | None]] = []
@@ -153,6 +189,8 @@ class TieredEmbeddingTable(EmbeddingTable):
                                 name=f"table(dim={self.dim})",
                                 max_pending_bytes=max_pending_bytes)
         self._chain.split = helper
+        # a lookup's demotion runs on the helper while the training thread sums gradients
+        self._defer = assist.start if helper is not None else None
 
     @property
     def device(self) -> Any:
@@ -252,7 +290,7 @@ class TieredEmbeddingTable(EmbeddingTable):
                 with self._lock.read():
                     res = then(res)
             with self._lock.write():
-                self._chain.after(k)
+                self._chain.after(k, defer=self._defer)
         return res
 
     def apply_gradients(self, keys: Any, grads: Any, step: int | None = None) -> int:  # noqa: D102
@@ -261,7 +299,10 @@ class TieredEmbeddingTable(EmbeddingTable):
         if step is not None and (isinstance(step, bool) or not isinstance(step, (int, np.integer))):
             raise ConfigError(f"step={step!r} must be an integer or None")
         with self._op:
-            with self._lock.write():
+            # the batch just looked up needs no promotion: its rows are valid while the
+            # lookup's demotion may still run; the gradients are summed meanwhile, and the
+            # write lock of the update settles it
+            with self._lock.write(settle=False):
                 self._chain.promote(k)
                 rows = self._chain.batch_rows(k)
             if rows is not None and (rows < 0).any():
@@ -337,7 +378,8 @@ class TieredEmbeddingTable(EmbeddingTable):
 
     def __len__(self) -> int:
         with self._op:
-            return len(self._arena) + self._chain.lower_len()
+            lower = self._chain.lower_len()  # settles a demotion and lands every write first
+            return len(self._arena) + lower
 
     def keys(self) -> np.ndarray:  # noqa: D102
         with self._op:
