@@ -42,28 +42,37 @@ def _mix(key: np.int64) -> np.uint64:
     return z ^ (z >> np.uint64(31))
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _prefetch_home(tkeys, tvals, k, mask):
+    """Start loading the home slot of key ``k`` (independent misses then overlap)."""
+    h = np.int64(_mix(k) & mask)
+    prefetch1(tvals, h)
+    prefetch1(tkeys, h)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _live_slot(tkeys, tvals, k, mask):
+    """Slot of live key ``k``, or -1."""
+    h = np.int64(_mix(k) & mask)
+    while True:
+        v = tvals[h]
+        if v == EMPTY:
+            return -1
+        if v != DELETED and tkeys[h] == k:
+            return h
+        h = np.int64((np.uint64(h) + np.uint64(1)) & mask)
+
+
 @njit(nogil=True, cache=True)
 def index_lookup(tkeys, tvals, q, out):
     """``out[i]`` = value of ``q[i]`` or -1."""
     mask = np.uint64(tkeys.size - 1)
     n = q.size
     for i in range(n):
-        if i + 16 < n:  # the home slots of a key ahead: independent misses overlap
-            ha = np.int64(_mix(q[i + 16]) & mask)
-            prefetch1(tvals, ha)
-            prefetch1(tkeys, ha)
-        k = q[i]
-        h = np.int64(_mix(k) & mask)
-        res = -1
-        while True:
-            v = tvals[h]
-            if v == EMPTY:
-                break
-            if v != DELETED and tkeys[h] == k:
-                res = v
-                break
-            h = np.int64((np.uint64(h) + np.uint64(1)) & mask)
-        out[i] = res
+        if i + 16 < n:  # the home slots of a key ahead
+            _prefetch_home(tkeys, tvals, q[i + 16], mask)
+        h = _live_slot(tkeys, tvals, q[i], mask)
+        out[i] = tvals[h] if h >= 0 else -1
 
 
 @njit(nogil=True, cache=True)
@@ -98,9 +107,7 @@ def index_apply(tkeys, tvals, q, vals, tomb, old):
     m = q.size
     for i in range(m):
         if i + 16 < m:
-            ha = np.int64(_mix(q[i + 16]) & mask)
-            prefetch1(tvals, ha)
-            prefetch1(tkeys, ha)
+            _prefetch_home(tkeys, tvals, q[i + 16], mask)
         k = q[i]
         h, found = _find_or_slot(tkeys, tvals, k, mask)
         if found:
@@ -134,23 +141,14 @@ def index_take(tkeys, tvals, q, out):
     taken = 0
     for i in range(n):
         if i + 16 < n:
-            ha = np.int64(_mix(q[i + 16]) & mask)
-            prefetch1(tvals, ha)
-            prefetch1(tkeys, ha)
-        k = q[i]
-        h = np.int64(_mix(k) & mask)
-        res = -1
-        while True:
-            v = tvals[h]
-            if v == EMPTY:
-                break
-            if v != DELETED and tkeys[h] == k:
-                res = v
-                tvals[h] = DELETED
-                taken += 1
-                break
-            h = np.int64((np.uint64(h) + np.uint64(1)) & mask)
-        out[i] = res
+            _prefetch_home(tkeys, tvals, q[i + 16], mask)
+        h = _live_slot(tkeys, tvals, q[i], mask)
+        if h < 0:
+            out[i] = -1
+            continue
+        out[i] = tvals[h]
+        tvals[h] = DELETED
+        taken += 1
     return taken
 
 
@@ -165,9 +163,7 @@ def index_repoint(tkeys, tvals, q, old_vals, new_vals, moved):
     m = q.size
     for i in range(m):
         if i + 16 < m:
-            ha = np.int64(_mix(q[i + 16]) & mask)
-            prefetch1(tvals, ha)
-            prefetch1(tkeys, ha)
+            _prefetch_home(tkeys, tvals, q[i + 16], mask)
         h, found = _find_or_slot(tkeys, tvals, q[i], mask)
         if found and tvals[h] == old_vals[i]:
             tvals[h] = new_vals[i]
