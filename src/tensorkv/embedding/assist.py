@@ -153,7 +153,6 @@ class Helper:
         if error is not None:
             raise error
 
-
     def start(self, fn: Callable[[], object]) -> Task:
         """Queue ``fn()`` for the helper thread; :meth:`Task.join` waits for (or runs) it.
 

@@ -498,19 +498,17 @@ class TierChain:
         b, self._batch = self._batch, None
         if self._valid(b, keys):
             rows = b[1]  # no row was inserted or removed since promote(): rows still valid
-            touch = not b[4]
+            touch = None if b[4] else rows  # rows to give the current tick
         else:
-            rows = a.find(keys)
-            touch = True
+            rows = touch = a.find(keys)
         self._reclaim()  # frees rows (not keys): the batch's rows stay valid
         excess = len(a) - self.budget if self.budget is not None and self.lowers else 0
         protect_tick = self.cur if protect else -1
-        if defer is not None and protect and (touch or excess > 0):
-            self._demotion = defer(
-                lambda: self._detach_victims(rows if touch else None, excess, protect_tick))
+        if defer is not None and protect and (touch is not None or excess > 0):
+            self._demotion = defer(lambda: self._detach_victims(touch, excess, protect_tick))
             self._last = (keys, rows, a.state, None)
             return 0
-        p = self._detach_victims(rows if touch else None, excess, protect_tick)
+        p = self._detach_victims(touch, excess, protect_tick)
         if p is not None:
             self._move_down(p)
         if protect:  # demotion spared the batch: its rows stay valid for the next operation

@@ -16,10 +16,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from tensorkv.kernels.arena import PREFETCH_DISTANCE
 from tensorkv.kernels.hashindex import prefetch1
-
-#: How many rows ahead the touch kernel prefetches a row's tick.
-PREFETCH_DISTANCE = 16
 
 
 @njit(nogil=True, cache=True)
