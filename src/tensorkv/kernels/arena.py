@@ -9,10 +9,13 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from tensorkv.kernels.hashindex import home_slot, index_find, prefetch, prefetch1
-
-#: How many keys ahead the lookup kernels prefetch (index slots, then value rows).
-PREFETCH_DISTANCE = 16
+from tensorkv.kernels.hashindex import (
+    PREFETCH_DISTANCE,
+    home_slot,
+    index_find,
+    prefetch,
+    prefetch1,
+)
 
 
 @njit(nogil=True, cache=True, inline="always")

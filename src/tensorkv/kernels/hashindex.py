@@ -30,6 +30,9 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 # state[] fields
+#: How many items ahead the probe and copy kernels prefetch (index slots, rows, records).
+PREFETCH_DISTANCE = 16
+
 SIZE = 0
 NEXT_ROW = 1
 FREE_HEAD = 2
@@ -142,8 +145,8 @@ def index_find(index, keys, rows_out):  # pragma: no cover - compiled
     misses = 0
     n = keys.shape[0]
     for i in range(n):
-        if i + 16 < n:
-            prefetch(index, home_slot(keys[i + 16], mask), 0)
+        if i + PREFETCH_DISTANCE < n:
+            prefetch(index, home_slot(keys[i + PREFETCH_DISTANCE], mask), 0)
         r = index[probe(index, keys[i], mask), 1]
         rows_out[i] = r
         if r < 0:
@@ -179,8 +182,8 @@ def index_insert(
     mask = np.int64(index.shape[0] - 1)
     n = keys.shape[0]
     for i in range(start, n):
-        if i + 16 < n:
-            prefetch(index, home_slot(keys[i + 16], mask), 0)
+        if i + PREFETCH_DISTANCE < n:
+            prefetch(index, home_slot(keys[i + PREFETCH_DISTANCE], mask), 0)
         k = keys[i]
         h = home_slot(k, mask)
         while True:
@@ -220,8 +223,8 @@ def _remove_keys(index, keys, rows_out, state, row_key, live, free):  # pragma: 
     removed = 0
     n = keys.shape[0]
     for i in range(n):
-        if i + 16 < n:
-            prefetch(index, home_slot(keys[i + 16], mask), 0)
+        if i + PREFETCH_DISTANCE < n:
+            prefetch(index, home_slot(keys[i + PREFETCH_DISTANCE], mask), 0)
         h = probe(index, keys[i], mask)
         r = index[h, 1]
         rows_out[i] = r
@@ -298,8 +301,8 @@ def index_attach(index, keys, rows, state, row_key, live):  # pragma: no cover -
     mask = np.int64(index.shape[0] - 1)
     n = keys.shape[0]
     for i in range(n):
-        if i + 16 < n:
-            prefetch(index, home_slot(keys[i + 16], mask), 0)
+        if i + PREFETCH_DISTANCE < n:
+            prefetch(index, home_slot(keys[i + PREFETCH_DISTANCE], mask), 0)
         k = keys[i]
         h = probe(index, k, mask)
         r = rows[i]
@@ -393,8 +396,8 @@ def map_find(tab, q, out):  # pragma: no cover - compiled
     mask = np.int64(tab.shape[0] - 1)
     n = q.shape[0]
     for i in range(n):
-        if i + 16 < n:
-            prefetch(tab, home_slot(q[i + 16], mask), 0)
+        if i + PREFETCH_DISTANCE < n:
+            prefetch(tab, home_slot(q[i + PREFETCH_DISTANCE], mask), 0)
         out[i] = tab[probe(tab, q[i], mask), 1]
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from tensorkv.kernels.hashindex import prefetch1
+from tensorkv.kernels.hashindex import PREFETCH_DISTANCE, prefetch1
 
 EMPTY = -1
 DELETED = -2
@@ -69,8 +69,8 @@ def index_lookup(tkeys, tvals, q, out):
     mask = np.uint64(tkeys.size - 1)
     n = q.size
     for i in range(n):
-        if i + 16 < n:  # the home slots of a key ahead
-            _prefetch_home(tkeys, tvals, q[i + 16], mask)
+        if i + PREFETCH_DISTANCE < n:  # the home slots of a key ahead
+            _prefetch_home(tkeys, tvals, q[i + PREFETCH_DISTANCE], mask)
         h = _live_slot(tkeys, tvals, q[i], mask)
         out[i] = tvals[h] if h >= 0 else -1
 
@@ -106,8 +106,8 @@ def index_apply(tkeys, tvals, q, vals, tomb, old):
     dels = 0
     m = q.size
     for i in range(m):
-        if i + 16 < m:
-            _prefetch_home(tkeys, tvals, q[i + 16], mask)
+        if i + PREFETCH_DISTANCE < m:
+            _prefetch_home(tkeys, tvals, q[i + PREFETCH_DISTANCE], mask)
         k = q[i]
         h, found = _find_or_slot(tkeys, tvals, k, mask)
         if found:
@@ -140,8 +140,8 @@ def index_take(tkeys, tvals, q, out):
     n = q.size
     taken = 0
     for i in range(n):
-        if i + 16 < n:
-            _prefetch_home(tkeys, tvals, q[i + 16], mask)
+        if i + PREFETCH_DISTANCE < n:
+            _prefetch_home(tkeys, tvals, q[i + PREFETCH_DISTANCE], mask)
         h = _live_slot(tkeys, tvals, q[i], mask)
         if h < 0:
             out[i] = -1
@@ -162,8 +162,8 @@ def index_repoint(tkeys, tvals, q, old_vals, new_vals, moved):
     n = 0
     m = q.size
     for i in range(m):
-        if i + 16 < m:
-            _prefetch_home(tkeys, tvals, q[i + 16], mask)
+        if i + PREFETCH_DISTANCE < m:
+            _prefetch_home(tkeys, tvals, q[i + PREFETCH_DISTANCE], mask)
         h, found = _find_or_slot(tkeys, tvals, q[i], mask)
         if found and tvals[h] == old_vals[i]:
             tvals[h] = new_vals[i]
