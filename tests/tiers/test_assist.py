@@ -212,6 +212,49 @@ def test_deferred_demotions_are_exact_and_never_seen_half_done(tmp_path):
                 assert x[f] == y[f], f
 
 
+def test_metadata_writes_run_with_the_deferred_demotion(tmp_path):
+    """Frequency counts (lookup) and versions (update) are written by the batch's deferred
+    task, and every read afterwards sees them, exactly as the DRAM-only table writes them."""
+    dim = 8
+    lay = RecordLayout(dim, num_slots=1)
+    ref = EmbeddingTable(dim, optimizer="adagrad", seed=3)
+    t = TieredEmbeddingTable(dim, optimizer="adagrad", seed=3,
+                             **chain("DRAM_SSDHASH", tmp_path, lay, tier0_rows=1000))
+    held: list[str] = []
+    real = EmbeddingTable._sighted, EmbeddingTable._updated
+
+    def sighted(self, *args):
+        held.append(f"freq:{threading.current_thread().name}")
+        return real[0](self, *args)
+
+    def updated(self, *args):
+        held.append(f"version:{threading.current_thread().name}")
+        return real[1](self, *args)
+
+    keys = np.array([5, 7, 5, 9, 11], np.int64)
+    grads = np.ones((keys.size, dim), np.float32)
+    with t:
+        for x in (ref, t):  # the first lookup inserts (the slow path writes at once)
+            x.lookup(keys)
+            x.apply_gradients(keys, grads, step=3)
+        assert np.array_equal(t.version(keys), [3, 3, 3, 3, 3])  # settles the update's task
+        try:
+            EmbeddingTable._sighted, EmbeddingTable._updated = sighted, updated
+            t.lookup(keys)
+            assert t._chain._demotion is not None  # the counts wait in the deferred task
+            t.apply_gradients(keys, grads, step=8)
+            assert t._chain._demotion is not None  # so do the versions
+            assert np.array_equal(t.version(keys), [8, 8, 8, 8, 8])  # settled by the read
+            assert [h.split(":")[0] for h in held] == ["freq", "version"]
+        finally:
+            EmbeddingTable._sighted, EmbeddingTable._updated = real
+        ref.lookup(keys)
+        ref.apply_gradients(keys, grads, step=8)
+        assert np.array_equal(t.frequency(keys), ref.frequency(keys))
+        assert np.array_equal(t.frequency(keys), [4, 2, 4, 2, 2])
+        assert_same(ref, t)
+
+
 def test_a_failed_deferred_demotion_raises_at_the_next_operation(tmp_path):
     dim = 8
     lay = RecordLayout(dim, num_slots=1)

@@ -480,7 +480,8 @@ class TierChain:
         b = self._batch
         return b[1] if self._valid(b, keys) else None
 
-    def after(self, keys: np.ndarray, protect: bool = True, defer: Any = None) -> int:
+    def after(self, keys: np.ndarray, protect: bool = True, defer: Any = None,
+              first: Any = None) -> int:
         """Mark the batch's rows as used now and move tier-0 excess down; returns rows moved.
 
         ``protect``: never move the batch's own rows (they are the most recent anyway; without
@@ -490,7 +491,9 @@ class TierChain:
         touch, the choice of victims and their removal from tier 0's index then run there
         (returns 0), and :meth:`settle` finishes the move before tier 0 is next read or
         changed: meanwhile the caller may only update this batch's rows (an optimizer step
-        on the rows of the lookup just made). The same victims move either way.
+        on the rows of the lookup just made). The same victims move either way. ``first``:
+        a function run before the touch, in the same place (the batch's metadata writes,
+        such as frequency counts, which an LFU choice of victims reads).
         """
         self.settle()
         a = self.arena
@@ -504,11 +507,13 @@ class TierChain:
         self._reclaim()  # frees rows (not keys): the batch's rows stay valid
         excess = len(a) - self.budget if self.budget is not None and self.lowers else 0
         protect_tick = self.cur if protect else -1
-        if defer is not None and protect and (touch is not None or excess > 0):
-            self._demotion = defer(lambda: self._detach_victims(touch, excess, protect_tick))
+        work = touch is not None or excess > 0 or first is not None
+        if defer is not None and protect and work:
+            self._demotion = defer(
+                lambda: self._detach_victims(touch, excess, protect_tick, first))
             self._last = (keys, rows, a.state, None)
             return 0
-        p = self._detach_victims(touch, excess, protect_tick)
+        p = self._detach_victims(touch, excess, protect_tick, first)
         if p is not None:
             self._move_down(p)
         if protect:  # demotion spared the batch: its rows stay valid for the next operation
@@ -516,12 +521,14 @@ class TierChain:
         return 0 if p is None else int(p.keys.size)
 
     def _detach_victims(self, touch: np.ndarray | None, excess: int,
-                        protect_tick: int) -> _Pending | None:
-        """Touch rows ``touch``, pick ``excess`` victims and detach them from tier 0.
+                        protect_tick: int, first: Any = None) -> _Pending | None:
+        """Run ``first()``, touch rows ``touch``, pick ``excess`` victims, detach them.
 
         Returns the victims as a pending batch for :meth:`_move_down` (None: no victim).
         Runs on the training thread or, deferred, on the helper thread (see :meth:`after`).
         """
+        if first is not None:
+            first()
         if touch is not None:
             self._touch(touch)
         if excess <= 0:

@@ -191,6 +191,10 @@ class TieredEmbeddingTable(EmbeddingTable):
         self._chain.split = helper
         # a lookup's demotion runs on the helper while the training thread sums gradients
         self._defer = assist.start if helper is not None else None
+        # With a helper, the metadata writes of a batch (frequency counts after a lookup,
+        # versions after an update) are held here and run with the batch's demotion task
+        self._hold_meta = False
+        self._held_meta: Any = None
 
     @property
     def device(self) -> Any:
@@ -204,6 +208,53 @@ class TieredEmbeddingTable(EmbeddingTable):
         else:
             self.optimizer.apply(self._arena.values, self._arena.slots, rows, sums, self._step,
                                  parallel=self._parallel, split=self._split)
+
+    def _sighted(self, rows: np.ndarray, mseq: int) -> None:
+        if self._hold_meta:
+            self._hold(lambda: EmbeddingTable._sighted(self, rows, mseq))
+        else:
+            super()._sighted(rows, mseq)
+
+    def _updated(self, rows: np.ndarray, step: int, mseq: int) -> None:
+        if self._hold_meta:
+            self._hold(lambda: EmbeddingTable._updated(self, rows, step, mseq))
+        else:
+            super()._updated(rows, step, mseq)
+
+    def _hold(self, fn: Any) -> None:
+        prev = self._held_meta
+        self._held_meta = fn if prev is None else (lambda: (prev(), fn()))
+
+    @contextmanager
+    def _deferring_meta(self) -> Iterator[None]:
+        """Hold the operation's metadata writes for :meth:`_after` (with a helper thread).
+
+        If the operation fails, what it held runs at once: its rows were changed.
+        """
+        self._hold_meta = self._defer is not None
+        try:
+            yield
+        except BaseException:
+            self._run_held_meta()
+            raise
+        finally:
+            self._hold_meta = False
+
+    def _run_held_meta(self) -> None:
+        fn, self._held_meta = self._held_meta, None
+        if fn is not None:
+            fn()
+
+    def _after(self, k: np.ndarray) -> None:
+        """Move tier 0's excess down after a batch, with the batch's held metadata writes.
+
+        The held writes run first, on the helper thread when the demotion is deferred
+        (:meth:`TierChain.after`); the table's lock settles them before anything reads or
+        changes tier 0 again.
+        """
+        fn, self._held_meta = self._held_meta, None
+        with self._lock.write():
+            self._chain.after(k, defer=self._defer, first=fn)
 
     def _init_rows(self, rows: np.ndarray, keys: np.ndarray) -> None:
         if isinstance(self._arena, HBMArena):
@@ -285,12 +336,13 @@ class TieredEmbeddingTable(EmbeddingTable):
                 # every key's row, after promotion; the lookup gathers them without probing
                 rows = self._arena.find(k)
                 self._chain.promote(k, count=True, rows=rows)
-            res = self._lookup(k, insert, out, rows, raw)
+            with self._deferring_meta():
+                res = self._lookup(k, insert, out, rows, raw)
             if then is not None:
                 with self._lock.read():
+                    self._run_held_meta()
                     res = then(res)
-            with self._lock.write():
-                self._chain.after(k, defer=self._defer)
+            self._after(k)
         return res
 
     def apply_gradients(self, keys: Any, grads: Any, step: int | None = None) -> int:  # noqa: D102
@@ -307,9 +359,9 @@ class TieredEmbeddingTable(EmbeddingTable):
                 rows = self._chain.batch_rows(k)
             if rows is not None and (rows < 0).any():
                 rows = None  # keys to insert (or drop, under admission): the general path
-            n = self._apply(k, g, step, rows)
-            with self._lock.write():
-                self._chain.after(k)
+            with self._deferring_meta():
+                n = self._apply(k, g, step, rows)
+            self._after(k)
         return n
 
     apply_gradients.__doc__ = EmbeddingTable.apply_gradients.__doc__
@@ -394,6 +446,7 @@ class TieredEmbeddingTable(EmbeddingTable):
 
     # ------------------------------------------------------------------ eviction, lifecycle
     def _evict_locked(self) -> int:
+        self._run_held_meta()  # the eviction rules read the versions of the batch just updated
         if self.eviction is None:
             return 0
         dead = self._chain.evict(self.eviction, self._step)
