@@ -255,6 +255,28 @@ def test_metadata_writes_run_with_the_deferred_demotion(tmp_path):
         assert_same(ref, t)
 
 
+def test_held_metadata_writes_land_when_the_demotion_step_fails(tmp_path):
+    dim = 8
+    lay = RecordLayout(dim, num_slots=1)
+    t = TieredEmbeddingTable(dim, optimizer="adagrad",
+                             **chain("DRAM_SSDHASH", tmp_path, lay, tier0_rows=1000))
+    keys = np.arange(20, dtype=np.int64)
+    grads = np.ones((keys.size, dim), np.float32)
+    with t:
+        t.lookup(keys)
+        real = t._chain.after
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("demotion step failed")
+
+        t._chain.after = broken
+        with pytest.raises(RuntimeError, match="demotion step failed"):
+            t.apply_gradients(keys, grads, step=5)
+        t._chain.after = real
+        assert (t.version(keys) == 5).all()  # the update's held versions were written
+        assert (t.frequency(keys) == 1).all()
+
+
 def test_a_failed_deferred_demotion_raises_at_the_next_operation(tmp_path):
     dim = 8
     lay = RecordLayout(dim, num_slots=1)

@@ -253,8 +253,19 @@ class TieredEmbeddingTable(EmbeddingTable):
         changes tier 0 again.
         """
         fn, self._held_meta = self._held_meta, None
-        with self._lock.write():
-            self._chain.after(k, defer=self._defer, first=fn)
+        ran = [fn is None]
+
+        def first() -> None:
+            ran[0] = True
+            fn()
+
+        try:
+            with self._lock.write():
+                self._chain.after(k, defer=self._defer, first=None if ran[0] else first)
+        except BaseException:
+            if not ran[0]:  # settling an earlier task failed: the batch's writes still land
+                first()
+            raise
 
     def _init_rows(self, rows: np.ndarray, keys: np.ndarray) -> None:
         if isinstance(self._arena, HBMArena):
@@ -340,7 +351,6 @@ class TieredEmbeddingTable(EmbeddingTable):
                 res = self._lookup(k, insert, out, rows, raw)
             if then is not None:
                 with self._lock.read():
-                    self._run_held_meta()
                     res = then(res)
             self._after(k)
         return res
