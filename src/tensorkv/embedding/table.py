@@ -384,7 +384,7 @@ class EmbeddingTable:
             if misses == 0 and insert:
                 with self._meta_lock:
                     self._mseq += 1
-                    self._sighted(rows, self._mseq)
+                    self._meta_write(ak.bump_freq, a.freq, a.seq, rows, self._mseq)
                     self._stats["hits"] += n
                 return self._result(raw, out)
         if not insert:
@@ -399,21 +399,13 @@ class EmbeddingTable:
             self._insert_missing(k, raw, np.flatnonzero(rows < 0))
         return self._result(raw, out)
 
-    def _sighted(self, rows: np.ndarray, mseq: int) -> None:
-        """Count one sighting per entry of ``rows`` and give them change sequence ``mseq``.
+    def _meta_write(self, kernel: Any, *args: Any) -> None:
+        """Run a metadata kernel of a batch (``bump_freq`` of a lookup, ``set_meta`` of an update).
 
-        The fast path of :meth:`lookup` (every key present) calls it under ``_meta_lock``; a
-        tiered table may run it later, before anything reads or changes tier 0 again.
+        A tiered table may hold it and run it later, before anything reads or changes tier 0
+        again.
         """
-        ak.bump_freq(self._arena.freq, self._arena.seq, rows, mseq)
-
-    def _updated(self, rows: np.ndarray, step: int, mseq: int) -> None:
-        """Record the last-update ``step`` and change sequence ``mseq`` of updated rows.
-
-        :meth:`apply_gradients` calls it under the write lock after the optimizer step; a
-        tiered table may run it later, like :meth:`_sighted`.
-        """
-        ak.set_meta(self._arena.version, self._arena.seq, rows, step, mseq)
+        kernel(*args)
 
     def _result(self, raw: np.ndarray, out: np.ndarray | None) -> np.ndarray:
         if raw is out:
@@ -626,7 +618,7 @@ class EmbeddingTable:
             elif rows.size:
                 self._apply_rows(rows, sums)
             self._mseq += 1
-            self._updated(rows, self._step, self._mseq)
+            self._meta_write(ak.set_meta, a.version, a.seq, rows, self._step, self._mseq)
             ev = self.eviction
             if ev is not None and ev.every_n_steps and self._step % ev.every_n_steps == 0:
                 self._evict_locked()

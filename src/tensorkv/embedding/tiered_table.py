@@ -192,9 +192,9 @@ class TieredEmbeddingTable(EmbeddingTable):
         # a lookup's demotion runs on the helper while the training thread sums gradients
         self._defer = assist.start if helper is not None else None
         # With a helper, the metadata writes of a batch (frequency counts after a lookup,
-        # versions after an update) are held here and run with the batch's demotion task
-        self._hold_meta = False
-        self._held_meta: Any = None
+        # versions after an update) are held here, as (kernel, args), and run with the
+        # batch's demotion task
+        self._held_meta: list[tuple[Any, tuple]] = []
 
     @property
     def device(self) -> Any:
@@ -209,41 +209,32 @@ class TieredEmbeddingTable(EmbeddingTable):
             self.optimizer.apply(self._arena.values, self._arena.slots, rows, sums, self._step,
                                  parallel=self._parallel, split=self._split)
 
-    def _sighted(self, rows: np.ndarray, mseq: int) -> None:
-        if self._hold_meta:
-            self._hold(lambda: EmbeddingTable._sighted(self, rows, mseq))
+    def _meta_write(self, kernel: Any, *args: Any) -> None:
+        # Called only inside _deferring_meta (lookup's fast path, apply). The arrays in
+        # ``args`` stay tier 0's until the writes run: tier 0 grows only after a settle.
+        if self._defer is None:
+            kernel(*args)
         else:
-            super()._sighted(rows, mseq)
+            self._held_meta.append((kernel, args))
 
-    def _updated(self, rows: np.ndarray, step: int, mseq: int) -> None:
-        if self._hold_meta:
-            self._hold(lambda: EmbeddingTable._updated(self, rows, step, mseq))
-        else:
-            super()._updated(rows, step, mseq)
-
-    def _hold(self, fn: Any) -> None:
-        prev = self._held_meta
-        self._held_meta = fn if prev is None else (lambda: (prev(), fn()))
+    @staticmethod
+    def _run_held(held: list[tuple[Any, tuple]]) -> None:
+        """Run held metadata writes in order, emptying ``held`` (a second call does nothing)."""
+        while held:
+            kernel, args = held.pop(0)
+            kernel(*args)
 
     @contextmanager
     def _deferring_meta(self) -> Iterator[None]:
-        """Hold the operation's metadata writes for :meth:`_after` (with a helper thread).
+        """Let the operation hold its metadata writes for :meth:`_after` (with a helper thread).
 
         If the operation fails, what it held runs at once: its rows were changed.
         """
-        self._hold_meta = self._defer is not None
         try:
             yield
         except BaseException:
-            self._run_held_meta()
+            self._run_held(self._held_meta)
             raise
-        finally:
-            self._hold_meta = False
-
-    def _run_held_meta(self) -> None:
-        fn, self._held_meta = self._held_meta, None
-        if fn is not None:
-            fn()
 
     def _after(self, k: np.ndarray) -> None:
         """Move tier 0's excess down after a batch, with the batch's held metadata writes.
@@ -252,19 +243,13 @@ class TieredEmbeddingTable(EmbeddingTable):
         (:meth:`TierChain.after`); the table's lock settles them before anything reads or
         changes tier 0 again.
         """
-        fn, self._held_meta = self._held_meta, None
-        ran = [fn is None]
-
-        def first() -> None:
-            ran[0] = True
-            fn()
-
+        held, self._held_meta = self._held_meta, []
         try:
             with self._lock.write():
-                self._chain.after(k, defer=self._defer, first=None if ran[0] else first)
+                self._chain.after(k, defer=self._defer,
+                                  first=(lambda: self._run_held(held)) if held else None)
         except BaseException:
-            if not ran[0]:  # settling an earlier task failed: the batch's writes still land
-                first()
+            self._run_held(held)  # settling an earlier task failed: the writes still land
             raise
 
     def _init_rows(self, rows: np.ndarray, keys: np.ndarray) -> None:
@@ -456,7 +441,7 @@ class TieredEmbeddingTable(EmbeddingTable):
 
     # ------------------------------------------------------------------ eviction, lifecycle
     def _evict_locked(self) -> int:
-        self._run_held_meta()  # the eviction rules read the versions of the batch just updated
+        self._run_held(self._held_meta)  # the eviction rules read the batch's new versions
         if self.eviction is None:
             return 0
         dead = self._chain.evict(self.eviction, self._step)
