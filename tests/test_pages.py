@@ -23,6 +23,25 @@ def test_madvise_accepts_arrays_and_refuses_bad_advice():
     assert pages.madvise([a[:10]], 9999)  # no whole page inside: nothing to advise
 
 
+@linux
+def test_start_writeback_queues_dirty_pages_and_ignores_errors(tmp_path):
+    import os
+
+    path = tmp_path / "f"
+    data = np.random.default_rng(1).integers(0, 255, 3 * mmap.PAGESIZE, np.uint8)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT)
+    try:
+        os.pwrite(fd, data.tobytes(), 0)
+        assert pages.start_writeback(fd, 0, data.nbytes)
+        assert pages.start_writeback(fd)  # to the end of the file
+        os.fsync(fd)
+        assert os.pread(fd, data.nbytes, 0) == data.tobytes()  # contents untouched
+        assert not pages.start_writeback(fd, -1, 10)  # EINVAL: reported, not raised
+    finally:
+        os.close(fd)
+    assert not pages.start_writeback(fd)  # EBADF on the closed descriptor
+
+
 def test_fresh_pages_prepared_copies_are_exact():
     src = np.random.default_rng(0).random((1 << 16, 8), dtype=np.float32)
     dst = np.empty_like(src)

@@ -1,4 +1,6 @@
-"""Page hints: ``madvise`` on arrays and file mappings, and a page policy for bulk fills.
+"""Page hints: ``madvise``, early writeback of written files, a page policy for bulk fills.
+
+:func:`start_writeback` asks the kernel to start writing a file's dirty pages to disk now.
 
 The policy is for large arrays filled once, in bulk (a restore's new arrays and arenas).
 
@@ -32,24 +34,47 @@ from typing import Any
 import numpy as np
 
 MADV_NORMAL, MADV_RANDOM, MADV_HUGEPAGE, MADV_NOHUGEPAGE, MADV_POPULATE_WRITE = 0, 1, 14, 15, 23
-_LIBC_MADVISE: list[Any] = []  # [madvise or None], resolved on first use
+SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback of dirty pages, do not wait
+_LIBC: dict[str, Any] = {}  # libc function name -> ctypes function or None, on first use
 _NO_POPULATE: list[bool] = []  # [True] once the kernel refused MADV_POPULATE_WRITE
 
 
-def _libc_madvise() -> Any:
-    if not _LIBC_MADVISE:
+def _libc(name: str, argtypes: list[Any]) -> Any:
+    """The libc function ``name`` (returning int) via ctypes, or None off Linux."""
+    if name not in _LIBC:
         fn = None
         if sys.platform.startswith("linux"):
             import ctypes
 
             try:
-                fn = ctypes.CDLL(None, use_errno=True).madvise
-                fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+                fn = getattr(ctypes.CDLL(None, use_errno=True), name)
+                fn.argtypes = argtypes
                 fn.restype = ctypes.c_int
-            except (OSError, AttributeError):  # pragma: no cover - every Linux libc has it
+            except (OSError, AttributeError):  # pragma: no cover - every Linux libc has them
                 fn = None
-        _LIBC_MADVISE.append(fn)
-    return _LIBC_MADVISE[0]
+        _LIBC[name] = fn
+    return _LIBC[name]
+
+
+def _libc_madvise() -> Any:
+    import ctypes
+
+    return _libc("madvise", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int])
+
+
+def start_writeback(fd: int, offset: int = 0, nbytes: int = 0) -> bool:
+    """Ask the kernel to start writing back the dirty pages of ``fd`` in a byte range.
+
+    ``sync_file_range(SYNC_FILE_RANGE_WRITE)``: the pages are queued for the disk and the
+    call returns without waiting for them (``nbytes=0``: to the end of the file). A later
+    ``fsync`` then finds most of them written and waits only for the rest, instead of
+    writing everything while the caller waits. Only a hint, no durability promise: returns
+    False where the call is missing (not Linux) or refused (errors are ignored).
+    """
+    import ctypes
+
+    fn = _libc("sync_file_range", [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint])
+    return fn is not None and fn(fd, offset, nbytes, SYNC_FILE_RANGE_WRITE) == 0
 
 
 def madvise_ranges(ranges: Iterable[tuple[int, int]], advice: int) -> bool:

@@ -549,3 +549,34 @@ def test_put_rows_across_segment_rolls_reads_back_and_checks(tmp_path):
     _, got = t.get(keys)
     np.testing.assert_array_equal(got, want)
     t.close()
+
+
+def test_written_records_are_queued_for_writeback(tmp_path, monkeypatch):
+    """Every byte written to a segment has its writeback started (so sealing fsyncs wait
+    for little); buffered, direct and compaction writes alike."""
+    from tensorkv import pages
+
+    calls = []
+    real = pages.start_writeback
+
+    def spy(fd, offset=0, nbytes=0):
+        calls.append((os.readlink(f"/proc/self/fd/{fd}"), offset, nbytes))
+        return real(fd, offset, nbytes)
+
+    monkeypatch.setattr(pages, "start_writeback", spy)
+    t = open_tier(tmp_path)  # 8 KiB segments, 2 KiB buffer: rolls, buffered and direct writes
+    keys = np.arange(300, dtype=np.int64)
+    for i in range(6):
+        t.put(keys[: 3 + 50 * i], make_records(LAY, keys[: 3 + 50 * i], i))
+    t.flush()
+    assert t.stats()["compactions"] > 0
+    covered: dict[str, list[tuple[int, int]]] = {}
+    for path, off, n in calls:
+        covered.setdefault(os.path.basename(path), []).append((off, off + n))
+    for sid in segfiles(tmp_path):  # the live segments: their records, front to back
+        seg = t._segs[sid]
+        spans = sorted(covered[sf.seg_name(sid)])
+        assert spans[0][0] == sf.SEG_HEADER
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False))
+        assert spans[-1][1] == sf.SEG_HEADER + seg.written * t.stored_bytes
+    t.close()

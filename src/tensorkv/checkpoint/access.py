@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import os
 import sys
 import time
@@ -10,9 +9,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from tensorkv import pages
 from tensorkv.stores.base import KVStore
-
-_SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback, do not wait
 
 
 def _open_retrying(open_store: Any, url: str, **options: Any) -> KVStore:
@@ -75,13 +73,6 @@ def writeback_starter(store: KVStore) -> Callable[[], None] | None:
 
     if not isinstance(store, LMDBStore) or store.sync or not sys.platform.startswith("linux"):
         return None
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        sfr = libc.sync_file_range
-    except (OSError, AttributeError):
-        return None
-    sfr.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    sfr.restype = ctypes.c_int
     path = os.path.join(store.path, "data.mdb")
 
     def start() -> None:
@@ -90,7 +81,7 @@ def writeback_starter(store: KVStore) -> Callable[[], None] | None:
         except OSError:
             return
         try:
-            sfr(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)  # a hint: errors are ignored
+            pages.start_writeback(fd)  # a hint: errors are ignored
         finally:
             os.close(fd)
 

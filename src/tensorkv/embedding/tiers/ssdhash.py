@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from tensorkv import config
+from tensorkv import config, pages
 from tensorkv.embedding.tiers import ssdhash_files as sf
 from tensorkv.embedding.tiers.base import IndexedTier, RecordLayout, RowSink, RowSource, as_keys
 from tensorkv.embedding.tiers.ssdhash_files import REC_BITS, REC_MASK, SEG_HEADER, Segment
@@ -392,9 +392,16 @@ class SSDHashTier(IndexedTier):
             self._buf_n = 0
 
     def _write_rows(self, seg: Segment, stored: np.ndarray) -> None:
-        """Write sealed records at ``seg.written`` and map their pages (no state lock held)."""
-        sf.pwrite_all(seg.fd, stored, self._offset(seg.written))
+        """Write sealed records at ``seg.written`` and map their pages (no state lock held).
+
+        Their writeback to disk starts at once (:func:`tensorkv.pages.start_writeback`):
+        the fsync that seals a full segment then waits for its last pages only, not for the
+        whole segment while the write-back thread stalls and tier 0's pending rows pile up.
+        """
+        offset = self._offset(seg.written)
+        sf.pwrite_all(seg.fd, stored, offset)
         seg.populate(seg.written, seg.written + stored.shape[0], self.words)
+        pages.start_writeback(seg.fd, offset, stored.nbytes)
         self._counters["write_calls"] += 1
 
     def _roll(self) -> None:
