@@ -36,11 +36,16 @@ import numpy as np
 MADV_NORMAL, MADV_RANDOM, MADV_HUGEPAGE, MADV_NOHUGEPAGE, MADV_POPULATE_WRITE = 0, 1, 14, 15, 23
 SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback of dirty pages, do not wait
 _LIBC: dict[str, Any] = {}  # libc function name -> ctypes function or None, on first use
+# the argument types (ctypes names) of the libc functions used here; all return int
+_SIGNATURES = {
+    "madvise": ("c_void_p", "c_size_t", "c_int"),
+    "sync_file_range": ("c_int", "c_int64", "c_int64", "c_uint"),
+}
 _NO_POPULATE: list[bool] = []  # [True] once the kernel refused MADV_POPULATE_WRITE
 
 
-def _libc(name: str, argtypes: list[Any]) -> Any:
-    """The libc function ``name`` (returning int) via ctypes, or None off Linux."""
+def _libc(name: str) -> Any:
+    """The libc function ``name`` (one of ``_SIGNATURES``) via ctypes, or None off Linux."""
     if name not in _LIBC:
         fn = None
         if sys.platform.startswith("linux"):
@@ -48,18 +53,12 @@ def _libc(name: str, argtypes: list[Any]) -> Any:
 
             try:
                 fn = getattr(ctypes.CDLL(None, use_errno=True), name)
-                fn.argtypes = argtypes
+                fn.argtypes = [getattr(ctypes, t) for t in _SIGNATURES[name]]
                 fn.restype = ctypes.c_int
             except (OSError, AttributeError):  # pragma: no cover - every Linux libc has them
                 fn = None
         _LIBC[name] = fn
     return _LIBC[name]
-
-
-def _libc_madvise() -> Any:
-    import ctypes
-
-    return _libc("madvise", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int])
 
 
 def start_writeback(fd: int, offset: int = 0, nbytes: int = 0) -> bool:
@@ -71,9 +70,7 @@ def start_writeback(fd: int, offset: int = 0, nbytes: int = 0) -> bool:
     writing everything while the caller waits. Only a hint, no durability promise: returns
     False where the call is missing (not Linux) or refused (errors are ignored).
     """
-    import ctypes
-
-    fn = _libc("sync_file_range", [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint])
+    fn = _libc("sync_file_range")
     return fn is not None and fn(fd, offset, nbytes, SYNC_FILE_RANGE_WRITE) == 0
 
 
@@ -83,7 +80,7 @@ def madvise_ranges(ranges: Iterable[tuple[int, int]], advice: int) -> bool:
     Returns False if the call is unavailable (not Linux) or refused for any range. Only a
     hint: nothing depends on it but speed.
     """
-    fn = _libc_madvise()
+    fn = _libc("madvise")
     if fn is None:
         return False
     page = mmap.PAGESIZE
