@@ -1,57 +1,141 @@
 """tensorkv: deep-learning parameters in key-value storage.
 
 Dynamic embedding tables that spill from GPU memory to DRAM to SSD, checkpoints written
-straight into LMDB, RocksDB, LevelDB or Redis, and one byte-level store API under them.
+straight into LMDB, RocksDB, LevelDB or Redis, and one byte-level store API under them. This
+module is the public surface: tables and their options, storage specs, stores, checkpoints.
+Errors live in :mod:`tensorkv.errors`, conformance suites in :mod:`tensorkv.testing`.
 """
 
+from __future__ import annotations
+
 from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING
 
 from tensorkv.checkpoint import (
+    CheckReport,
+    check,
     compact,
     copy_tag,
     delete_tag,
     dump_tag,
+    expire_tag,
+    gc,
     latest_tag,
     list_tags,
     load,
     read_tensor,
     restore_tag,
     save,
+    tag_info,
 )
 from tensorkv.errors import TensorKVError
 from tensorkv.stores import KVStore, open_store
+
+if TYPE_CHECKING:
+    from tensorkv.embedding import (
+        DRAM,
+        FTRL,
+        HBM,
+        KV,
+        PMEM,
+        SGD,
+        Adagrad,
+        Adam,
+        AdamW,
+        BloomFilter,
+        Constant,
+        CounterFilter,
+        EmbeddingTable,
+        Eviction,
+        ExportChunk,
+        Normal,
+        RMSProp,
+        SSDHash,
+        StorageOption,
+        TruncatedNormal,
+        Uniform,
+        Zeros,
+        get_initializer,
+        get_optimizer,
+    )
 
 try:
     __version__ = version("tensorkv")
 except PackageNotFoundError:  # running from a source tree without installation
     __version__ = "0.0.0+unknown"
 
-# The embedding API is imported on first use, so `import tensorkv` stays free of numba.
-_EMBEDDING_NAMES = ("EmbeddingTable", "ExportChunk", "CounterFilter", "BloomFilter", "Eviction",
-                    "Zeros", "Constant", "Uniform", "Normal", "TruncatedNormal",
-                    "get_initializer", "SGD", "Adagrad", "Adam", "AdamW", "FTRL", "RMSProp",
-                    "get_optimizer", "StorageOption", "DRAM", "HBM", "PMEM", "SSDHash",
-                    "KVTier", "TieredEmbeddingTable")
+# Names kept importable for one release (the docs used them); each access warns.
+_DEPRECATED = {"KVTier": "KV", "TieredEmbeddingTable": "EmbeddingTable"}
 
 
-def __getattr__(name: str):
-    if name in _EMBEDDING_NAMES:
+def __getattr__(name: str) -> object:
+    if name in _EMBEDDING:
         from tensorkv import embedding
 
         return getattr(embedding, name)
+    if name in _DEPRECATED:
+        import warnings
+
+        from tensorkv import embedding
+
+        new = _DEPRECATED[name]
+        warnings.warn(f"tensorkv.{name} is deprecated and will be removed in the next release;"
+                      f" use tensorkv.{new}", DeprecationWarning, stacklevel=2)
+        return getattr(embedding, new)
     raise AttributeError(f"module 'tensorkv' has no attribute {name!r}")
 
 
-__all__ = ["KVStore", "TensorKVError", "__version__", "open_store", *_EMBEDDING_NAMES]
-__all__ += [
-    "compact",
-    "copy_tag",
-    "delete_tag",
-    "dump_tag",
-    "latest_tag",
-    "list_tags",
+__all__ = [
+    # embedding tables and their options
+    "EmbeddingTable",
+    "ExportChunk",
+    "Zeros",
+    "Constant",
+    "Uniform",
+    "Normal",
+    "TruncatedNormal",
+    "get_initializer",
+    "SGD",
+    "Adagrad",
+    "Adam",
+    "AdamW",
+    "FTRL",
+    "RMSProp",
+    "get_optimizer",
+    "CounterFilter",
+    "BloomFilter",
+    "Eviction",
+    # storage specs
+    "StorageOption",
+    "DRAM",
+    "HBM",
+    "PMEM",
+    "SSDHash",
+    "KV",
+    # stores
+    "KVStore",
+    "open_store",
+    # checkpoints
+    "save",
     "load",
     "read_tensor",
+    "list_tags",
+    "latest_tag",
+    "tag_info",
+    "copy_tag",
     "restore_tag",
-    "save",
+    "delete_tag",
+    "expire_tag",
+    "dump_tag",
+    "compact",
+    "check",
+    "gc",
+    "CheckReport",
+    # errors and version
+    "TensorKVError",
+    "__version__",
 ]
+
+# The names of __all__ not imported above come from tensorkv.embedding on first use, so
+# `import tensorkv` stays free of numba.
+_EMBEDDING = frozenset(n for n in __all__ if n not in globals())

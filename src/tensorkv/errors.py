@@ -88,6 +88,17 @@ class CapacityError(TableError, MemoryError):
     """The table (or a tier) has no room for the rows and may not grow."""
 
 
+class WriteBackError(TableError):
+    """A background write of evicted rows to a lower tier failed.
+
+    The rows stay in the table's pending buffer (readable, not lost); the next flush retries.
+    """
+
+
+class UnsupportedOperationError(TableError, TypeError):
+    """The table's kind does not offer this operation; the message names the one to use."""
+
+
 # --- checkpoints ---------------------------------------------------------------------------
 class CheckpointError(TensorKVError):
     """A checkpoint could not be saved or loaded."""

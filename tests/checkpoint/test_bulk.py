@@ -17,7 +17,7 @@ from .helpers import assert_tables_equal, make_table, rows_of
 
 def _arena_consistent(t: EmbeddingTable) -> None:
     """Every row below the high-water mark is live or on the free list, exactly once."""
-    a = t._arena
+    a = t.arena
     hw = a.high_water
     free = []
     r = int(a.state[2])
@@ -225,7 +225,7 @@ def test_bulk_import_duplicates_removals_and_gaps():
     _arena_consistent(t)
     t.lookup(np.arange(1000, 1010, dtype=np.int64))  # inserts reuse the free rows
     assert t.stats()["capacity"] == 1024  # the table's initial capacity, no growth
-    assert t._arena.high_water == 13  # 9 of the 10 new keys took free rows
+    assert t.arena.high_water == 13  # 9 of the 10 new keys took free rows
     _arena_consistent(t)
     with pytest.raises(ConfigError, match="committed"):
         imp.commit()

@@ -9,10 +9,9 @@ import numpy as np
 import pytest
 
 from tensorkv import config
-from tensorkv.embedding import assist
+from tensorkv.embedding import EmbeddingTable
+from tensorkv.embedding.chain import assist
 from tensorkv.embedding.optimizers import get_optimizer
-from tensorkv.embedding.table import EmbeddingTable
-from tensorkv.embedding.tiered import TieredEmbeddingTable
 from tensorkv.embedding.tiers.base import RecordLayout
 from tensorkv.errors import ConfigError
 from tensorkv.kernels import arena as ak
@@ -99,7 +98,7 @@ def test_tiered_training_with_the_helper_is_bit_identical(tmp_path, monkeypatch,
     ref = EmbeddingTable(dim, optimizer="adagrad", seed=3)
     lay = RecordLayout(dim, num_slots=1)
     opts = chain(name, tmp_path, lay, tier1_rows=300 if "PMEM" in name else None)
-    with TieredEmbeddingTable(dim, optimizer="adagrad", seed=3, **opts) as t:
+    with EmbeddingTable(dim, optimizer="adagrad", seed=3, **opts) as t:
         calls = []
         real = assist.run_split
 
@@ -107,7 +106,7 @@ def test_tiered_training_with_the_helper_is_bit_identical(tmp_path, monkeypatch,
             calls.append(n)
             real(fn, n)
 
-        t._split = t._chain.split = counting  # also where cores are plenty
+        t._rows.split = t._rows.chain.split = counting  # also where cores are plenty
         train([ref, t], string_keys=False, steps=120)
         assert t.stats()["tiers"][1]["promotions"] > 0
         assert len(calls) > 120  # every optimizer step and the promotions went through it
@@ -167,13 +166,13 @@ def test_a_task_runs_once_on_the_helper_or_on_the_joiner():
 def _deferring(t) -> list[str]:
     """Record on which thread each of ``t``'s deferred demotions ran."""
     where: list[str] = []
-    real = t._chain._detach_victims
+    real = t._rows.chain._detach_victims
 
     def detach(*args):
         where.append(threading.current_thread().name)
         return real(*args)
 
-    t._chain._detach_victims = detach
+    t._rows.chain._detach_victims = detach
     return where
 
 
@@ -183,12 +182,12 @@ def test_deferred_demotions_are_exact_and_never_seen_half_done(tmp_path):
     dim = 8
     lay = RecordLayout(dim, num_slots=1)
     ref = EmbeddingTable(dim, optimizer="adagrad", seed=3)
-    inline = TieredEmbeddingTable(dim, optimizer="adagrad", seed=3,
+    inline = EmbeddingTable(dim, optimizer="adagrad", seed=3,
                                   **chain("DRAM_SSDHASH", tmp_path / "a", lay))
-    inline._defer = None
-    deferred = TieredEmbeddingTable(dim, optimizer="adagrad", seed=3,
+    inline._rows._defer = None
+    deferred = EmbeddingTable(dim, optimizer="adagrad", seed=3,
                                     **chain("DRAM_SSDHASH", tmp_path / "b", lay))
-    assert deferred._defer is not None
+    assert deferred._rows._defer is not None
     where = _deferring(deferred)
     rng = np.random.default_rng(0)
     with inline, deferred:
@@ -219,7 +218,7 @@ def test_metadata_writes_run_with_the_deferred_demotion(tmp_path, monkeypatch):
     dim = 8
     lay = RecordLayout(dim, num_slots=1)
     ref = EmbeddingTable(dim, optimizer="adagrad", seed=3)
-    t = TieredEmbeddingTable(dim, optimizer="adagrad", seed=3,
+    t = EmbeddingTable(dim, optimizer="adagrad", seed=3,
                              **chain("DRAM_SSDHASH", tmp_path, lay, tier0_rows=1000))
     held: list[str] = []
     real = ak.bump_freq, ak.set_meta
@@ -243,9 +242,9 @@ def test_metadata_writes_run_with_the_deferred_demotion(tmp_path, monkeypatch):
             m.setattr(ak, "bump_freq", bump_freq)
             m.setattr(ak, "set_meta", set_meta)
             t.lookup(keys)
-            assert t._chain._demotion is not None  # the counts wait in the deferred task
+            assert t._rows.chain._demotion is not None  # the counts wait in the deferred task
             t.apply_gradients(keys, grads, step=8)
-            assert t._chain._demotion is not None  # so do the versions
+            assert t._rows.chain._demotion is not None  # so do the versions
             assert np.array_equal(t.version(keys), [8, 8, 8, 8, 8])  # settled by the read
             assert [h.split(":")[0] for h in held] == ["freq", "version"]
         ref.lookup(keys)
@@ -258,21 +257,21 @@ def test_metadata_writes_run_with_the_deferred_demotion(tmp_path, monkeypatch):
 def test_held_metadata_writes_land_when_the_demotion_step_fails(tmp_path):
     dim = 8
     lay = RecordLayout(dim, num_slots=1)
-    t = TieredEmbeddingTable(dim, optimizer="adagrad",
+    t = EmbeddingTable(dim, optimizer="adagrad",
                              **chain("DRAM_SSDHASH", tmp_path, lay, tier0_rows=1000))
     keys = np.arange(20, dtype=np.int64)
     grads = np.ones((keys.size, dim), np.float32)
     with t:
         t.lookup(keys)
-        real = t._chain.after
+        real = t._rows.chain.after
 
         def broken(*args, **kwargs):
             raise RuntimeError("demotion step failed")
 
-        t._chain.after = broken
+        t._rows.chain.after = broken
         with pytest.raises(RuntimeError, match="demotion step failed"):
             t.apply_gradients(keys, grads, step=5)
-        t._chain.after = real
+        t._rows.chain.after = real
         assert (t.version(keys) == 5).all()  # the update's held versions were written
         assert (t.frequency(keys) == 1).all()
 
@@ -280,7 +279,7 @@ def test_held_metadata_writes_land_when_the_demotion_step_fails(tmp_path):
 def test_a_failed_deferred_demotion_raises_at_the_next_operation(tmp_path):
     dim = 8
     lay = RecordLayout(dim, num_slots=1)
-    t = TieredEmbeddingTable(dim, optimizer="adagrad",
+    t = EmbeddingTable(dim, optimizer="adagrad",
                              **chain("DRAM_SSDHASH", tmp_path, lay, tier0_rows=50))
     keys = np.arange(200, dtype=np.int64)
     t.lookup(keys[:100])
@@ -289,11 +288,11 @@ def test_a_failed_deferred_demotion_raises_at_the_next_operation(tmp_path):
     def broken(*args):
         raise MemoryError("no memory for the victims")
 
-    t._chain._detach_victims = broken
+    t._rows.chain._detach_victims = broken
     t.lookup(keys[100:])  # its demotion fails in the background
     with pytest.raises(MemoryError, match="no memory"):
         t.apply_gradients(keys[100:], np.ones((100, dim), np.float32))
-    del t._chain._detach_victims  # the next lookup demotes again
+    del t._rows.chain._detach_victims  # the next lookup demotes again
     t.lookup(keys[:10])
     t.apply_gradients(keys[:10], np.ones((10, dim), np.float32))
     assert len(t) == 200

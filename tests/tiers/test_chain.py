@@ -5,10 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tensorkv.embedding import EmbeddingTable
+from tensorkv.embedding.chain.specs import DRAM, PMEM, SSDHash, StorageOption
 from tensorkv.embedding.filters import CounterFilter
-from tensorkv.embedding.storage import DRAM, PMEM, SSDHash, StorageOption
-from tensorkv.embedding.table import EmbeddingTable
-from tensorkv.embedding.tiered import TieredEmbeddingTable
 from tensorkv.embedding.tiers.base import RecordLayout
 from tensorkv.errors import ConfigError, NonFiniteGradientError, ShapeError
 
@@ -25,7 +24,7 @@ def rb(optimizer: str = "adagrad") -> int:
 def pair(tmp_path, *, rows0: int = 32, optimizer: str = "adagrad", storage="DRAM_SSDHASH",
          policy="lru", **kw):
     ref = EmbeddingTable(DIM, optimizer=optimizer, seed=1, **kw)
-    t = TieredEmbeddingTable(DIM, optimizer=optimizer, seed=1, storage=storage,
+    t = EmbeddingTable(DIM, optimizer=optimizer, seed=1, storage=storage,
                              storage_path=str(tmp_path / "t"),
                              storage_size=[rows0 * rb(optimizer)], cache_strategy=policy, **kw)
     return ref, t
@@ -79,7 +78,7 @@ def test_upsert_keeps_slots_of_a_lower_tier_row(tmp_path):
     ref, t = pair(tmp_path)
     with t:
         steps([ref, t])
-        lower = np.setdiff1d(t.keys(), t._arena.keys())[:10]
+        lower = np.setdiff1d(t.keys(), t.arena.keys())[:10]
         assert lower.size == 10
         vals = np.ones((10, DIM), np.float32)
         ref.upsert(lower, vals)
@@ -129,7 +128,7 @@ def test_export_since_and_import(tmp_path):
         # tiered -> DRAM and DRAM -> tiered
         back = EmbeddingTable(DIM, optimizer="adagrad", seed=1)
         back.import_(t.export(chunk_rows=50))
-        t2 = TieredEmbeddingTable(DIM, optimizer="adagrad", seed=1, storage="DRAM_SSDHASH",
+        t2 = EmbeddingTable(DIM, optimizer="adagrad", seed=1, storage="DRAM_SSDHASH",
                                   storage_path=str(tmp_path / "t2"), storage_size=[20 * rb()])
         with t2:
             assert t2.import_(ref.export(chunk_rows=64)) == len(ref)
@@ -165,7 +164,7 @@ def test_stats_per_tier(tmp_path):
     opt = StorageOption(tiers=[DRAM(16 * rb()), PMEM(str(tmp_path / "p.tier"), 64 * rb()),
                                SSDHash(str(tmp_path / "ssd"), segment_bytes=8192)])
     ref = EmbeddingTable(DIM, optimizer="adagrad", seed=1)
-    with TieredEmbeddingTable(DIM, optimizer="adagrad", seed=1, storage=opt) as t:
+    with EmbeddingTable(DIM, optimizer="adagrad", seed=1, storage=opt) as t:
         steps([ref, t], n_steps=60)
         st = t.stats()
         assert [x["tier"] for x in st["tiers"]] == [0, 1, 2]
@@ -195,7 +194,7 @@ def test_clear_and_reuse(tmp_path):
 
 def test_dram_storage_is_a_plain_table(tmp_path):
     ref = EmbeddingTable(DIM, optimizer="adam", seed=1)
-    t = TieredEmbeddingTable(DIM, optimizer="adam", seed=1, storage="DRAM")
+    t = EmbeddingTable(DIM, optimizer="adam", seed=1, storage="DRAM")
     steps([ref, t], n_steps=5)
     assert_same(ref, t)
     assert len(t.stats()["tiers"]) == 1
@@ -217,14 +216,14 @@ def test_dram_storage_is_a_plain_table(tmp_path):
 ])
 def test_bad_storage_arguments(kwargs, match):
     with pytest.raises(ConfigError, match=match):
-        TieredEmbeddingTable(DIM, **kwargs)
+        EmbeddingTable(DIM, **kwargs)
 
 
 def test_bad_input_leaves_state_intact(tmp_path):
     ref, t = pair(tmp_path)
     with t:
         steps([ref, t], n_steps=10)
-        lower = np.setdiff1d(t.keys(), t._arena.keys())[:5]
+        lower = np.setdiff1d(t.keys(), t.arena.keys())[:5]
         with pytest.raises(ShapeError):
             t.apply_gradients(lower, np.zeros((4, DIM), np.float32))  # wrong shape
         with pytest.raises(NonFiniteGradientError):
@@ -277,11 +276,11 @@ def test_bulk_load_spread_rows_are_packed_on_flush(tmp_path, monkeypatch, policy
     goes on (growing tier 0 again) bit-identical to the DRAM table."""
     import threading
 
-    from tensorkv.embedding import tiered
+    from tensorkv.embedding.chain import tierchain as tiered
 
     monkeypatch.setattr(tiered, "SPARE_ROWS_MIN", 16)
     ref, t = pair(tmp_path, rows0=40, policy=policy)
-    tier = t._chain.lowers[0][0]
+    tier = t._rows.chain.lowers[0][0]
     gate = threading.Event()
     real = tier.put_rows
 
@@ -300,7 +299,7 @@ def test_bulk_load_spread_rows_are_packed_on_flush(tmp_path, monkeypatch, policy
             part = tuple(np.ascontiguousarray(a[i:i + 300]) for a in chunk)
             ref.import_([part])
             t.import_([part])
-        a = t._arena
+        a = t.arena
         assert a.high_water > 10 * 40  # rows held for the writes in flight
         grown = a.capacity
         gate.set()

@@ -5,9 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tensorkv.embedding.storage import DRAM, SSDHash, StorageOption
-from tensorkv.embedding.table import EmbeddingTable
-from tensorkv.embedding.tiered import TieredEmbeddingTable
+from tensorkv.embedding import EmbeddingTable
+from tensorkv.embedding.chain.specs import DRAM, SSDHash, StorageOption
 from tensorkv.errors import ConfigError
 
 from .test_chain import DIM, rb, steps
@@ -19,7 +18,7 @@ def test_storage_argument_builds_a_tiered_table(tmp_path):
     t = EmbeddingTable(DIM, optimizer="adagrad", seed=1, storage="DRAM_SSDHASH",
                        storage_path=str(tmp_path / "s"), storage_size=[24 * rb()],
                        cache_strategy="lru")
-    assert isinstance(t, TieredEmbeddingTable) and isinstance(t, EmbeddingTable)
+    assert type(t) is EmbeddingTable and t.storage is not None  # one class, its rows tiered
     with t:
         steps([ref, t], n_steps=20)
         assert t.stats()["tiers"][0]["rows"] <= 24 < len(t)
@@ -36,8 +35,18 @@ def test_storage_option_object(tmp_path):
 
 
 def test_plain_table_has_no_storage():
-    assert type(EmbeddingTable(DIM)) is EmbeddingTable
-    assert type(EmbeddingTable(DIM, storage=None)) is EmbeddingTable
+    assert EmbeddingTable(DIM).storage is None
+    assert EmbeddingTable(DIM, storage=None).storage is None
+
+
+def test_deprecated_names_warn_and_still_work(tmp_path):
+    import tensorkv
+
+    with pytest.warns(DeprecationWarning, match="tensorkv.KV"):
+        spec = tensorkv.KVTier(f"lmdb://{tmp_path}/kv")
+    assert isinstance(spec, tensorkv.KV)
+    with pytest.warns(DeprecationWarning, match="EmbeddingTable"):
+        assert tensorkv.TieredEmbeddingTable is EmbeddingTable
 
 
 @pytest.mark.parametrize("kwargs", [{"storage_path": "/x"}, {"storage_size": [100]},

@@ -7,8 +7,7 @@ import uuid
 import numpy as np
 
 import tensorkv
-from tensorkv.embedding.table import EmbeddingTable
-from tensorkv.embedding.tiered import TieredEmbeddingTable
+from tensorkv.embedding import EmbeddingTable
 
 from .test_chain import DIM, pair, rb, steps
 
@@ -22,7 +21,7 @@ def test_save_tiered_load_dram_and_back(tmp_path):
         got = tensorkv.load(None, url, "a")["table"]
         for a, b in zip(_rows(ref), _rows(got), strict=True):
             assert a.tobytes() == b.tobytes()
-        target = TieredEmbeddingTable(DIM, optimizer="adagrad", seed=1, storage="DRAM_LMDB",
+        target = EmbeddingTable(DIM, optimizer="adagrad", seed=1, storage="DRAM_LMDB",
                                       storage_path=str(tmp_path / "lmdb"),
                                       storage_size=[10 * rb()])
         with target:

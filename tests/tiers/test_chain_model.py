@@ -11,8 +11,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from tensorkv.embedding.table import EmbeddingTable
-from tensorkv.embedding.tiered import TieredEmbeddingTable
+from tensorkv.embedding import EmbeddingTable
 from tensorkv.embedding.tiers.base import RecordLayout
 
 from .test_exactness import assert_same
@@ -34,7 +33,7 @@ class TieredModel(RuleBasedStateMachine):
         name, sizes, policy = next(_storages)
         ev = {"steps_to_live": 6, "max_rows": 30, "policy": policy, "every_n_steps": 4}
         self.ref = EmbeddingTable(DIM, optimizer="adam", seed=5, eviction=ev)
-        self.t = TieredEmbeddingTable(DIM, optimizer="adam", seed=5, eviction=ev, storage=name,
+        self.t = EmbeddingTable(DIM, optimizer="adam", seed=5, eviction=ev, storage=name,
                                       storage_path=self.dir + "/t", storage_size=sizes,
                                       cache_strategy=policy)
         self.rng = np.random.default_rng(0)

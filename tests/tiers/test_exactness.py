@@ -5,8 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tensorkv.embedding.table import EmbeddingTable
-from tensorkv.embedding.tiered import TieredEmbeddingTable
+from tensorkv.embedding import EmbeddingTable
 from tensorkv.embedding.tiers.base import RecordLayout
 
 STEPS = 200
@@ -76,7 +75,7 @@ def test_training_bit_identical(tmp_path, name, tier1_rows, optimizer, string_ke
     num_slots = ref.num_slots
     lay = RecordLayout(dim, num_slots=num_slots)
     opts = chain(name, tmp_path, lay, tier1_rows=tier1_rows)
-    with TieredEmbeddingTable(dim, optimizer=optimizer, seed=3, cache_strategy=policy,
+    with EmbeddingTable(dim, optimizer=optimizer, seed=3, cache_strategy=policy,
                               **opts) as t:
         train([ref, t], string_keys=string_keys, steps=STEPS)
         st = t.stats()
@@ -97,7 +96,7 @@ def test_16bit_rows_bit_identical(tmp_path, dtype, name):
                          eviction={"l2_threshold": 0.02, "every_n_steps": 9})
     lay = RecordLayout(dim, value_dtype=dtype, num_slots=1)
     opts = chain(name, tmp_path, lay, tier1_rows=300 if "PMEM" in name else None)
-    with TieredEmbeddingTable(dim, optimizer="adagrad", seed=3, dtype=dtype,
+    with EmbeddingTable(dim, optimizer="adagrad", seed=3, dtype=dtype,
                               eviction={"l2_threshold": 0.02, "every_n_steps": 9},
                               **opts) as t:
         train([ref, t], string_keys=False, steps=60)
@@ -121,7 +120,7 @@ def test_operations_between_lookup_and_apply(tmp_path, name):
     ev = {"steps_to_live": 4}  # only on explicit evict() calls
     ref = EmbeddingTable(dim, optimizer="adagrad", seed=5, eviction=ev)
     lay = RecordLayout(dim, num_slots=1)
-    with TieredEmbeddingTable(dim, optimizer="adagrad", seed=5, cache_strategy="lru",
+    with EmbeddingTable(dim, optimizer="adagrad", seed=5, cache_strategy="lru",
                               eviction=ev, **chain(name, tmp_path, lay)) as t:
         rng = np.random.default_rng(7)
         for step in range(60):

@@ -116,9 +116,9 @@ def test_bad_device():
 
 # --- tables with an HBM tier 0 (device="cpu": the same code path as CUDA) -----------------------
 def hbm_table(tmp_path, storage, sizes, device="cpu", **kw):
-    from tensorkv.embedding.tiered import TieredEmbeddingTable
+    from tensorkv.embedding import EmbeddingTable
 
-    return TieredEmbeddingTable(DIM, optimizer=kw.pop("optimizer", "adagrad"), seed=2,
+    return EmbeddingTable(DIM, optimizer=kw.pop("optimizer", "adagrad"), seed=2,
                                 storage=storage, storage_path=str(tmp_path / "t"),
                                 storage_size=sizes, device=device, **kw)
 
@@ -190,9 +190,9 @@ def test_hbm_lookup_torch_trains_like_lookup(tmp_path, storage, device):
 
 
 def test_dram_table_lookup_torch(tmp_path):
-    from tensorkv.embedding.tiered import TieredEmbeddingTable
+    from tensorkv.embedding import EmbeddingTable
 
-    t = TieredEmbeddingTable(DIM, storage="DRAM")
+    t = EmbeddingTable(DIM, storage="DRAM")
     out = t.lookup_torch([1, 2, 3])
     assert isinstance(out, torch.Tensor) and out.shape == (3, DIM) and t.device == "cpu"
 

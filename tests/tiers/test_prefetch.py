@@ -5,8 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tensorkv.embedding.table import EmbeddingTable
-from tensorkv.embedding.tiered import TieredEmbeddingTable
+from tensorkv.embedding import EmbeddingTable
 from tensorkv.embedding.tiers.base import RecordLayout
 from tensorkv.errors import ShapeError, StoreClosedError, TableError
 
@@ -17,10 +16,10 @@ TIER0 = 48
 
 
 def make(tmp_path, storage: str, policy: str = "lru", optimizer: str = "adagrad",
-         tier1_rows: int | None = None, **kw) -> TieredEmbeddingTable:
+         tier1_rows: int | None = None, **kw) -> EmbeddingTable:
     rb = RecordLayout(DIM, num_slots=1 if optimizer == "adagrad" else 2).record_bytes
     sizes = [TIER0 * rb] + ([tier1_rows * rb] if tier1_rows else [])
-    return TieredEmbeddingTable(DIM, optimizer=optimizer, seed=4, storage=storage,
+    return EmbeddingTable(DIM, optimizer=optimizer, seed=4, storage=storage,
                                 storage_path=str(tmp_path / "t"), storage_size=sizes,
                                 cache_strategy=policy, **kw)
 
@@ -166,9 +165,9 @@ def test_failed_prefetch_raises_at_the_next_operation(tmp_path):
     t = make(tmp_path, "DRAM_SSDHASH")
     t.lookup(np.arange(200))
     t.wait_writes()
-    t._chain.lowers[0][0].close()  # the tier goes away underneath the table
+    t._rows.chain.lowers[0][0].close()  # the tier goes away underneath the table
     t.prefetch(np.arange(200))
-    t._chain._prefetch.done.wait()  # the job ran (a lookup right away may cancel it unrun)
+    t._rows.chain._prefetch.done.wait()  # the job ran (a lookup right away may cancel it unrun)
     with pytest.raises(TableError, match="prefetching rows from the lower tiers failed") as e:
         t.lookup(np.arange(200))
     assert isinstance(e.value.__cause__, StoreClosedError)
@@ -186,7 +185,7 @@ def test_guarded_sink_copies_only_under_its_guard(tmp_path, monkeypatch):
 
     import tensorkv.embedding.tiers.base as base
     from tensorkv.embedding.arena import RowArena
-    from tensorkv.embedding.prefetch import GuardedSink
+    from tensorkv.embedding.chain.prefetch import GuardedSink
     from tensorkv.embedding.tiers.ssdhash import SSDHashTier
 
     guard = threading.RLock()

@@ -2,12 +2,12 @@ import json
 
 import pytest
 
-from tensorkv.embedding.storage import (
+from tensorkv.embedding.chain.specs import (
     DRAM,
     HBM,
+    KV,
     PMEM,
     STORAGE_TYPES,
-    KVTier,
     SSDHash,
     StorageOption,
     spec_from_dict,
@@ -64,7 +64,7 @@ def test_explicit_tiers():
                         cache_strategy="LRU")  # fmt: skip
     assert kinds(opt) == ["DRAM", "SSDHASH"] and opt.cache_strategy == "lru"
     assert opt.tier_specs()[1].options == {"segment_bytes": "64MiB"}
-    opt = StorageOption(tiers=[HBM("8GiB"), DRAM("64GiB"), PMEM("/pmem/t"), KVTier("rocksdb:///d")])
+    opt = StorageOption(tiers=[HBM("8GiB"), DRAM("64GiB"), PMEM("/pmem/t"), KV("rocksdb:///d")])
     assert kinds(opt) == ["HBM", "DRAM", "PMEM", "KV"]
 
 
@@ -93,7 +93,7 @@ def test_round_trip_through_json():
         ({"tiers": [SSDHash("/d"), DRAM("1GiB")]}, "must start with DRAM or HBM"),
         ({"tiers": [DRAM("1GiB"), HBM("1GiB")]}, "cannot sit below"),
         ({"tiers": [HBM(), HBM()]}, "appears twice"),
-        ({"tiers": [DRAM(), SSDHash("/a"), KVTier("lmdb:///b")]}, "at most one of"),
+        ({"tiers": [DRAM(), SSDHash("/a"), KV("lmdb:///b")]}, "at most one of"),
         ({"tiers": [DRAM(), PMEM("/a"), PMEM("/b")]}, "appears twice"),
         ({"tiers": []}, "non-empty"),
         ({"tiers": ["DRAM"]}, "not a tier spec"),
@@ -111,7 +111,7 @@ def test_spec_argument_errors():
     with pytest.raises(ConfigError, match="needs a path"):
         PMEM(None)
     with pytest.raises(ConfigError, match="store URL"):
-        KVTier("/no/scheme")
+        KV("/no/scheme")
     with pytest.raises(ConfigError, match="size"):
         DRAM("-3")
 
@@ -124,7 +124,7 @@ def test_every_listed_name_builds():
 
 def test_specs_open_tiers(tmp_path):
     lay = RecordLayout(4)
-    for spec in (SSDHash(tmp_path / "s"), PMEM(tmp_path / "p"), KVTier(f"lmdb://{tmp_path}/k")):
+    for spec in (SSDHash(tmp_path / "s"), PMEM(tmp_path / "p"), KV(f"lmdb://{tmp_path}/k")):
         t = spec.open(lay)
         assert len(t) == 0
         t.close()

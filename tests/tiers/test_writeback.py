@@ -7,12 +7,11 @@ import threading
 import numpy as np
 import pytest
 
-from tensorkv.embedding import writeback
-from tensorkv.embedding.storage import DRAM, KVTier, StorageOption
-from tensorkv.embedding.table import EmbeddingTable
-from tensorkv.embedding.tiered import TieredEmbeddingTable
-from tensorkv.embedding.writeback import WriteBackError, WriteQueue
-from tensorkv.errors import ConfigError
+from tensorkv.embedding import EmbeddingTable
+from tensorkv.embedding.chain import writeback
+from tensorkv.embedding.chain.specs import DRAM, KV, StorageOption
+from tensorkv.embedding.chain.writeback import WriteQueue
+from tensorkv.errors import ConfigError, WriteBackError
 
 from .test_chain import DIM, pair, rb, steps
 from .test_exactness import assert_same
@@ -36,7 +35,7 @@ def test_pool_is_shared_and_sized_by_env(monkeypatch, fresh_pool, tmp_path):
         assert writeback.pool_threads() == 3
         a.flush()
         b.flush()
-        assert a._chain.queue.completed > 0 and b._chain.queue.completed > 0
+        assert a._rows.chain.queue.completed > 0 and b._rows.chain.queue.completed > 0
 
 
 def test_pool_default_is_one_thread(monkeypatch, fresh_pool):
@@ -83,7 +82,7 @@ def test_queue_error_is_raised_once_then_retried():
 
 def test_reads_use_pending_rows_while_writes_are_blocked(tmp_path):
     ref, t = pair(tmp_path, rows0=16)
-    tier = t._chain.lowers[0][0]
+    tier = t._rows.chain.lowers[0][0]
     gate = threading.Event()
     real_put = tier.put_rows
 
@@ -95,9 +94,9 @@ def test_reads_use_pending_rows_while_writes_are_blocked(tmp_path):
     with t:
         try:
             steps([ref, t], n_steps=25, n_ids=120)  # keys come back while their writes wait
-            assert t._chain.pending
+            assert t._rows.chain.pending
             assert len(tier) == 0  # nothing landed: every promotion came from pending rows
-            assert t._chain.counters["tier1"]["promotions"] > 0
+            assert t._rows.chain.counters["tier1"]["promotions"] > 0
         finally:
             gate.set()
         assert_same(ref, t)
@@ -106,9 +105,9 @@ def test_reads_use_pending_rows_while_writes_are_blocked(tmp_path):
 def test_failed_background_write_is_reported_and_rows_kept(tmp_path):
     p = tmp_path / "db"
     opt = StorageOption(tiers=[DRAM(8 * rb()),
-                               KVTier(f"lmdb://{p}", map_size=65536, max_map_size=65536)])
+                               KV(f"lmdb://{p}", map_size=65536, max_map_size=65536)])
     ref = EmbeddingTable(DIM, optimizer="adagrad", seed=1)
-    t = TieredEmbeddingTable(DIM, optimizer="adagrad", seed=1, storage=opt)
+    t = EmbeddingTable(DIM, optimizer="adagrad", seed=1, storage=opt)
     keys = np.arange(4000, dtype=np.int64)
     ref_vals = ref.lookup(keys)
     with pytest.raises(WriteBackError, match="StoreFull|full"):
@@ -116,11 +115,11 @@ def test_failed_background_write_is_reported_and_rows_kept(tmp_path):
             np.testing.assert_array_equal(t.lookup(keys[i:i + 100]), ref_vals[i:i + 100])
         t.flush()
     # the rows that did not land are still readable from the pending buffer, bit-identical
-    pending = np.concatenate([pb.keys[pb.live] for pb in t._chain.pending])
+    pending = np.concatenate([pb.keys[pb.live] for pb in t._rows.chain.pending])
     assert pending.size > 0
-    found, recs = t._chain.read(pending)
+    found, recs = t._rows.chain.read(pending)
     assert found.all()
-    np.testing.assert_array_equal(t.layout.unpack(recs).values, ref_vals[pending])
+    np.testing.assert_array_equal(t._rows.layout.unpack(recs).values, ref_vals[pending])
     with pytest.raises(WriteBackError):
         t.close()
 
@@ -151,7 +150,7 @@ def test_tables_on_threads_with_a_wide_pool(monkeypatch, fresh_pool, tmp_path):
 
 def test_pending_memory_is_bounded(tmp_path):
     ref = EmbeddingTable(DIM, optimizer="adagrad", seed=1)
-    t = TieredEmbeddingTable(DIM, optimizer="adagrad", seed=1, storage="DRAM_SSDHASH",
+    t = EmbeddingTable(DIM, optimizer="adagrad", seed=1, storage="DRAM_SSDHASH",
                              storage_path=str(tmp_path / "t"), storage_size=[8 * rb()],
                              max_pending_bytes=1)
     rng = np.random.default_rng(0)
@@ -160,5 +159,5 @@ def test_pending_memory_is_bounded(tmp_path):
             keys = rng.choice(300, 20, replace=False)
             for x in (ref, t):
                 x.lookup(keys)
-            assert len(t._chain.pending) <= 2  # the caller waited for the writer
+            assert len(t._rows.chain.pending) <= 2  # the caller waited for the writer
         assert_same(ref, t)

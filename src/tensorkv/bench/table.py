@@ -122,7 +122,7 @@ def _run_size(report: Report, rng: np.random.Generator, n: int, batch: int, dim:
                    note=f"lower is better; goal <= 1.3; index slots {st['index_slots']}, "
                         f"row capacity {st['capacity']}")
 
-    a = table._arena
+    a = table.arena
     dense = a.values  # the same rows, addressed by precomputed row numbers
     mk = batch / 1e6
     draws = {dist: keys[_draws(rng, n, batch, dist)] for dist in ("uniform", "zipf1.1")}

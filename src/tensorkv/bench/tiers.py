@@ -55,7 +55,6 @@ import numpy as np
 
 from tensorkv.bench.common import Report
 from tensorkv.embedding.table import EmbeddingTable
-from tensorkv.embedding.tiered import TieredEmbeddingTable
 from tensorkv.embedding.tiers.base import RecordLayout
 from tensorkv.errors import MissingDependencyError
 from tensorkv.kernels.cache import lru_hits
@@ -190,7 +189,7 @@ def _warm_up(root: str, dim: int) -> None:
     """Compile every kernel once (untimed) with a tiny tiered table."""
     path = os.path.join(root, "warm-up")
     lay = RecordLayout(dim, num_slots=1)
-    with TieredEmbeddingTable(dim, optimizer="adagrad", storage="DRAM_SSDHASH",
+    with EmbeddingTable(dim, optimizer="adagrad", storage="DRAM_SSDHASH",
                               storage_path=path, storage_size=[64 * lay.record_bytes],
                               cache_strategy="lru") as t:
         rng = np.random.default_rng(0)
@@ -290,7 +289,7 @@ def run(
                     on_device = name.startswith("HBM")
                     path = os.path.join(root, f"{name}-{frac}-{a}")
                     os.makedirs(path)
-                    t = TieredEmbeddingTable(
+                    t = EmbeddingTable(
                         dim, optimizer="adagrad", storage=name, storage_path=path,
                         storage_size=sizes, cache_strategy="lru", device=device,
                     )

@@ -436,22 +436,13 @@ def _bucket_order(
 
 
 def _gathers_in_place(table: Any) -> bool:
-    """Whether ``table.export_into`` gathers rows straight from the table's row arena.
+    """Whether ``table.export_into`` gathers every row straight from a host row arena.
 
-    :meth:`EmbeddingTable.export_into` does so only for tables that keep :meth:`export`;
-    subclasses that override it (tiered tables) are served from export's chunks, copied with
-    ``np.take``, which :func:`write_blocks`' row gather does faster.
+    Only then is it used (:attr:`EmbeddingTable.exports_in_place`); rows of tiered tables come
+    through export's chunks, which :func:`write_blocks`' row gather copies faster than
+    ``export_into``'s ``np.take``.
     """
-    if not hasattr(table, "export_into"):
-        return False
-    try:
-        from tensorkv.embedding.table import EmbeddingTable
-    except ImportError:  # pragma: no cover - the embedding layer is part of the package
-        return True
-    cls = type(table)
-    if cls.export_into is EmbeddingTable.export_into:
-        return cls.export is EmbeddingTable.export
-    return True
+    return bool(getattr(table, "exports_in_place", False)) and hasattr(table, "export_into")
 
 
 def write_table(

@@ -1,10 +1,14 @@
 """Dynamic embedding tables.
 
-:class:`EmbeddingTable` is the public object; :class:`RowArena` is its row storage (tier 0);
-initializers, sparse optimizers, admission filters and eviction policies plug into it.
+:class:`EmbeddingTable` is the public object (one class for every kind: DRAM-only, tiered,
+on a GPU); initializers, sparse optimizers, admission filters, eviction policies and storage
+options plug into it. Where the code lives: ``table.py`` (the table), ``arena.py`` (tier 0),
+``rows.py`` and ``chain/`` (where rows live: one arena or a tier chain), ``tiers/`` (the tier
+engines), ``optimizers.py``, ``initializers.py``, ``filters.py``.
 """
 
-from tensorkv.embedding.arena import RowArena
+from tensorkv.embedding.chain.specs import DRAM, HBM, KV, PMEM, SSDHash, StorageOption
+from tensorkv.embedding.chunks import ExportChunk
 from tensorkv.embedding.filters import BloomFilter, CounterFilter, Eviction
 from tensorkv.embedding.initializers import (
     Constant,
@@ -25,37 +29,50 @@ from tensorkv.embedding.optimizers import (
     RMSProp,
     get_optimizer,
 )
-from tensorkv.embedding.storage import DRAM, HBM, PMEM, KVTier, SSDHash, StorageOption
-from tensorkv.embedding.table import EmbeddingTable, ExportChunk
-from tensorkv.embedding.tiered_table import TieredEmbeddingTable
+from tensorkv.embedding.table import EmbeddingTable
 
 __all__ = [
+    "DRAM",
     "FTRL",
+    "HBM",
+    "KV",
+    "PMEM",
     "SGD",
     "Adagrad",
     "Adam",
     "AdamW",
     "BloomFilter",
-    "DRAM",
-    "HBM",
-    "PMEM",
     "Constant",
     "CounterFilter",
     "EmbeddingTable",
     "Eviction",
     "ExportChunk",
-    "KVTier",
-    "SSDHash",
-    "StorageOption",
-    "TieredEmbeddingTable",
     "Initializer",
     "Normal",
     "Optimizer",
     "RMSProp",
-    "RowArena",
+    "SSDHash",
+    "StorageOption",
     "TruncatedNormal",
     "Uniform",
     "Zeros",
     "get_initializer",
     "get_optimizer",
 ]
+
+# Names kept importable for one release; each access warns.
+_DEPRECATED = {
+    "KVTier": ("KV", "tensorkv.KV (the KV tier spec)"),
+    "TieredEmbeddingTable": ("EmbeddingTable", "tensorkv.EmbeddingTable(dim, storage=...)"),
+}
+
+
+def __getattr__(name: str) -> object:
+    if name in _DEPRECATED:
+        import warnings
+
+        new, hint = _DEPRECATED[name]
+        warnings.warn(f"tensorkv.embedding.{name} is deprecated and will be removed in the next "
+                      f"release; use {hint}", DeprecationWarning, stacklevel=2)
+        return globals()[new]
+    raise AttributeError(f"module 'tensorkv.embedding' has no attribute {name!r}")

@@ -3,9 +3,12 @@
 :class:`RowArena` maps int64 keys to rows of contiguous arrays -- the value (``dim`` columns),
 the optimizer slots (``slot_width`` columns), and per-row metadata (frequency, last-update
 step ``version``, change sequence ``seq``, the row's key, a live flag). It knows nothing of
-optimizers, admission or eviction: :class:`~tensorkv.embedding.table.EmbeddingTable` holds that
-logic and uses this class's vectorised API (find / insert / remove / gather / scatter / iterate).
-The caller serialises mutations; reads of present keys may run concurrently with each other.
+admission or eviction: :class:`~tensorkv.embedding.table.EmbeddingTable` holds that logic and
+uses this class's vectorised API (find / insert / remove / gather / scatter / iterate), plus the
+few operations whose arithmetic depends on where rows live (:meth:`RowArena.init_rows`,
+:meth:`RowArena.apply_optimizer`, record copies for the lower tiers), which an arena with rows
+on a device (:class:`~tensorkv.embedding.tiers.hbm.HBMArena`) overrides. The caller serialises
+mutations; reads of present keys may run concurrently with each other.
 
 Growth
 ------
@@ -24,6 +27,7 @@ key 8, live 1) plus 16 bytes per index slot (key and row side by side) times
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 from collections.abc import Iterator
 from typing import Any
@@ -31,9 +35,10 @@ from typing import Any
 import numpy as np
 
 from tensorkv import config
-from tensorkv.errors import CapacityError
+from tensorkv.errors import CapacityError, ConfigError
 from tensorkv.kernels import arena as ak
 from tensorkv.kernels import hashindex as hk
+from tensorkv.kernels import records as kr
 
 #: Storage dtypes of value rows. 16-bit ones are held as raw ``uint16`` bit patterns (numba has
 #: no float16/bfloat16 scalars) and converted to and from float32 with numpy / ml_dtypes.
@@ -41,11 +46,48 @@ STORAGE_DTYPES = ("float32", "float16", "bfloat16")
 ROW_GROWTH = 1.0625  # row capacity multiplier on growth (in-place realloc keeps it cheap)
 
 
-def _pow2_at_least(n: int) -> int:
+def pow2_at_least(n: int) -> int:
+    """The smallest power of two ``>= n`` (at least 16): an index size."""
     p = 16
     while p < n:
         p *= 2
     return p
+
+
+class HostRows:
+    """Rows held elsewhere, shaped like a :class:`RowArena` for eviction rules.
+
+    :meth:`~tensorkv.embedding.filters.Eviction.select` reads ``row_key``, ``freq``,
+    ``version``, ``live``, ``high_water`` and the values; this view gives it the rows of a
+    device arena or of a lower tier's records. ``values`` are in the storage dtype; 16-bit
+    ones are read as float32 copies like the DRAM arena's, so the rules compute exactly what
+    they compute on tier 0.
+
+    Parameters
+    ----------
+    keys, freq, version
+        ``int64[n]`` per-row fields.
+    values
+        ``[n, dim]`` value rows in their storage dtype.
+    """
+
+    def __init__(self, keys: np.ndarray, freq: np.ndarray, version: np.ndarray,
+                 values: np.ndarray) -> None:
+        n = keys.size
+        self.row_key = keys
+        self.freq = freq
+        self.version = version
+        self.raw = values.dtype != np.float32
+        self.values = np.ascontiguousarray(values)
+        self.live = np.ones(n, np.uint8)
+        self.high_water = n
+
+    def gather_f32(self, rows: np.ndarray) -> np.ndarray:
+        """Float32 copy of the value rows."""
+        return self.values[rows].astype(np.float32)
+
+    def __len__(self) -> int:
+        return int(self.row_key.size)
 
 
 class RowArena:
@@ -69,6 +111,11 @@ class RowArena:
         :meth:`from_raw` convert.
     """
 
+    #: Where the rows live ("DRAM" here, "HBM" for a device arena), for statistics.
+    kind = "DRAM"
+    #: Whether ``values`` and ``slots`` are device tensors rather than host numpy arrays.
+    on_device = False
+
     def __init__(
         self,
         dim: int,
@@ -80,7 +127,7 @@ class RowArena:
         dtype: str = "float32",
     ) -> None:
         if dtype not in STORAGE_DTYPES:
-            raise ValueError(f"dtype={dtype!r} is not one of {STORAGE_DTYPES}")
+            raise ConfigError(f"dtype={dtype!r} is not one of {STORAGE_DTYPES}")
         self.dtype = dtype
         self.raw = dtype != "float32"
         if dtype == "float16":
@@ -122,7 +169,7 @@ class RowArena:
         self.seq = np.zeros(cap, np.int64)
         self.row_key = np.zeros(cap, np.int64)
         self.live = np.zeros(cap, np.uint8)
-        n_slots = _pow2_at_least(int(cap / self.max_load) + 1)
+        n_slots = pow2_at_least(int(cap / self.max_load) + 1)
         self.index = hk.new_index(n_slots)
         self.state = np.array([0, 0, -1, 0], np.int64)
 
@@ -405,3 +452,146 @@ class RowArena:
         """(mean, max) probe length of stored keys."""
         mean, worst = hk.index_probe_stats(self.index)
         return float(mean), int(worst)
+
+    # --- where the rows live: what a device arena overrides -------------------------------------
+    def init_rows(self, initializer: Any, rows: np.ndarray, keys: np.ndarray, seed: int,
+                  slot_init: np.ndarray) -> None:
+        """Write the initial value of ``keys`` into ``rows``, initial slots, and zero counts.
+
+        Parameters
+        ----------
+        initializer
+            The table's :class:`~tensorkv.embedding.initializers.Initializer`.
+        rows, keys
+            New rows and their keys.
+        seed
+            The table's seed.
+        slot_init
+            float32 initial value of each optimizer slot (one per slot).
+        """
+        if self.raw:
+            self.scatter(rows, initializer.values(keys, self.dim, seed))
+        else:
+            initializer.fill(self.values, rows, keys, seed)
+        if self.slot_width:
+            ak.fill_slots(self.slots, rows, slot_init, self.dim)
+        self.freq[rows] = 0
+
+    def apply_optimizer(self, optimizer: Any, rows: np.ndarray, grads: np.ndarray, step: int,
+                        parallel: bool | None = None, split: Any = None) -> None:
+        """One optimizer step on distinct ``rows`` with summed ``grads`` (float32 ``[m, dim]``).
+
+        16-bit rows are updated as float32 copies and rounded back into storage. ``parallel``
+        and ``split`` are passed to :meth:`~tensorkv.embedding.optimizers.Optimizer.apply`.
+        """
+        if rows.size == 0:
+            return
+        if self.raw:
+            vals, slots = self.gather_f32(rows), self.gather_slots(rows)
+            optimizer.apply(vals, slots, np.arange(rows.size, dtype=np.int64), grads, step)
+            self.scatter(rows, vals)
+            self.scatter_slots(rows, slots)
+        else:
+            optimizer.apply(self.values, self.slots, rows, grads, step, parallel=parallel,
+                            split=split)
+
+    def host_view(self) -> Any:
+        """The arena as :meth:`~tensorkv.embedding.filters.Eviction.select` reads it (itself)."""
+        return self
+
+    def write_records(self, layout: Any, word: np.dtype,
+                      pieces: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
+                      split: Any = None) -> None:
+        """Copy records into rows: every field but the key (see ``RowSink.write_many``).
+
+        ``pieces`` are ``(src, src_rows, rows)``: records ``src[src_rows]`` of a C-contiguous
+        ``uint8[m, width]`` buffer go to rows ``rows``. ``word`` is the widest integer type
+        that copies the value and slot fields whole; ``split(fn, n)`` shares the copy with
+        the helper thread (each row written by one range).
+        """
+        args = (layout.values_offset // word.itemsize, layout.slots_offset // word.itemsize,
+                self.values.view(word), self.slots.view(word), self.freq, self.version,
+                self.seq)
+        views = [(src.view(word), src.view(np.int64), src_rows, rows)
+                 for src, src_rows, rows in pieces if rows.shape[0]]
+        if split is None:
+            for s, s64, src_rows, rows in views:
+                kr.records_to_rows(s, s64, src_rows, rows, *args)
+            return
+        bounds = np.cumsum([0] + [v[3].shape[0] for v in views]).tolist()
+
+        def copy(lo: int, hi: int) -> None:  # rows [lo, hi) of the pieces laid end to end
+            k = bisect.bisect_right(bounds, lo) - 1  # holds the GIL: no hand-off mid-copy
+            while k < len(views) and bounds[k] < hi:
+                s, s64, src_rows, rows = views[k]
+                i, j = max(lo, bounds[k]) - bounds[k], min(hi, bounds[k + 1]) - bounds[k]
+                kr.records_to_rows(s, s64, src_rows[i:j], rows[i:j], *args)
+                k += 1
+
+        split(copy, bounds[-1])
+
+    def read_records(self, layout: Any, word: np.dtype, keys: np.ndarray, rows: np.ndarray,
+                     out: np.ndarray) -> None:
+        """Pack ``rows`` (keys ``keys``) into records ``out`` (``uint8[n, >= record_bytes]``).
+
+        Padding inside a record is zeroed; bytes past ``record_bytes`` are left alone. The
+        caller keeps the arrays from moving meanwhile (see ``RowSource.pack``).
+        """
+        end_v = layout.values_offset + layout.values_bytes
+        if end_v < layout.slots_offset:
+            out[:, end_v:layout.slots_offset] = 0
+        end_s = layout.slots_offset + 4 * layout.slot_width
+        if end_s < layout.record_bytes:
+            out[:, end_s:layout.record_bytes] = 0
+        kr.rows_to_records(self.values.view(word), self.slots.view(word), self.freq,
+                           self.version, self.seq, keys, rows, out.view(word),
+                           out.view(np.int64), layout.values_offset // word.itemsize,
+                           layout.slots_offset // word.itemsize)
+
+    # --- bulk loads ------------------------------------------------------------------------------
+    @classmethod
+    def for_bulk_load(cls, like: RowArena, rows: int) -> RowArena:
+        """An empty arena with ``like``'s settings and ``rows`` rows, filled by position.
+
+        The row arrays are zero pages until written (the rows copied into them touch them);
+        there is no index yet: fill rows by position, :meth:`set_index` an empty index,
+        map ranges of rows with :meth:`index_rows` and end with :meth:`finish_bulk_load`.
+        """
+        a = cls(like.dim, like.slot_width, capacity=1, growth=like.growth,
+                max_load=like.max_load, dtype=like.dtype)
+        cap = max(int(rows), like._initial, 1)
+        a.values = np.zeros((cap, a.dim), np.uint16 if a.raw else np.float32)
+        a.slots = np.zeros((cap, a.slot_width), np.float32)
+        for name in ("freq", "version", "seq", "row_key"):
+            setattr(a, name, np.zeros(cap, np.int64))
+        a.live = np.zeros(cap, np.uint8)
+        a.max_rows, a._initial = like.max_rows, like._initial
+        return a
+
+    @property
+    def row_arrays(self) -> tuple[np.ndarray, ...]:
+        """The per-row arrays: values, slots, freq, version, seq, row_key, live."""
+        return (self.values, self.slots, self.freq, self.version, self.seq, self.row_key,
+                self.live)
+
+    def index_size(self) -> int:
+        """Slots of an index sized for the arena's capacity (rows of ``int64[2]``)."""
+        return pow2_at_least(int(self.capacity / self.max_load) + 1)
+
+    def set_index(self, index: np.ndarray) -> None:
+        """Install an index array (``int64[index_size(), 2]``), emptied here."""
+        index[:, 0] = 0
+        index[:, 1] = -1
+        self.index = index
+
+    def index_rows(self, start: int, stop: int) -> int:
+        """Map the keys of rows ``start .. stop-1`` to those rows; returns keys mapped before.
+
+        A key mapped before moves to its new row (a later duplicate wins); the earlier row
+        is freed by :meth:`finish_bulk_load`.
+        """
+        return int(ak.bulk_index(self.index, self.row_key, self.live, start, stop, self.state))
+
+    def finish_bulk_load(self) -> None:
+        """Put every row below :attr:`high_water` that holds no key on the free list."""
+        ak.rebuild_free_list(self.live, self.row_key, self.state)

@@ -228,7 +228,7 @@ class Optimizer:
             updates run on all cores (see :func:`tensorkv.kernels.optimizers.get_kernel`).
         split : callable, optional
             ``split(fn, m)`` runs ``fn(start, stop)`` over row ranges covering ``[0, m)``
-            (e.g. :func:`tensorkv.embedding.assist.run_split`); the serial kernel then runs
+            (e.g. :func:`tensorkv.embedding.chain.assist.run_split`); the serial kernel then runs
             once per range. Rows are independent, so the result is the same bit for bit.
 
         Raises

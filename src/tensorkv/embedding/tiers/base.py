@@ -21,7 +21,6 @@ whole batches with numpy views; every :class:`LowerTier` method takes and return
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import threading
 from abc import ABC, abstractmethod
@@ -482,7 +481,7 @@ class RowSink(_RowCopier):
         The record layout of the lower tiers.
     split
         ``split(fn, n)`` runs ``fn(start, stop)`` over ranges covering ``[0, n)``
-        (:func:`tensorkv.embedding.assist.run_split`); None: one call.
+        (:func:`tensorkv.embedding.chain.assist.run_split`); None: one call.
     """
 
     def __init__(self, arena: Any, layout: RecordLayout, split: Any = None) -> None:
@@ -506,35 +505,7 @@ class RowSink(_RowCopier):
         With ``split``, the rows of all pieces together are cut into ranges shared with the
         helper thread; each tier-0 row is written by one range, so the result is the same.
         """
-        a, lay = self.arena, self.layout
-        if not isinstance(a.values, np.ndarray):  # rows on a device
-            for src, src_rows, rows in pieces:
-                f = lay.unpack(np.ascontiguousarray(src[src_rows, :lay.record_bytes]))
-                a.scatter(rows, np.ascontiguousarray(f.values))
-                if a.slot_width:
-                    a.scatter_slots(rows, np.ascontiguousarray(f.slots))
-                a.freq[rows], a.version[rows], a.seq[rows] = f.freq, f.version, f.change_seq
-            return
-        wd = self.word
-        args = (lay.values_offset // wd.itemsize, lay.slots_offset // wd.itemsize,
-                a.values.view(wd), a.slots.view(wd), a.freq, a.version, a.seq)
-        views = [(src.view(wd), src.view(np.int64), src_rows, rows)
-                 for src, src_rows, rows in pieces if rows.shape[0]]
-        if self.split is None:
-            for s, s64, src_rows, rows in views:
-                kr.records_to_rows(s, s64, src_rows, rows, *args)
-            return
-        bounds = np.cumsum([0] + [v[3].shape[0] for v in views]).tolist()
-
-        def copy(lo: int, hi: int) -> None:  # rows [lo, hi) of the pieces laid end to end
-            k = bisect.bisect_right(bounds, lo) - 1  # holds the GIL: no hand-off mid-copy
-            while k < len(views) and bounds[k] < hi:
-                s, s64, src_rows, rows = views[k]
-                i, j = max(lo, bounds[k]) - bounds[k], min(hi, bounds[k + 1]) - bounds[k]
-                kr.records_to_rows(s, s64, src_rows[i:j], rows[i:j], *args)
-                k += 1
-
-        self.split(copy, bounds[-1])
+        self.arena.write_records(self.layout, self.word, pieces, self.split)
 
 
 class RowSource(_RowCopier):
@@ -570,29 +541,11 @@ class RowSource(_RowCopier):
         ``record_bytes``; bytes past the record are left alone. Without ``out`` a new
         ``uint8[n, record_bytes]`` buffer is returned. Padding inside the record is zeroed.
         """
-        a, lay, rows = self.arena, self.layout, self.rows
-        n = rows.shape[0]
+        n = self.rows.shape[0]
         if out is None:
-            out = np.empty((n, lay.record_bytes), np.uint8)
-        if not isinstance(a.values, np.ndarray):  # device rows
-            with self.guard or contextlib.nullcontext():
-                v = a.gather(rows)
-                recs = lay.pack(self.keys, v.view(a.np_dtype) if getattr(a, "raw", False)
-                                else v, a.gather_slots(rows), a.freq[rows], a.version[rows],
-                                a.seq[rows])
-            out[:, :lay.record_bytes] = recs
-            return out
-        end_v = lay.values_offset + lay.values_bytes
-        if end_v < lay.slots_offset:
-            out[:, end_v:lay.slots_offset] = 0
-        end_s = lay.slots_offset + 4 * lay.slot_width
-        if end_s < lay.record_bytes:
-            out[:, end_s:lay.record_bytes] = 0
-        wd = self.word
+            out = np.empty((n, self.layout.record_bytes), np.uint8)
         with self.guard or contextlib.nullcontext():  # tier 0's arrays cannot move meanwhile
-            kr.rows_to_records(a.values.view(wd), a.slots.view(wd), a.freq, a.version, a.seq,
-                               self.keys, rows, out.view(wd), out.view(np.int64),
-                               lay.values_offset // wd.itemsize, lay.slots_offset // wd.itemsize)
+            self.arena.read_records(self.layout, self.word, self.keys, self.rows, out)
         return out
 
 

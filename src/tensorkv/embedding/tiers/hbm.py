@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from tensorkv import config
-from tensorkv.embedding.arena import RowArena
+from tensorkv.embedding.arena import HostRows, RowArena
 from tensorkv.embedding.tiers.base import (
     LowerTier,
     RecordLayout,
@@ -69,6 +69,10 @@ def _last_wins(rows: np.ndarray) -> np.ndarray:
 class HBMArena(RowArena):
     """Hash index on the host + row tensors on a torch device.
 
+    The operations whose arithmetic depends on where rows live (initial values, optimizer
+    steps, record copies, eviction's view of the rows) run on the host, so results are
+    bit-identical to a DRAM arena.
+
     Parameters
     ----------
     dim
@@ -85,6 +89,9 @@ class HBMArena(RowArena):
     device
         torch device of the rows: ``"cuda"`` (default), ``"cuda:1"``, ``"cpu"``.
     """
+
+    kind = "HBM"
+    on_device = True
 
     def __init__(
         self,
@@ -271,13 +278,13 @@ class HBMArena(RowArena):
         done.record()
         self._stage[name] = (self._stage[name][0], done)
 
-    def apply_optimizer(self, optimizer, rows: np.ndarray, grads: np.ndarray,
-                        step: int) -> None:
+    def apply_optimizer(self, optimizer: Any, rows: np.ndarray, grads: np.ndarray, step: int,
+                        parallel: bool | None = None, split: Any = None) -> None:
         """One optimizer step on ``rows`` (unique), bit-identical to the DRAM table.
 
         Gathers the rows' values and slots to host float32 (pinned buffers on CUDA), runs
         ``optimizer.apply`` (the numba kernel) with ``rows = arange(m)``, and copies both back
-        to the device.
+        to the device. ``parallel`` and ``split`` are ignored (the host kernel's defaults).
         """
         rows = np.ascontiguousarray(rows, dtype=np.int64)
         m = rows.size
@@ -294,6 +301,33 @@ class HBMArena(RowArena):
         self._upload("values", self.values, rt, vt)
         if st is not None:
             self._upload("slots", self.slots, rt, st)
+
+    def host_view(self) -> HostRows:
+        """A host copy of the live rows for :meth:`~tensorkv.embedding.filters.Eviction.select`.
+
+        Row numbers of the view index its own arrays: map them back with its ``row_key``.
+        """
+        live = np.flatnonzero(self.live[:self.high_water])
+        return HostRows(self.row_key[live], self.freq[live], self.version[live],
+                        self.gather(live))
+
+    def write_records(self, layout: Any, word: np.dtype,
+                      pieces: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
+                      split: Any = None) -> None:
+        """Copy records into device rows (unpacked on the host, then uploaded)."""
+        for src, src_rows, rows in pieces:
+            f = layout.unpack(np.ascontiguousarray(src[src_rows, :layout.record_bytes]))
+            self.scatter(rows, np.ascontiguousarray(f.values))
+            if self.slot_width:
+                self.scatter_slots(rows, np.ascontiguousarray(f.slots))
+            self.freq[rows], self.version[rows], self.seq[rows] = f.freq, f.version, f.change_seq
+
+    def read_records(self, layout: Any, word: np.dtype, keys: np.ndarray, rows: np.ndarray,
+                     out: np.ndarray) -> None:
+        """Pack device rows into records (downloaded, then packed on the host)."""
+        recs = layout.pack(keys, self.gather(rows), self.gather_slots(rows), self.freq[rows],
+                           self.version[rows], self.seq[rows])
+        out[:, :layout.record_bytes] = recs
 
     def row_l2(self, rows: np.ndarray) -> np.ndarray:
         """L2 norm (float64) of value rows, computed on the host like the DRAM table's kernel."""

@@ -1,11 +1,11 @@
 """Fetching the next batch's rows up from the lower tiers while the current batch trains.
 
 ``TieredEmbeddingTable.prefetch(next_keys)`` hands the keys of the next batch to the table's
-background write-back queue (:mod:`tensorkv.embedding.writeback`). The job moves the rows of
+background write-back queue (:mod:`tensorkv.embedding.chain.writeback`). The job moves the rows of
 those keys that live below tier 0 into *held* tier-0 rows -- rows of tier 0's arrays that no
 key maps to yet (:meth:`~tensorkv.embedding.arena.RowArena.hold_rows`), so the training
 thread's work on the other rows is undisturbed. The next
-:meth:`~tensorkv.embedding.tiered.TierChain.promote` maps the keys to those rows (an index
+:meth:`~tensorkv.embedding.chain.tierchain.TierChain.promote` maps the keys to those rows (an index
 insert, no copy), as it does for rows still waiting in the write-back buffer. Values never
 depend on whether or when a prefetch ran: a row is moved whole (value, slots, frequency,
 version, change sequence), exactly as a promotion moves it.
@@ -30,10 +30,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from tensorkv.embedding.chain.pending import distinct, find_keys, key_map
 from tensorkv.embedding.tiers.base import RowSink
 
 if TYPE_CHECKING:
-    from tensorkv.embedding.tiered import TierChain
+    from tensorkv.embedding.chain.tierchain import TierChain
 
 CHUNK_KEYS = 2048  # keys read between two checks of ``stop``
 
@@ -117,19 +118,17 @@ def fetch(chain: TierChain, keys: np.ndarray, held: np.ndarray,
     promotion, as are keys already in tier 0 (no lower tier holds them). ``stop``: checked
     between chunks; once set, the job returns what it has fetched.
     """
-    from tensorkv.embedding.tiered import _distinct, _find, _key_map
-
     lowers = [t for t, _ in chain.lowers]
     by_tier = [0] * len(lowers)
     got_keys: list[np.ndarray] = []
     got_rows: list[np.ndarray] = []
     used = 0
     try:
-        uniq, _ = _distinct(keys)
+        uniq, _ = distinct(keys)
         with chain.lock:
             skip = [p.keys for p in chain.pending] + list(chain.stale)
         if skip:
-            uniq = uniq[_find(_key_map(np.concatenate(skip)), uniq) < 0]
+            uniq = uniq[find_keys(key_map(np.concatenate(skip)), uniq) < 0]
         sink = GuardedSink(chain.arena, chain.layout, chain.pack_lock)
         for start in range(0, uniq.size, CHUNK_KEYS):
             if used >= held.size or (stop is not None and stop.is_set()):
@@ -156,7 +155,7 @@ def fetch(chain: TierChain, keys: np.ndarray, held: np.ndarray,
                     if not tier.takes_on_read:  # the copies go in the background
                         with chain.lock:
                             chain.stale.append(got)
-                        chain.queue.submit(lambda g=got: chain._drop(g))
+                        chain.queue.submit(lambda g=got: chain.drop_lower(g))
                     left = left[~found]
         error = None
     except BaseException as e:  # kept: the training thread re-raises it after taking the rows

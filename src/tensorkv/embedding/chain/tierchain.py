@@ -1,53 +1,33 @@
-"""The tier chain behind an embedding table: promotion, demotion, write-back, cascades.
+"""The tier chain behind a tiered table: promotion, demotion, write-back, cascades.
 
-Tier 0 (the table's DRAM :class:`~tensorkv.embedding.arena.RowArena`) is where every read and
-update happens. Lower tiers (:class:`~tensorkv.embedding.tiers.base.LowerTier`: SSDHASH, PMEM,
-KV stores) hold the rows that do not fit, as full records (value, slots, freq, version, seq),
-so a row that goes down and comes back up is bit-identical.
-
-For each batch the table calls, under its write lock:
-
-1. :meth:`TierChain.promote` -- keys not in tier 0 but in the pending write-back buffer or a
-   lower tier are moved up with all their fields (a key lives in exactly one place);
-2. the table's own operation (lookup / insert / admission / optimizer / eviction) on tier 0;
-3. :meth:`TierChain.after` -- the batch's rows get the current access tick; if tier 0 holds
-   more rows than its budget, victims (LRU: oldest tick, LFU: lowest count; never a key of the
-   current batch; chosen by :func:`tensorkv.kernels.cache.select_victims`) are removed from
-   tier 0 into a *pending* batch that the shared write-back pool
-   (:mod:`tensorkv.embedding.writeback`) writes to tier 1 in the background. Lookups check the
-   pending batches before the lower tiers, so results never depend on timing. When tier 1
-   passes its budget, its coldest rows cascade to tier 2 (in the background job). After a
-   lookup, this step may run on the helper thread (:mod:`tensorkv.embedding.assist`) while
-   the training thread sums the batch's gradients; :meth:`TierChain.settle` finishes it
-   before tier 0 is next read or changed.
-
-Tier 0 may hold one batch more than its budget while the batch runs: a batch with more
-distinct keys than the budget is still served (all its keys are resident during the call), and
-tier 0 is trimmed back on the following batches. The pending memory is bounded
-(``max_pending_bytes``): the caller blocks while more is in flight.
-
-The table that drives the chain is :class:`~tensorkv.embedding.tiered_table.TieredEmbeddingTable`
-(also importable from this module).
+Tier 0 (a DRAM :class:`~tensorkv.embedding.arena.RowArena` or an HBM arena) is where every
+read and update happens; lower tiers (:class:`~tensorkv.embedding.tiers.base.LowerTier`:
+SSDHASH, PMEM, DRAM below HBM, KV stores) hold the rows that do not fit, as whole records,
+so a row that goes down and comes back up is bit-identical. Around each batch the table
+(through :class:`~tensorkv.embedding.chain.rows.ChainRows`) calls :meth:`TierChain.promote`,
+runs its operation on tier 0, then :meth:`TierChain.after`, which moves tier 0's excess down
+through the shared write-back pool (:mod:`tensorkv.embedding.chain.writeback`), possibly on
+the helper thread (:mod:`tensorkv.embedding.chain.assist`). docs/tiers.md tells the whole
+story: pending batches, cascades, prefetch, deferred demotion and memory bounds.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from tensorkv.embedding import prefetch
-from tensorkv.embedding.arena import RowArena
+from tensorkv.embedding.arena import HostRows, RowArena
+from tensorkv.embedding.chain import prefetch
+from tensorkv.embedding.chain.pending import Pending, distinct, find_keys, key_map
+from tensorkv.embedding.chain.writeback import WriteQueue
+from tensorkv.embedding.chunks import ExportChunk
 from tensorkv.embedding.filters import Eviction
-from tensorkv.embedding.table import ExportChunk
 from tensorkv.embedding.tiers.base import LowerTier, RecordLayout, RowSink, RowSource
-from tensorkv.embedding.writeback import WriteQueue
 from tensorkv.errors import ConfigError, StoreClosedError, TableError
 from tensorkv.kernels import cache as ck
-from tensorkv.kernels import hashindex as hk
 
 DEFAULT_MAX_PENDING_BYTES = 256 * 1024 * 1024
 CASCADE_LOW_WATER = 0.9  # a full lower tier cascades down to this share of its budget
@@ -55,82 +35,6 @@ PREFETCH_MIN_ROWS = 4096  # rows held for a prefetch before its first result siz
 # tier 0's row capacity kept beyond its rows when memory held for a burst is given back
 SPARE_ROWS_SHARE = 0.5
 SPARE_ROWS_MIN = 65536
-
-
-def _distinct(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Distinct values in order of first occurrence, and each value's index among them."""
-    tab = np.empty((hk.map_slots(x.size), 2), np.int64)
-    uniq = np.empty(x.size, np.int64)
-    inv = np.empty(x.size, np.int64)
-    u = hk.map_distinct(x, tab, uniq, inv)
-    return uniq[:u], inv
-
-
-def _key_map(keys: np.ndarray) -> np.ndarray:
-    """A scratch hash map of distinct ``keys`` to their positions (see :func:`_find`)."""
-    tab = np.empty((hk.map_slots(keys.size), 2), np.int64)
-    hk.map_distinct(keys, tab, np.empty(keys.size, np.int64), np.empty(keys.size, np.int64))
-    return tab
-
-
-def _find(tab: np.ndarray, q: np.ndarray) -> np.ndarray:
-    """Position of each query key in a :func:`_key_map` (``-1``: absent)."""
-    out = np.empty(q.size, np.int64)
-    hk.map_find(tab, q, out)
-    return out
-
-
-@dataclass(eq=False)
-class _Pending:
-    """Rows moved out of tier 0 whose write to tier 1 has not landed yet.
-
-    The rows stay in tier 0's arrays, *detached* (no key maps to them and they are not
-    reused) until the batch has landed: the background writer packs them into records
-    itself, so the training thread never copies a row it moves down.
-    """
-
-    keys: np.ndarray  # distinct
-    rows: np.ndarray  # the detached tier-0 rows holding the data
-    live: np.ndarray  # False once the key was promoted back (its row is attached again)
-    map: np.ndarray  # key -> position (:func:`_key_map`)
-    nbytes: int
-
-    @classmethod
-    def make(cls, keys: np.ndarray, rows: np.ndarray, record_bytes: int) -> _Pending:
-        return cls(keys, rows, np.ones(keys.size, np.bool_), _key_map(keys),
-                   int(keys.size) * int(record_bytes))
-
-    def find(self, q: np.ndarray) -> np.ndarray:
-        """Index into this batch of each query key that is live here, -1 elsewhere."""
-        if self.keys.size == 0 or q.size == 0:
-            return np.full(q.size, -1, np.int64)
-        idx = _find(self.map, q)
-        idx[idx >= 0] = np.where(self.live[idx[idx >= 0]], idx[idx >= 0], -1)
-        return idx
-
-
-class _FakeArena:
-    """Arena-shaped view of rows held elsewhere, for :meth:`Eviction.select`.
-
-    ``values`` are in the storage dtype; 16-bit ones are ``raw`` like the DRAM arena's, so
-    the eviction rules compute exactly what they compute on tier 0.
-    """
-
-    def __init__(self, keys, freq, version, values):
-        n = keys.size
-        self.row_key = keys
-        self.freq = freq
-        self.version = version
-        self.raw = values.dtype != np.float32
-        self.values = np.ascontiguousarray(values)
-        self.live = np.ones(n, np.uint8)
-        self.high_water = n
-
-    def gather_f32(self, rows: np.ndarray) -> np.ndarray:
-        return self.values[rows].astype(np.float32)
-
-    def __len__(self) -> int:
-        return int(self.row_key.size)
 
 
 class TierChain:
@@ -189,23 +93,23 @@ class TierChain:
         # its arrays move (growth). Never acquire ``lock`` while holding ``pack_lock``.
         self.pack_lock = threading.Lock()
         arena.resize_guard = self.pack_lock
-        self.pending: list[_Pending] = []
+        self.pending: list[Pending] = []
         self.pending_bytes = 0
         # a demotion running on the helper thread (see after(defer=...)) and its guard
         self._demotion: Any = None
         self._settle_lock = threading.Lock()
-        self.landed: list[_Pending] = []  # landed batches whose held rows are not freed yet
+        self.landed: list[Pending] = []  # landed batches whose held rows are not freed yet
         self.stale: list[np.ndarray] = []  # keys promoted out of lower tiers, delete queued
         self.queue = WriteQueue(name)
-        # prefetch (:mod:`tensorkv.embedding.prefetch`): the job in flight, the rows it
+        # prefetch (:mod:`tensorkv.embedding.chain.prefetch`): the job in flight, the rows it
         # fetched (a held batch: keys not mapped yet) and how many rows the next one holds
         self._prefetch: prefetch.FetchJob | None = None
-        self.fetched: _Pending | None = None
+        self.fetched: Pending | None = None
         self.fetch_rows = PREFETCH_MIN_ROWS
         # In a prefetching loop (lookup i, prefetch i + 1, apply i) the writes of the rows
         # lookup i moved down wait for the prefetch, so its job runs first on the queue
         self._prefetching = False
-        self._deferred: list[_Pending] = []
+        self._deferred: list[Pending] = []
         names = ["tier0"] + [f"tier{i + 1}" for i in range(len(self.lowers))]
         self.counters = {n: dict.fromkeys(("hits", "misses", "promotions", "evictions"), 0)
                          for n in names}
@@ -220,7 +124,7 @@ class TierChain:
             )
 
     # ------------------------------------------------------------------ prefetch
-    def _held(self) -> list[_Pending]:
+    def _held(self) -> list[Pending]:
         """Batches of detached rows searched before the lower tiers: pending, then fetched."""
         return self.pending + [self.fetched] if self.fetched is not None else self.pending
 
@@ -228,7 +132,7 @@ class TierChain:
         """Start moving the lower-tier rows of ``keys`` up in the background (training thread).
 
         Call under the table's write lock. Rows of an earlier prefetch that no batch used go
-        back down first. See :mod:`tensorkv.embedding.prefetch`.
+        back down first. See :mod:`tensorkv.embedding.chain.prefetch`.
         """
         self._check_open()
         self.queue.check()
@@ -267,7 +171,7 @@ class TierChain:
         # minimum): a job stops early when its held rows run out
         self.fetch_rows = max(PREFETCH_MIN_ROWS, n + n // 4)
         if n:
-            self.fetched = _Pending.make(got.keys, got.rows, self.layout.record_bytes)
+            self.fetched = Pending.make(got.keys, got.rows, self.layout.record_bytes)
             self.counters["tier0"]["prefetched"] += n
             for ti, c in enumerate(got.by_tier, start=1):
                 self.counters[f"tier{ti}"]["promotions"] += c
@@ -313,7 +217,7 @@ class TierChain:
         for tier, _ in self.lowers:
             left = np.flatnonzero(~found)
             if stale.size and left.size:
-                left = left[_find(_key_map(stale), keys[left]) < 0]
+                left = left[find_keys(key_map(stale), keys[left]) < 0]
             if left.size == 0:
                 break
             f, r = tier.get(keys[left])
@@ -322,7 +226,7 @@ class TierChain:
                 found[left[f]] = True
         return found, recs
 
-    def _drop(self, keys: np.ndarray) -> None:
+    def drop_lower(self, keys: np.ndarray) -> None:
         """Background job: delete promoted keys' copies from every lower tier."""
         for tier, _ in self.lowers:  # readers ignore these copies until the list drops them
             getattr(tier, "discard", tier.delete)(keys)
@@ -374,7 +278,7 @@ class TierChain:
             return 0
         self._batch = None
         mpos = np.flatnonzero(miss)
-        mk, inv = _distinct(keys[mpos])
+        mk, inv = distinct(keys[mpos])
         if count:
             self.counters["tier0"]["misses"] += mk.size
             self.counters["tier0"]["hits"] += keys.size - mk.size
@@ -423,12 +327,12 @@ class TierChain:
                 rows[pos] = p.rows[j]
                 where[pos] = -2 if p is self.fetched else 0
         stale = self._stale()
-        stale_map = _key_map(stale) if stale.size else None
+        stale_map = key_map(stale) if stale.size else None
         queued: list[np.ndarray] = []  # keys whose lower-tier copy a background job deletes
         for ti, (tier, _) in enumerate(self.lowers):
             left = np.flatnonzero(rows < 0)
             if stale_map is not None and left.size:
-                left = left[_find(stale_map, mk[left]) < 0]
+                left = left[find_keys(stale_map, mk[left]) < 0]
             if left.size == 0:
                 break
             q = mk[left]
@@ -449,7 +353,7 @@ class TierChain:
         if queued:
             gone = np.concatenate(queued)
             self.stale.append(gone)
-            self.queue.submit(lambda: self._drop(gone))
+            self.queue.submit(lambda: self.drop_lower(gone))
         return rows, where
 
     def _touch(self, rows: np.ndarray) -> None:
@@ -487,7 +391,7 @@ class TierChain:
         ``protect``: never move the batch's own rows (they are the most recent anyway; without
         protection tier 0 is trimmed to its budget even after a batch larger than it).
         ``defer`` (with ``protect``): a function that runs a task in the background and
-        returns a handle with ``join()`` (:func:`tensorkv.embedding.assist.start`). The
+        returns a handle with ``join()`` (:func:`tensorkv.embedding.chain.assist.start`). The
         touch, the choice of victims and their removal from tier 0's index then run there
         (returns 0), and :meth:`settle` finishes the move before tier 0 is next read or
         changed: meanwhile the caller may only update this batch's rows (an optimizer step
@@ -521,7 +425,7 @@ class TierChain:
         return 0 if p is None else int(p.keys.size)
 
     def _detach_victims(self, touch: np.ndarray | None, excess: int,
-                        protect_tick: int, first: Any = None) -> _Pending | None:
+                        protect_tick: int, first: Any = None) -> Pending | None:
         """Run ``first()``, touch rows ``touch``, pick ``excess`` victims, detach them.
 
         Returns the victims as a pending batch for :meth:`_move_down` (None: no victim).
@@ -544,7 +448,7 @@ class TierChain:
         # detached, not copied: the writer packs the rows into records and tier 0 reuses
         # them once their batch has landed (_reclaim)
         keys = a.row_key[victims].copy()
-        return _Pending.make(keys, a.detach(keys), self.layout.record_bytes)
+        return Pending.make(keys, a.detach(keys), self.layout.record_bytes)
 
     def settle(self) -> None:
         """Finish a deferred demotion (see :meth:`after`); re-raises its error.
@@ -574,7 +478,7 @@ class TierChain:
         """Whole records of tier-0 rows (padding zeroed)."""
         return RowSource(self.arena, self.layout, self.arena.row_key[rows], rows).pack()
 
-    def _move_down(self, p: _Pending) -> None:
+    def _move_down(self, p: Pending) -> None:
         """Queue the write of detached rows ``p``; block while too much is pending."""
         self._queue_down(p, p.keys.size)
         if self.pending_bytes > self.max_pending_bytes:
@@ -582,7 +486,7 @@ class TierChain:
             self.queue.wait_below(2)  # let the writer catch up: at most the newest in flight
             self._reclaim()
 
-    def _queue_down(self, p: _Pending, n_rows: int) -> None:
+    def _queue_down(self, p: Pending, n_rows: int) -> None:
         """Make ``p`` a pending batch and queue its write to tier 1 (``n_rows`` move down).
 
         In a prefetching loop the write waits for the next prefetch's job (see
@@ -616,7 +520,7 @@ class TierChain:
         for p in done:
             self.arena.free_rows(p.rows[p.live])
 
-    def _land(self, p: _Pending) -> None:
+    def _land(self, p: Pending) -> None:
         """Background job: pack a pending batch, write it to tier 1, then cascade (pool thread).
 
         A key promoted back meanwhile may have its row changed while it is packed: that copy
@@ -759,17 +663,13 @@ class TierChain:
         a = self.arena
         rules = Eviction(steps_to_live=eviction.steps_to_live,
                          l2_threshold=eviction.l2_threshold)
-        if isinstance(a.values, np.ndarray):
-            gone = [a.row_key[rules.select(a, step)]]
-        else:  # rows on a device: the same rules over a host copy
-            live = np.flatnonzero(a.live[:a.high_water])
-            fa = _FakeArena(a.row_key[live], a.freq[live], a.version[live], a.gather(live))
-            gone = [fa.row_key[rules.select(fa, step)]]
+        view = a.host_view()  # the arena itself, or a host copy of device rows
+        gone = [view.row_key[rules.select(view, step)]]
         meta_k, meta_f, meta_v = [], [], []
         for tier, _ in self.lowers:
             for k, r in tier.scan():
                 f = self.layout.unpack(r)
-                fa = _FakeArena(k.copy(), f.freq.copy(), f.version.copy(), f.values)
+                fa = HostRows(k.copy(), f.freq.copy(), f.version.copy(), f.values)
                 gone.append(fa.row_key[rules.select(fa, step)])
                 if eviction.max_rows is not None:
                     meta_k.append(fa.row_key)
@@ -832,8 +732,7 @@ class TierChain:
         """Per-tier rows, bytes, hits, misses, promotions, evictions (and tier counters)."""
         self.settle()
         a = self.arena
-        kind = "DRAM" if isinstance(a.values, np.ndarray) else "HBM"
-        out = [{"tier": 0, "kind": kind, "rows": len(a), "bytes": a.nbytes,
+        out = [{"tier": 0, "kind": a.kind, "rows": len(a), "bytes": a.nbytes,
                 "budget_rows": self.budget, "pending_rows": sum(int(p.live.sum())
                                                                 for p in self.pending),
                 "pending_bytes": self.pending_bytes, **self.counters["tier0"]}]
@@ -845,12 +744,4 @@ class TierChain:
         return out
 
 
-def __getattr__(name: str) -> Any:
-    if name in ("TieredEmbeddingTable", "resolve_storage"):
-        from tensorkv.embedding import tiered_table
-
-        return getattr(tiered_table, name)
-    raise AttributeError(f"module 'tensorkv.embedding.tiered' has no attribute {name!r}")
-
-
-__all__ = ["TierChain", "TieredEmbeddingTable", "resolve_storage"]  # noqa: F822
+__all__ = ["DEFAULT_MAX_PENDING_BYTES", "TierChain"]

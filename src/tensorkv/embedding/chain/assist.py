@@ -13,7 +13,7 @@ whole task instead (a tiered table's demotion after a lookup); its :meth:`Task.j
 task on the joining thread if the helper has not started it. Enabled by
 ``TENSORKV_ASSIST_THREAD`` (:func:`tensorkv.config.assist_thread`, default on); tiered
 tables use it when their optimizer runs serially (see
-:class:`~tensorkv.embedding.tiered_table.TieredEmbeddingTable`).
+:func:`tensorkv.embedding.chain.build.open_rows`).
 """
 
 from __future__ import annotations

@@ -20,17 +20,10 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from tensorkv import config
-from tensorkv.errors import TableError
+from tensorkv.errors import WriteBackError
 
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
-
-
-class WriteBackError(TableError):
-    """A background write of evicted rows to a lower tier failed.
-
-    The rows stay in the table's pending buffer (readable, not lost); the next flush retries.
-    """
 
 
 def pool() -> ThreadPoolExecutor:
@@ -175,4 +168,4 @@ class WriteQueue:
         self.check()
 
 
-__all__ = ["WriteBackError", "WriteQueue", "pool", "pool_threads", "shutdown"]
+__all__ = ["WriteQueue", "pool", "pool_threads", "shutdown"]

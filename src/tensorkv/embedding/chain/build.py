@@ -1,0 +1,148 @@
+"""Building a table's rows from its storage arguments: :func:`resolve_storage`, :func:`open_rows`.
+
+:func:`open_rows` opens every tier a :class:`~tensorkv.embedding.chain.specs.StorageOption`
+names (tier 0: a DRAM :class:`~tensorkv.embedding.arena.RowArena` or an
+:class:`~tensorkv.embedding.tiers.hbm.HBMArena`), wires them into a
+:class:`~tensorkv.embedding.chain.tierchain.TierChain` and returns the table's
+:class:`~tensorkv.embedding.chain.rows.ChainRows`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from tensorkv import config
+from tensorkv.embedding.arena import RowArena
+from tensorkv.embedding.chain import assist
+from tensorkv.embedding.chain.rows import ChainRows
+from tensorkv.embedding.chain.specs import DRAM, HBM, KV, PMEM, StorageOption
+from tensorkv.embedding.chain.tierchain import DEFAULT_MAX_PENDING_BYTES, TierChain
+from tensorkv.embedding.tiers.base import LowerTier, RecordLayout
+from tensorkv.embedding.tiers.hbm import DRAMTier, HBMArena
+from tensorkv.errors import ConfigError
+
+
+def resolve_storage(storage: Any, storage_path: Any = None, storage_size: Any = None,
+                    cache_strategy: str | None = None) -> StorageOption | None:
+    """Turn a table's storage arguments into a :class:`StorageOption` (None: DRAM only).
+
+    Raises
+    ------
+    ConfigError
+        Paths or sizes without a storage type, both spellings at once, or an unknown type.
+    """
+    if storage is None:
+        if storage_path is not None or storage_size is not None or cache_strategy is not None:
+            raise ConfigError("storage_path/storage_size/cache_strategy need storage="
+                              "'DRAM_SSDHASH' (or another storage type) or "
+                              "storage=StorageOption(...)")
+        return None
+    if isinstance(storage, StorageOption):
+        if storage_path is not None or storage_size is not None:
+            raise ConfigError("give storage_path/storage_size inside the StorageOption, not "
+                              "beside it")
+        if cache_strategy is not None and cache_strategy != storage.cache_strategy:
+            raise ConfigError("give cache_strategy inside the StorageOption, not beside it")
+        return storage
+    if isinstance(storage, str):
+        return StorageOption(storage, storage_path=storage_path, storage_size=storage_size,
+                             cache_strategy=cache_strategy or "lfu")
+    raise ConfigError(f"storage={storage!r} must be a storage type name such as "
+                      "'DRAM_SSDHASH' or a StorageOption")
+
+
+def _budget_rows(size: int | str | None, record_bytes: int) -> int | None:
+    return None if size is None else max(1, int(size) // record_bytes)
+
+
+def _open_lowers(specs: list[Any], layout: RecordLayout) -> list[tuple[LowerTier, int | None]]:
+    """Open the tiers below tier 0, each empty, with its budget in rows."""
+    lowers: list[tuple[LowerTier, int | None]] = []
+    try:
+        for s in specs:
+            budget = _budget_rows(s.size, layout.record_bytes)
+            if isinstance(s, DRAM):  # host memory below HBM
+                lowers.append((DRAMTier(layout), budget))
+                continue
+            extra: dict[str, Any] = {}
+            if isinstance(s, KV) and s.url.startswith("lmdb://") and "sync" not in s.options:
+                # like the LevelDB/RocksDB stores: no fsync per commit; flush() syncs
+                extra = {"sync": False}
+            if isinstance(s, PMEM):  # the chain enforces the budget, by rows
+                extra = {"max_bytes": None}
+                os.makedirs(os.path.dirname(os.path.abspath(s.path)), exist_ok=True)
+            tier = s.open(layout, **extra)
+            lowers.append((tier, budget))
+            if len(tier):
+                raise ConfigError(
+                    f"tier {tier!r} already holds {len(tier)} rows; a table's lower tiers are "
+                    "its spill space and must start empty. Use an empty storage_path, or "
+                    "delete the old tier data (restore tables from checkpoints)"
+                )
+    except BaseException:
+        for t, _ in lowers:
+            t.close()
+        raise
+    return lowers
+
+
+def open_rows(
+    storage: StorageOption,
+    *,
+    dim: int,
+    dtype: str,
+    num_slots: int,
+    capacity: int | None = None,
+    max_pending_bytes: int | str = DEFAULT_MAX_PENDING_BYTES,
+    device: Any = "cuda",
+) -> ChainRows:
+    """Open the tiers of ``storage`` for rows of ``dim`` and return them as :class:`ChainRows`.
+
+    Parameters
+    ----------
+    storage
+        The chain of tiers.
+    dim, dtype, num_slots
+        Row width, value storage dtype and optimizer slots of the table.
+    capacity
+        Initial row capacity of a DRAM tier 0.
+    max_pending_bytes
+        Evicted bytes that may wait for their background write before the caller blocks.
+    device
+        torch device of an HBM tier 0 (ignored for a DRAM tier 0).
+    """
+    pending = config.parse_size(max_pending_bytes, what="max_pending_bytes")
+    if pending < 1:
+        raise ConfigError(f"max_pending_bytes={max_pending_bytes!r} must be at least 1 byte")
+    layout = RecordLayout(dim, dtype, num_slots)
+    specs = storage.tier_specs()
+    arena: RowArena
+    if isinstance(specs[0], HBM):
+        if dtype != "float32":
+            raise ConfigError(f"an HBM tier 0 holds float32 rows; dtype={dtype!r} needs a DRAM "
+                              "tier 0 (storage='DRAM_...')")
+        arena = HBMArena(dim, num_slots * dim, device=device)
+    else:
+        arena = RowArena(dim, num_slots * dim, capacity=capacity, dtype=dtype)
+    lowers = _open_lowers(specs[1:], layout)
+    # The write-back pool keeps cores busy while the table trains: a multi-threaded
+    # optimizer kernel would wait for its slowest thread (the one sharing a core with a
+    # writer), so it runs serially unless cores outnumber the training plus writer threads.
+    parallel = None if not lowers or (os.cpu_count() or 1) > 2 * (
+        1 + config.eviction_threads()) else False
+    # ... but its rows, and those of promoted-record copies, are shared with the helper
+    # thread, which takes a chunk whenever the writer leaves a core idle (the training
+    # thread never waits for a chunk the helper has not started)
+    helper = assist.run_split if config.assist_thread() else None
+    chain = TierChain(arena, layout, _budget_rows(specs[0].size, layout.record_bytes), lowers,
+                      storage.cache_strategy, name=f"table(dim={dim})",
+                      max_pending_bytes=pending)
+    chain.split = helper
+    # a lookup's demotion runs on the helper while the training thread sums gradients
+    return ChainRows(chain, storage, parallel=parallel,
+                     split=helper if parallel is False else None,
+                     defer=assist.start if helper is not None else None)
+
+
+__all__ = ["open_rows", "resolve_storage"]

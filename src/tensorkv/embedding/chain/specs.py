@@ -1,0 +1,352 @@
+"""Storage options of an embedding table: which tiers hold its rows, how big each is.
+
+Two spellings describe the same chain of tiers, fastest first:
+
+- DeepRec's names: ``StorageOption("DRAM_SSDHASH", storage_path="/data/emb",
+  storage_size=["4GiB"])``;
+- explicit tier specs: ``StorageOption(tiers=[DRAM("4GiB"), SSDHash("/data/emb")])``.
+
+This module is configuration only: :meth:`StorageOption.tier_specs` returns validated specs,
+and each lower-tier spec can :meth:`~LowerTierSpec.open` its tier for a record layout.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from tensorkv import config
+from tensorkv.errors import ConfigError
+
+if TYPE_CHECKING:
+    from tensorkv.embedding.tiers.base import LowerTier, RecordLayout
+
+CACHE_STRATEGIES = ("lfu", "lru")
+
+
+def _size(value: int | str | None, what: str) -> int | None:
+    return None if value is None else config.parse_size(value, what=what)
+
+
+@dataclass(frozen=True)
+class TierSpec:
+    """One tier of a storage chain. ``size`` is its capacity in bytes (None: unbounded)."""
+
+    size: int | str | None = None
+    kind: ClassVar[str] = ""
+    rank: ClassVar[int] = 0  # tiers must appear in increasing rank (fast to slow)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "size", _size(self.size, f"{self.kind} size"))
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serialisable form (see :func:`spec_from_dict`)."""
+        return {"kind": self.kind, **asdict(self)}
+
+
+@dataclass(frozen=True)
+class HBM(TierSpec):
+    """GPU memory (tier 0 of a GPU table)."""
+
+    kind: ClassVar[str] = "HBM"
+    rank: ClassVar[int] = 0
+
+
+@dataclass(frozen=True)
+class DRAM(TierSpec):
+    """Host memory (tier 0 of a CPU table, or below HBM)."""
+
+    kind: ClassVar[str] = "DRAM"
+    rank: ClassVar[int] = 1
+
+
+@dataclass(frozen=True)
+class LowerTierSpec(TierSpec):
+    """A tier below memory; it can open its :class:`~tensorkv.embedding.tiers.LowerTier`."""
+
+    def open(self, layout: RecordLayout, **overrides: Any) -> LowerTier:  # pragma: no cover
+        """Open (or create) this tier for records of ``layout``."""
+        raise NotImplementedError
+
+
+def _need_path(kind: str, path: object) -> str:
+    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+        raise ConfigError(
+            f"{kind} tier needs a path (a directory or file on the device), got {path!r}; "
+            f"e.g. {kind}('/data/emb')"
+        )
+    return os.fspath(path)
+
+
+@dataclass(frozen=True, init=False)
+class PMEM(LowerTierSpec):
+    """Persistent memory: a memory-mapped slot file on a DAX mount."""
+
+    path: str = ""
+    kind: ClassVar[str] = "PMEM"
+    rank: ClassVar[int] = 2
+
+    def __init__(self, path: str | os.PathLike[str], size: int | str | None = None) -> None:
+        object.__setattr__(self, "path", _need_path("PMEM", path))
+        object.__setattr__(self, "size", size)
+        self.__post_init__()
+
+    def open(self, layout: RecordLayout, **overrides: Any) -> LowerTier:
+        """Open a :class:`~tensorkv.embedding.tiers.pmem.PMEMTier` at ``path``."""
+        from tensorkv.embedding.tiers.pmem import PMEMTier
+
+        return PMEMTier(self.path, layout, **{"max_bytes": self.size, **overrides})
+
+
+@dataclass(frozen=True, init=False)
+class SSDHash(LowerTierSpec):
+    """The SSDHASH tier: append-only segments with an in-memory index in a directory."""
+
+    path: str = ""
+    options: dict[str, Any] = field(default_factory=dict)
+    kind: ClassVar[str] = "SSDHASH"
+    rank: ClassVar[int] = 3
+
+    def __init__(
+        self, path: str | os.PathLike[str], size: int | str | None = None, **options: Any
+    ) -> None:
+        object.__setattr__(self, "path", _need_path("SSDHash", path))
+        object.__setattr__(self, "size", size)
+        object.__setattr__(self, "options", dict(options))
+        self.__post_init__()
+
+    def open(self, layout: RecordLayout, **overrides: Any) -> LowerTier:
+        """Open a :class:`~tensorkv.embedding.tiers.ssdhash.SSDHashTier` at ``path``."""
+        from tensorkv.embedding.tiers.ssdhash import SSDHashTier
+
+        return SSDHashTier(self.path, layout, **{**self.options, **overrides})
+
+
+@dataclass(frozen=True, init=False)
+class KV(LowerTierSpec):
+    """Any key-value store URL as a tier (``rocksdb:///data/emb``, ``redis://host:6379/0``)."""
+
+    url: str = ""
+    options: dict[str, Any] = field(default_factory=dict)
+    kind: ClassVar[str] = "KV"
+    rank: ClassVar[int] = 3
+
+    def __init__(self, url: str, size: int | str | None = None, **options: Any) -> None:
+        if not isinstance(url, str) or "://" not in url:
+            raise ConfigError(
+                f"KV needs a store URL such as 'rocksdb:///data/emb' or "
+                f"'redis://localhost:6379/0', got {url!r}"
+            )
+        object.__setattr__(self, "url", url)
+        object.__setattr__(self, "size", size)
+        object.__setattr__(self, "options", dict(options))
+        self.__post_init__()
+
+    def open(self, layout: RecordLayout, **overrides: Any) -> LowerTier:
+        """Open a :class:`~tensorkv.embedding.tiers.kv.KVTier` over ``url``."""
+        from tensorkv.embedding.tiers.kv import KVTier
+
+        return KVTier(self.url, layout, **{**self.options, **overrides})
+
+
+_SPEC_CLASSES: dict[str, type[TierSpec]] = {c.kind: c for c in (HBM, DRAM, PMEM, SSDHash, KV)}
+
+
+def spec_from_dict(d: dict[str, Any]) -> TierSpec:
+    """Rebuild a spec from :meth:`TierSpec.to_dict` output."""
+    d = dict(d)
+    cls = _SPEC_CLASSES.get(str(d.pop("kind", "")))
+    if cls is None:
+        raise ConfigError(f"unknown tier kind in {d!r}; known: {sorted(_SPEC_CLASSES)}")
+    opts = d.pop("options", {})
+    return cls(**d, **opts)
+
+
+# --------------------------------------------------------------------------- DeepRec names
+_KV_SCHEMES = {"LEVELDB": "leveldb", "ROCKSDB": "rocksdb", "LMDB": "lmdb", "REDIS": "redis"}
+_TOPS = {"DRAM": ("DRAM",), "HBM": ("HBM",), "HBM_DRAM": ("HBM", "DRAM")}
+_LOWERS = {"": (), "PMEM": ("PMEM",), "SSDHASH": ("SSDHASH",), "PMEM_SSDHASH": ("PMEM", "SSDHASH"),
+           **{k: (k,) for k in _KV_SCHEMES}}  # fmt: skip
+STORAGE_TYPES: dict[str, tuple[str, ...]] = {
+    (top + ("_" + low if low else "")): t + lo
+    for top, t in _TOPS.items()
+    for low, lo in _LOWERS.items()
+}
+
+
+def _names() -> str:
+    return ", ".join(STORAGE_TYPES)
+
+
+class StorageOption:
+    """Where an embedding table keeps its rows: a chain of tiers, fastest first.
+
+    Parameters
+    ----------
+    storage_type
+        A DeepRec-style name such as ``"DRAM"``, ``"HBM_DRAM"``, ``"DRAM_SSDHASH"``,
+        ``"DRAM_LEVELDB"``, ``"DRAM_PMEM_SSDHASH"``, ``"HBM_DRAM_SSDHASH"``, ``"DRAM_ROCKSDB"``,
+        ``"DRAM_LMDB"``, ``"DRAM_REDIS"`` (case-insensitive). Ignored when ``tiers`` is given.
+    storage_path
+        Directory of the on-device tier(s) (for two such tiers, ``pmem.tier`` and ``ssdhash/``
+        inside it); for ``*_REDIS`` the Redis URL.
+    storage_size
+        Capacity of each tier in order, in bytes or strings like ``"4GiB"``; tiers without an
+        entry are unbounded.
+    cache_strategy
+        How tier 0 picks rows to move down: ``"lfu"`` (frequency) or ``"lru"`` (recency).
+    tiers
+        Explicit specs, e.g. ``[DRAM("4GiB"), SSDHash("/data/emb"), KV("rocksdb:///db")]``.
+
+    Examples
+    --------
+    >>> opt = StorageOption("DRAM_SSDHASH", storage_path="/data/emb", storage_size=["1GiB"])
+    >>> [t.kind for t in opt.tier_specs()]
+    ['DRAM', 'SSDHASH']
+    """
+
+    def __init__(
+        self,
+        storage_type: str = "DRAM",
+        storage_path: str | os.PathLike[str] | None = None,
+        storage_size: list[int | str] | tuple[int | str, ...] | int | str | None = None,
+        cache_strategy: str = "lfu",
+        tiers: list[TierSpec] | None = None,
+    ) -> None:
+        if not isinstance(cache_strategy, str) or cache_strategy.lower() not in CACHE_STRATEGIES:
+            raise ConfigError(
+                f"cache_strategy={cache_strategy!r} is not one of {', '.join(CACHE_STRATEGIES)}"
+            )
+        self.cache_strategy = cache_strategy.lower()
+        if tiers is not None:
+            if storage_path is not None or storage_size is not None:
+                raise ConfigError(
+                    "give either tiers=[...] or storage_type/storage_path/storage_size, not both; "
+                    "put sizes and paths into the tier specs"
+                )
+            self.storage_type = None
+            self._specs = list(tiers)
+        else:
+            self.storage_type = self._check_name(storage_type)
+            self._specs = self._from_name(self.storage_type, storage_path, storage_size)
+        self.storage_path = None if storage_path is None else os.fspath(storage_path)
+        validate_chain(self._specs)
+
+    @staticmethod
+    def _check_name(name: object) -> str:
+        if not isinstance(name, str) or name.upper() not in STORAGE_TYPES:
+            raise ConfigError(f"unknown storage_type {name!r}; valid names: {_names()}")
+        return name.upper()
+
+    @staticmethod
+    def _from_name(name: str, path: Any, sizes: Any) -> list[TierSpec]:
+        kinds = STORAGE_TYPES[name]
+        if sizes is None:
+            sizes = []
+        elif isinstance(sizes, (int, str)):
+            sizes = [sizes]
+        sizes = list(sizes)
+        if len(sizes) > len(kinds):
+            raise ConfigError(
+                f"storage_size has {len(sizes)} entries but {name} has {len(kinds)} tiers "
+                f"({', '.join(kinds)}); give at most one size per tier"
+            )
+        sizes += [None] * (len(kinds) - len(sizes))
+        device = [k for k in kinds if k not in ("HBM", "DRAM")]
+        if device and path is None:
+            raise ConfigError(
+                f"storage_type {name} keeps rows in {'/'.join(device)} and needs storage_path "
+                + ("(the Redis URL, e.g. 'redis://localhost:6379/0')" if "REDIS" in device
+                   else "(a directory on that device, e.g. '/data/emb')")
+            )  # fmt: skip
+        specs: list[TierSpec] = []
+        for kind, size in zip(kinds, sizes, strict=True):
+            if kind == "HBM":
+                specs.append(HBM(size))
+            elif kind == "DRAM":
+                specs.append(DRAM(size))
+            elif kind == "PMEM":
+                p = os.path.join(os.fspath(path), "pmem.tier") if len(device) > 1 else path
+                specs.append(PMEM(p, size))
+            elif kind == "SSDHASH":
+                p = os.path.join(os.fspath(path), "ssdhash") if len(device) > 1 else path
+                specs.append(SSDHash(p, size))
+            elif kind == "REDIS":
+                if not isinstance(path, str) or not path.startswith(("redis", "rediss")):
+                    raise ConfigError(
+                        f"storage_type {name} takes the Redis URL as storage_path, got {path!r};"
+                        " e.g. 'redis://localhost:6379/0'"
+                    )
+                specs.append(KV(path, size))
+            else:
+                p = os.fspath(path)
+                if "://" in p:
+                    specs.append(KV(p, size))
+                else:
+                    if not os.path.isabs(p):
+                        raise ConfigError(
+                            f"storage_path {p!r} for {name} must be an absolute directory path"
+                        )
+                    specs.append(KV(f"{_KV_SCHEMES[kind]}://{p}", size))
+        return specs
+
+    def tier_specs(self) -> list[TierSpec]:
+        """The validated tier specs, fastest first."""
+        return list(self._specs)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serialisable form (see :meth:`from_dict`)."""
+        return {
+            "storage_type": self.storage_type,
+            "cache_strategy": self.cache_strategy,
+            "tiers": [s.to_dict() for s in self._specs],
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> StorageOption:
+        """Rebuild from :meth:`to_dict` output."""
+        opt = cls(tiers=[spec_from_dict(t) for t in d["tiers"]], cache_strategy=d["cache_strategy"])
+        opt.storage_type = d.get("storage_type")
+        return opt
+
+    def __repr__(self) -> str:
+        inner = ", ".join(repr(s) for s in self._specs)
+        return f"StorageOption(tiers=[{inner}], cache_strategy={self.cache_strategy!r})"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, StorageOption):
+            return NotImplemented
+        return self.to_dict()["tiers"] == other.to_dict()["tiers"] and (
+            self.cache_strategy == other.cache_strategy
+        )
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def validate_chain(specs: list[TierSpec]) -> None:
+    """Refuse impossible tier chains with a ConfigError naming the valid shapes."""
+    shapes = "valid chains: [HBM] [DRAM] [HBM, DRAM] then optionally PMEM, then SSDHash or KV"
+    if not isinstance(specs, list) or not specs:
+        raise ConfigError(f"tiers must be a non-empty list of tier specs; {shapes}")
+    for s in specs:
+        if not isinstance(s, TierSpec) or type(s) in (TierSpec, LowerTierSpec):
+            raise ConfigError(
+                f"tier {s!r} is not a tier spec; use DRAM, HBM, PMEM, SSDHash or KV ({shapes})"
+            )
+    if specs[0].rank > DRAM.rank:
+        raise ConfigError(
+            f"the first tier is {specs[0].kind}; rows are read and updated in memory, so the "
+            f"chain must start with DRAM or HBM ({shapes}; names: {_names()})"
+        )
+    for a, b in zip(specs, specs[1:], strict=False):
+        if b.rank <= a.rank:
+            why = "appears twice" if b.kind == a.kind else f"cannot sit below {a.kind}"
+            raise ConfigError(
+                f"tier {b.kind} {why}: tiers go fastest first, each kind at most once, and at most"
+                f" one of SSDHash/KV ({shapes}; names: {_names()})"
+            )
+
+
+__all__ = ["DRAM", "HBM", "KV", "PMEM", "STORAGE_TYPES", "LowerTierSpec", "SSDHash",
+           "StorageOption", "TierSpec", "spec_from_dict", "validate_chain"]

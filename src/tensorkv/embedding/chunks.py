@@ -1,0 +1,114 @@
+"""Exported rows of a table (:class:`ExportChunk`) and the one check every import applies."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from tensorkv.errors import ShapeError
+
+
+class ExportChunk(NamedTuple):
+    """Rows exported from a table (see :meth:`EmbeddingTable.export`)."""
+
+    keys: np.ndarray  #: int64 [m]
+    values: np.ndarray  #: [m, dim] in the storage dtype (float32, float16 or bfloat16)
+    slots: np.ndarray  #: float32 [m, num_slots * dim]
+    freq: np.ndarray  #: int64 [m]
+    version: np.ndarray  #: int64 [m], last-update step
+    seq: np.ndarray  #: int64 [m], mutation sequence of the row's last change
+
+
+class ChunkArrays(NamedTuple):
+    """An imported chunk, checked: arrays ready to be written into a table's rows."""
+
+    keys: np.ndarray  #: int64 [m]
+    values: np.ndarray  #: [m, dim], the table's storage dtype or float32
+    slots: np.ndarray  #: float32 [m, slot_width]
+    freq: np.ndarray  #: int64 [m]
+    version: np.ndarray  #: int64 [m]
+
+
+def is_single_chunk(chunks: Any) -> bool:
+    """Whether ``chunks`` is one chunk tuple rather than an iterable of chunks."""
+    return isinstance(chunks, tuple) and len(chunks) >= 5 and isinstance(chunks[0], np.ndarray)
+
+
+def check_chunk(
+    chunk: Any,
+    *,
+    dim: int,
+    slot_width: int,
+    storage_dtype: np.dtype,
+    optimizer: str,
+    as_keys: Callable[[Any], np.ndarray],
+    what: str = "import_",
+) -> ChunkArrays:
+    """Check an imported chunk against a table and return its arrays.
+
+    Parameters
+    ----------
+    chunk
+        An :class:`ExportChunk` or a tuple ``(keys, values, slots, freq, version[, seq])``.
+    dim, slot_width, storage_dtype, optimizer
+        The table's row width, slot columns, value storage dtype and optimizer name.
+    as_keys
+        The table's key normalisation (str/bytes keys are hashed).
+    what
+        The operation, for messages.
+
+    Returns
+    -------
+    ChunkArrays
+        Values in the storage dtype stay as they are (copied bit for bit); other float
+        values are returned as float32 (rounded to the storage dtype when written).
+
+    Raises
+    ------
+    ShapeError
+        A chunk that does not fit the table; nothing has been written then.
+    """
+    try:
+        keys, values, slots, freq, version = tuple(chunk)[:5]
+    except (TypeError, ValueError):
+        raise ShapeError(
+            f"{what} got {type(chunk).__name__}; give ExportChunk objects or tuples "
+            "(keys, values, slots, freq, version)"
+        ) from None
+    keys = as_keys(keys)
+    m = keys.shape[0]
+    values = np.asarray(values)
+    if values.ndim != 2 or values.shape[1] != dim or (
+            values.dtype.kind != "f" and values.dtype != storage_dtype):
+        got = values.shape[-1] if values.ndim else "?"
+        raise ShapeError(
+            f"imported values have shape {values.shape} and dtype {values.dtype} (dim {got}) "
+            f"but the table stores float rows of dim={dim}; import into a table with "
+            f"dim={got}"
+        )
+    if values.dtype != storage_dtype:
+        values = values.astype(np.float32, copy=False)
+    slots = np.asarray(slots)
+    if slots.size == 0 and slot_width == 0:
+        slots = np.zeros((m, 0), np.float32)
+    if slots.shape != (m, slot_width) or slots.dtype.kind != "f":
+        raise ShapeError(
+            f"imported slots have shape {slots.shape} ({slots.dtype}) but this table's "
+            f"optimizer {optimizer!r} needs float32 ({m}, {slot_width}); import with the "
+            "same optimizer"
+        )
+    freq = np.asarray(freq).reshape(-1)
+    version = np.asarray(version).reshape(-1)
+    if values.shape[0] != m or freq.shape[0] != m or version.shape[0] != m:
+        raise ShapeError(
+            f"imported chunk has {m} keys but {values.shape[0]} value rows, "
+            f"{freq.shape[0]} freq and {version.shape[0]} version entries"
+        )
+    return ChunkArrays(keys, np.ascontiguousarray(values),
+                       np.ascontiguousarray(slots, dtype=np.float32),
+                       freq.astype(np.int64, copy=False), version.astype(np.int64, copy=False))
+
+
+__all__ = ["ChunkArrays", "ExportChunk", "check_chunk", "is_single_chunk"]

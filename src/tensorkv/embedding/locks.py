@@ -1,0 +1,56 @@
+"""Locks of an embedding table: a writer-preferring readers-writer lock.
+
+Lookups of present keys share the lock, so several threads gather rows in parallel (the numba
+kernels release the GIL); inserts, updates, removals, imports and evictions take it
+exclusively.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+
+class RWLock:
+    """A writer-preferring readers-writer lock."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._readers = 0
+        self._writer = False
+        self._waiting_writers = 0
+
+    @contextmanager
+    def read(self) -> Iterator[None]:
+        """Shared section."""
+        with self._cond:
+            while self._writer or self._waiting_writers:
+                self._cond.wait()
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._readers -= 1
+                if self._readers == 0:
+                    self._cond.notify_all()
+
+    @contextmanager
+    def write(self, settle: bool = True) -> Iterator[None]:
+        """Exclusive section (``settle`` is accepted for the tier chain's lock; unused here)."""
+        with self._cond:
+            self._waiting_writers += 1
+            while self._writer or self._readers:
+                self._cond.wait()
+            self._waiting_writers -= 1
+            self._writer = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._writer = False
+                self._cond.notify_all()
+
+
+__all__ = ["RWLock"]

@@ -1,0 +1,241 @@
+"""Where a table's rows live: :class:`ArenaRows`, every row resident in one arena.
+
+An :class:`~tensorkv.embedding.table.EmbeddingTable` runs its logic (insertion, admission,
+optimizer steps, eviction rules) on tier 0, an arena, and asks its *rows* object for
+everything that depends on what lies below tier 0: moving a batch's rows up before an
+operation and excess rows down after it, reading rows that are not resident, whole-table
+views, flushing and statistics. :class:`ArenaRows` is the DRAM-only case, where every hook is
+trivial; :class:`~tensorkv.embedding.chain.rows.ChainRows` is a tier chain. The table holds
+one of them and never branches on which.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from tensorkv.embedding.arena import RowArena
+from tensorkv.embedding.chunks import ExportChunk
+from tensorkv.embedding.filters import Eviction
+from tensorkv.embedding.locks import RWLock
+from tensorkv.kernels import arena as ak
+
+_NO_KEYS = np.empty(0, np.int64)
+
+#: ``place(keys, fields)`` of :meth:`EmbeddingTable.export_into`: given a chunk's keys and the
+#: ``(dtype, row shape)`` of keys, values, slots, freq and version, the groups ``(index, outs)``
+#: to fill.
+Place = Callable[
+    [np.ndarray, tuple[tuple[np.dtype, tuple[int, ...]], ...]],
+    Sequence[tuple[np.ndarray, Sequence[np.ndarray]]],
+]
+
+
+def place_chunks(place: Place, chunks: Iterable[ExportChunk]) -> Iterator[int]:
+    """``export_into`` over exported chunks: each chunk's rows copied with ``np.take``."""
+    for ch in chunks:
+        arrays = [np.asarray(x) for x in tuple(ch)[:5]]
+        if arrays[0].shape[0] == 0:
+            continue
+        specs = tuple((x.dtype, tuple(x.shape[1:])) for x in arrays)
+        for idx, outs in place(arrays[0], specs):
+            for src, out in zip(arrays, outs, strict=True):
+                np.take(src, idx, axis=0, out=out)
+        yield int(arrays[0].shape[0])
+
+
+class ArenaRows:
+    """A table's rows, all in one arena (a DRAM table).
+
+    Parameters
+    ----------
+    arena
+        Tier 0: every row of the table.
+
+    Attributes
+    ----------
+    arena
+        Tier 0, where every read and update happens.
+    lock
+        The table's readers-writer lock (:class:`~tensorkv.embedding.locks.RWLock`).
+    op
+        A context manager entered around each whole operation (a no-op here: operations of
+        a DRAM table run concurrently under :attr:`lock`).
+    parallel, split
+        How the optimizer kernel runs (``Optimizer.apply`` arguments; defaults here).
+    """
+
+    #: Whether rows may live below tier 0.
+    tiered = False
+
+    def __init__(self, arena: RowArena) -> None:
+        self.arena = arena
+        self.lock: Any = RWLock()
+        self.op: Any = contextlib.nullcontext()
+        self.parallel: bool | None = None
+        self.split: Any = None
+
+    # --- around one batch operation ------------------------------------------------------------
+    def promote_lookup(self, keys: np.ndarray) -> np.ndarray | None:
+        """Make a lookup's keys resident; returns every key's tier-0 row if known (else None)."""
+        return None
+
+    def promote_update(self, keys: np.ndarray) -> np.ndarray | None:
+        """Make an update's keys resident; returns their tier-0 rows if all are present."""
+        return None
+
+    def promote(self, keys: np.ndarray) -> None:
+        """Make ``keys`` resident before an operation that inserts, removes or overwrites."""
+
+    def holding_meta(self) -> contextlib.AbstractContextManager[None]:
+        """Context of a batch whose metadata writes :meth:`meta_write` may hold."""
+        return contextlib.nullcontext()
+
+    def meta_write(self, kernel: Callable[..., Any], *args: Any) -> None:
+        """Run a batch's metadata kernel (frequency counts, versions): at once, here."""
+        kernel(*args)
+
+    def run_held_meta(self) -> None:
+        """Run the metadata writes held so far (before rules that read them)."""
+
+    def after_batch(self, keys: np.ndarray) -> None:
+        """After a lookup or update of ``keys``: move tier 0's excess down."""
+
+    def after(self, keys: np.ndarray, protect: bool = True) -> None:
+        """After an upsert or import of ``keys``: move tier 0's excess down.
+
+        ``protect``: never move ``keys`` themselves.
+        """
+
+    def start_prefetch(self, keys: np.ndarray) -> None:
+        """Start moving the next batch's non-resident rows up (nothing to move here)."""
+
+    # --- rows below tier 0 ---------------------------------------------------------------------
+    def read_lower(self, keys: np.ndarray) -> tuple[np.ndarray, Any]:
+        """``(found, fields)`` of keys below tier 0; ``fields`` has ``freq`` and ``version``."""
+        return np.zeros(keys.shape[0], np.bool_), None
+
+    def lower_len(self) -> int:
+        """Rows below tier 0."""
+        return 0
+
+    def lower_keys(self) -> np.ndarray:
+        """Keys below tier 0."""
+        return _NO_KEYS
+
+    def export_lower(self, chunk_rows: int, since: int) -> Iterator[ExportChunk]:
+        """Chunks of the rows below tier 0 changed after ``since``."""
+        return iter(())
+
+    def evict_keys(self, eviction: Eviction, step: int) -> np.ndarray:
+        """Keys ``eviction`` removes at ``step`` (every tier)."""
+        a = self.arena
+        return a.row_key[eviction.select(a, step)].copy()
+
+    def remove_lower(self, keys: np.ndarray) -> int:
+        """Delete keys below tier 0; returns how many were there."""
+        return 0
+
+    def clear_lower(self) -> None:
+        """Drop every row below tier 0 (tier 0 has just been cleared)."""
+
+    # --- export ----------------------------------------------------------------------------------
+    @property
+    def exports_in_place(self) -> bool:
+        """Whether :meth:`export_into` gathers every row straight from a host arena."""
+        return not self.tiered and not self.arena.on_device
+
+    def _tier0_chunks(self, chunk_rows: int, since: int | None,
+                      take: Callable[[RowArena, np.ndarray], Any]) -> Iterator[Any]:
+        """Yield ``take(arena, rows)`` for chunks of tier 0's live rows changed after ``since``.
+
+        ``take`` runs under the shared lock (one chunk at a time; a writer between chunks may
+        make the whole a mix of before/after states); chunks with no live row are skipped.
+        """
+        s = -1 if since is None else int(since)
+        with self.lock.read():
+            hw = self.arena.high_water
+            rows_all = ak.live_rows(self.arena.live, self.arena.seq, 0, hw, s)
+        for start in range(0, rows_all.shape[0], chunk_rows):
+            rows = rows_all[start:start + chunk_rows]
+            with self.lock.read():
+                a = self.arena
+                rows = rows[a.live[rows].view(np.bool_)]
+                if rows.size == 0:
+                    continue
+                got = take(a, rows)
+            yield got
+
+    def export(self, chunk_rows: int, since: int | None) -> Iterator[ExportChunk]:
+        """Chunks of every row changed after ``since`` (None: all), tier 0 first."""
+
+        def take(a: RowArena, rows: np.ndarray) -> ExportChunk:
+            return ExportChunk(a.row_key[rows], a.gather(rows).view(a.np_dtype),
+                               a.gather_slots(rows), a.freq[rows], a.version[rows], a.seq[rows])
+
+        yield from self._tier0_chunks(chunk_rows, since, take)
+        yield from self.export_lower(chunk_rows, -1 if since is None else int(since))
+
+    def export_into(self, place: Place, chunk_rows: int, since: int | None) -> Iterator[int]:
+        """:meth:`export` into buffers from ``place``; yields each chunk's row count.
+
+        Rows of a host tier 0 are gathered straight into the buffers; rows on a device or
+        below tier 0 are copied from exported chunks.
+        """
+        if self.arena.on_device:
+            yield from place_chunks(place, self.export(chunk_rows, since))
+            return
+
+        def take(a: RowArena, rows: np.ndarray) -> int:
+            keys = a.row_key[rows]
+            fields = (
+                (keys.dtype, ()),
+                (a.np_dtype, (a.dim,)),
+                (np.dtype(np.float32), (a.slot_width,)),
+                (a.freq.dtype, ()),
+                (a.version.dtype, ()),
+            )
+            for idx, outs in place(keys, fields):
+                r = rows[idx]
+                np.take(keys, idx, out=outs[0])
+                if r.size and a.dim:
+                    ak.gather_rows(a.values, r, outs[1].view(a.values.dtype))
+                if r.size and a.slot_width:
+                    ak.gather_rows(a.slots, r, outs[2])
+                np.take(a.freq, r, out=outs[3])
+                np.take(a.version, r, out=outs[4])
+            return int(rows.size)
+
+        yield from self._tier0_chunks(chunk_rows, since, take)
+        yield from place_chunks(place, self.export_lower(chunk_rows,
+                                                         -1 if since is None else int(since)))
+
+    # --- lifecycle -----------------------------------------------------------------------------
+    def sync(self) -> None:
+        """Land every background write."""
+
+    def wait_writes(self) -> None:
+        """Block until every background write has landed."""
+
+    def flush(self) -> None:
+        """Land background writes and make the lower tiers durable."""
+
+    def close(self) -> None:
+        """Flush and release the lower tiers."""
+
+    @property
+    def device(self) -> Any:
+        """The torch device of tier 0's rows."""
+        return "cpu"
+
+    def add_stats(self, stats: dict[str, Any]) -> None:
+        """Add per-tier figures to the table's :meth:`stats` (none here)."""
+
+    def add_meta(self, meta: dict[str, Any]) -> None:
+        """Add the storage description to the table's metadata (none here)."""
+
+
+__all__ = ["ArenaRows", "Place", "place_chunks"]
