@@ -17,7 +17,7 @@ import numpy as np
 from tensorkv import config
 from tensorkv.checkpoint import dense as _dense
 from tensorkv.checkpoint import keylists as _keylists
-from tensorkv.checkpoint import layout
+from tensorkv.checkpoint import layout, refs
 from tensorkv.checkpoint import manifest as _manifest
 from tensorkv.checkpoint import tables as _tables
 from tensorkv.checkpoint.access import using_store, writeback_starter
@@ -46,24 +46,6 @@ def _default_tag(step: int | None) -> str:
         return f"step-{step}"
     t = time.time()
     return time.strftime("ckpt-%Y%m%d-%H%M%S", time.gmtime(t)) + f"-{int(t * 1e6) % 1000000:06d}"
-
-
-def referenced_chunks(
-    store: KVStore, docs: dict[str, dict[str, Any]] | None = None
-) -> set[str]:
-    """Digests of the dense chunks referenced by every manifest (complete or per shard).
-
-    ``docs``: the complete tags' manifests (expired ones included), when already read.
-    """
-    out: set[str] = set()
-    parts = [_manifest.decode_manifest(v, bytes(k).decode())
-             for k, v in _manifest.scan_items(store, layout.SHARD_MANIFEST)]
-    if docs is None:
-        docs = _manifest.read_all(store, include_expired=True)
-    for doc in [*docs.values(), *parts]:
-        for ent in doc.get("dense", {}).values():
-            out.update(ent["chunks"])
-    return out
 
 
 def _row_bytes(table: Any) -> int:
@@ -357,7 +339,7 @@ def save(
                 pbar.update(n)
 
         try:
-            known = referenced_chunks(store, docs)
+            known = refs.referenced_chunks(store, docs)
             dense_w = _tables.BlockWriter(store, b"", None, on_bytes, opts["after_write"])
 
             def write_dense() -> None:

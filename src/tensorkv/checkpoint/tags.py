@@ -9,7 +9,7 @@ import time
 import uuid
 from typing import Any
 
-from tensorkv.checkpoint import layout
+from tensorkv.checkpoint import layout, refs
 from tensorkv.checkpoint import manifest as _manifest
 from tensorkv.checkpoint import tables as _tables
 from tensorkv.checkpoint.access import using_store
@@ -78,38 +78,6 @@ def _children(docs: dict[str, dict[str, Any]], tag: str) -> list[str]:
     )
 
 
-def table_data_keys(doc: dict[str, Any]) -> list[bytes]:
-    """Every table record key a manifest owns."""
-    out: list[bytes] = []
-    for name, ent in doc["tables"].items():
-        for s, info in ent["shards"].items():
-            prefix = layout.table_prefix(
-                ent.get("data_tag", doc["tag"]), name, int(s), ent.get("hash_tag")
-            )
-            out += _tables.record_keys(prefix, info, ent.get("hash_tag"))
-    return out
-
-
-def _delete_doc(store: KVStore, doc: dict[str, Any]) -> None:
-    """Delete a tag: manifest first (invisible at once), then its data."""
-    from tensorkv.checkpoint.check import live_pending, referenced_chunks_all
-
-    tag = doc["tag"]
-    store.delete(layout.manifest_key(tag))
-    store.delete_prefix(layout.SHARD_MANIFEST + tag.encode() + b"/")
-    keys = table_data_keys(doc)
-    for i in range(0, len(keys), 4096):
-        store.delete_many(keys[i : i + 4096])
-    if not live_pending(store):
-        referenced = referenced_chunks_all(store)
-        mine = {d for e in doc["dense"].values() for d in e["chunks"]}
-        doomed = [layout.chunk_key(d) for d in sorted(mine - referenced)]
-        for i in range(0, len(doomed), 4096):
-            if live_pending(store):  # a save started: it may write these chunks again
-                break  # gc removes what is left once no save runs
-            store.delete_many(doomed[i : i + 4096])
-
-
 def delete_tag(url: str | KVStore, tag: str, *, force: bool = False) -> None:
     """Delete a tag and the data no other tag uses.
 
@@ -131,7 +99,7 @@ def delete_tag(url: str | KVStore, tag: str, *, force: bool = False) -> None:
             )
         for k in kids:
             compact(store, k)
-        _delete_doc(store, doc)
+        refs.delete_doc(store, doc)
 
 
 def expire_tag(url: str | KVStore, tag: str, ttl: float | None) -> None:
@@ -282,7 +250,7 @@ def compact(url: str | KVStore, tag: str) -> dict[str, Any]:
         store.put(layout.manifest_key(doc["tag"]), _manifest.encode_manifest(new))
         store.flush()
         store.delete(pkey)
-        keys = table_data_keys(doc)
+        keys = refs.table_data_keys(doc)
         for i in range(0, len(keys), 4096):
             store.delete_many(keys[i : i + 4096])
         return new
@@ -317,7 +285,7 @@ def dump_tag(url: str | KVStore, tag: str, path: str) -> int:
             f.write(DUMP_MAGIC + struct.pack("<I", DUMP_VERSION))
             keys = [layout.chunk_key(d) for d in
                     sorted({d for e in new["dense"].values() for d in e["chunks"]})]
-            keys += table_data_keys(new)
+            keys += refs.table_data_keys(new)
             for lo in range(0, len(keys), 64):
                 group = keys[lo : lo + 64]
                 for k, v in zip(group, src.get_many(group), strict=True):
