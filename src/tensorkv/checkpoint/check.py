@@ -10,6 +10,9 @@ from tensorkv import config
 from tensorkv.checkpoint import layout, refs
 from tensorkv.checkpoint import manifest as _manifest
 from tensorkv.checkpoint.access import using_store
+from tensorkv.checkpoint.dense import read_full
+from tensorkv.checkpoint.keylists import chain_key_set
+from tensorkv.checkpoint.load import stage_table
 from tensorkv.checkpoint.tags import compact
 from tensorkv.errors import CheckpointError, CorruptRecordError
 from tensorkv.stores.base import KVStore
@@ -128,17 +131,13 @@ def check(url: str | KVStore, *, verify: bool = False, grace: float | None = Non
         sizes = store.get_many(rep.orphan_keys[:10000]) if rep.orphan_keys else []
         rep.orphan_bytes = sum(len(v) for v in sizes if v is not None)
         if verify:
-            from tensorkv.checkpoint.dense import read_full
-            from tensorkv.checkpoint.keylists import chain_key_set
-            from tensorkv.checkpoint.load import _stage_table
-
             for t in rep.tags:
                 doc = _manifest.read(store, t)
                 try:
                     for n, e in doc["dense"].items():
                         read_full(store, n, e)
                     for n, ent in doc["tables"].items():
-                        _stage_table(store, doc, n, None, None, None)
+                        stage_table(store, doc, n, None, None, None)
                         for s in ent["shards"]:  # key lists, rebuilt along the chain
                             chain_key_set(store, doc, n, s, _manifest.getter(store))
                 except (CorruptRecordError, CheckpointError) as exc:

@@ -86,7 +86,7 @@ def _join_rows(blocks: Any, capacity: int) -> _tables.Rows | None:
     return _tables.Rows(*(a[:filled] for a in out))
 
 
-def _stage_table(
+def stage_table(
     store: KVStore,
     doc: dict[str, Any],
     name: str,
@@ -95,9 +95,29 @@ def _stage_table(
     on_bytes: Any,
     saved_shard: str | None = None,
 ) -> tuple[list[_tables.Rows], list[np.ndarray], bool]:
-    """Read and verify a table's rows. Returns (rows, removed-key arrays, is_chain).
+    """Read and verify the rows of a table's chain, without touching any table.
 
-    ``saved_shard`` limits the read to the rows one shard of the save wrote.
+    Parameters
+    ----------
+    store
+        The store holding the tag.
+    doc
+        The tag's manifest.
+    name
+        The table's name in the manifest.
+    shard, num_shards
+        Keep only the rows of shard ``shard`` of ``num_shards`` (None, None: every row).
+    on_bytes
+        Called with the byte count of each block read (progress), or None.
+    saved_shard
+        Read only the rows one shard of the save wrote (a key of the entry's ``shards``).
+
+    Returns
+    -------
+    (rows, removed, is_chain)
+        The blocks (zero-copy views of the records read) in the order to apply them, with a
+        marker where the next array of ``removed`` (the keys an incremental link removed)
+        applies; and whether any saved shard has more than one link.
     """
     rows: list[_tables.Rows] = []
     removed: list[np.ndarray] = []
@@ -204,7 +224,21 @@ def _table_class() -> Any:
     return EmbeddingTable
 
 
-def _build_table(meta: dict[str, Any], rows: list[_tables.Rows], removed: list[np.ndarray]) -> Any:
+def build_table(meta: dict[str, Any], rows: list[_tables.Rows], removed: list[np.ndarray]) -> Any:
+    """A new EmbeddingTable holding staged rows.
+
+    Parameters
+    ----------
+    meta
+        The table's ``state_dict_meta()`` as saved in the manifest.
+    rows, removed
+        The rows and removed keys :func:`stage_table` returns, applied in order.
+
+    Returns
+    -------
+    EmbeddingTable
+        Built with room for every row when it may grow (its saved capacity setting kept).
+    """
     EmbeddingTable = _table_class()  # noqa: N806
     n = sum(r.keys.shape[0] for r in rows if r.keys is not None)
     cap = meta.get("capacity")
@@ -408,7 +442,7 @@ def load(
         try:
             _bulk.restore(store, items, pbar.update)
             staged_tables = {
-                n: _stage_table(store, doc, n, shard, num_shards, pbar.update) for n in slow
+                n: stage_table(store, doc, n, shard, num_shards, pbar.update) for n in slow
             }
         finally:
             pbar.close()
@@ -427,7 +461,7 @@ def load(
         built = {}
         for n, (rows, removed, is_chain) in staged_tables.items():
             if is_chain:
-                built[n] = _build_table(doc["tables"][n]["meta"], rows, removed)
+                built[n] = build_table(doc["tables"][n]["meta"], rows, removed)
         for n in fast:
             imports[n].commit()
         for n, arr in staged_dense.items():

@@ -23,6 +23,7 @@ from tensorkv.checkpoint import tables as _tables
 from tensorkv.checkpoint.access import using_store, writeback_starter
 from tensorkv.checkpoint.objects import collect
 from tensorkv.checkpoint.progress import bar
+from tensorkv.checkpoint.shards import merge_if_complete
 from tensorkv.errors import CheckpointError
 from tensorkv.stores.base import KVStore
 
@@ -72,7 +73,7 @@ def _parent_keys(
     return _keylists.chain_key_set(store, parent_doc, name, shard, _manifest.getter(store))
 
 
-def _save_table(
+def save_table(
     store: KVStore,
     tag: str,
     name: str,
@@ -83,7 +84,35 @@ def _save_table(
     opts: dict[str, Any],
     on_bytes: Any,
 ) -> dict[str, Any]:
-    """Write one table's shard; return its manifest entry."""
+    """Write one shard of a table's rows and key list; return its manifest entry.
+
+    Parameters
+    ----------
+    store
+        The destination store.
+    tag
+        The data tag the records are written under.
+    name
+        The table's name.
+    table
+        The EmbeddingTable.
+    shard, num_shards
+        Which shard of the save this is.
+    parent_doc
+        The parent manifest of an incremental save, or None for a full save. Only the rows
+        changed since the parent are written when this table object wrote or loaded it;
+        otherwise the table is saved in full, with a warning.
+    opts
+        ``hash_tag``, ``bucket_bits``, ``block_rows`` (see :func:`save`) and optionally
+        ``after_write`` (see :class:`tensorkv.checkpoint.tables.BlockWriter`).
+    on_bytes
+        Called with the byte count of each batch written (progress), or None.
+
+    Returns
+    -------
+    dict
+        The table's manifest entry (``meta``, ``dim``, ..., ``shards`` holding this shard).
+    """
     hash_tag = opts["hash_tag"]
     bucket_bits = opts["bucket_bits"]
     chunk_rows = opts["block_rows"] << bucket_bits
@@ -354,7 +383,7 @@ def save(
                 dense_job = helper.submit(write_dense)
                 try:
                     for name, table in tables_in.items():
-                        ent = _save_table(
+                        ent = save_table(
                             store, tag, name, table, shard_i, nshards, parent_doc, opts, on_bytes
                         )
                         doc["tables"][name] = ent
@@ -386,8 +415,6 @@ def save(
         with contextlib.suppress(Exception):
             store.delete(pkey)
         if nshards > 1:
-            from tensorkv.checkpoint.shards import merge_if_complete
-
             merge_if_complete(store, tag, nshards)
     return tag
 

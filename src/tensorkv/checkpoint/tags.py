@@ -13,6 +13,8 @@ from tensorkv.checkpoint import layout, refs
 from tensorkv.checkpoint import manifest as _manifest
 from tensorkv.checkpoint import tables as _tables
 from tensorkv.checkpoint.access import using_store
+from tensorkv.checkpoint.load import build_table, stage_table
+from tensorkv.checkpoint.save import save_table
 from tensorkv.codec import checksum
 from tensorkv.errors import CheckpointError, CorruptRecordError
 from tensorkv.stores.base import KVStore
@@ -128,10 +130,8 @@ def _copy_records(src: KVStore, dst: KVStore, pairs: list[tuple[bytes, bytes]], 
 
 
 def _materialize_table(src: KVStore, doc: dict[str, Any], name: str, saved_shard: str) -> Any:
-    from tensorkv.checkpoint.load import _build_table, _stage_table
-
-    rows, removed, _ = _stage_table(src, doc, name, None, None, None, saved_shard)
-    return _build_table(doc["tables"][name]["meta"], rows, removed)
+    rows, removed, _ = stage_table(src, doc, name, None, None, None, saved_shard)
+    return build_table(doc["tables"][name]["meta"], rows, removed)
 
 
 def write_copy(
@@ -141,8 +141,6 @@ def write_copy(
 
     Full tables are copied record by record; incremental chains are folded first.
     """
-    from tensorkv.checkpoint.save import _save_table
-
     data_tag = data_tag or dst_tag
     new = dict(doc)
     new.update(tag=dst_tag, parent=None, incremental=False, tables={}, created=time.time())
@@ -172,7 +170,7 @@ def write_copy(
             nent = None
             for s in ent["shards"]:  # fold each saved shard's chain on its own
                 table = _materialize_table(src, doc, name, s)
-                part = _save_table(dst, data_tag, name, table, int(s), 1, None, opts, None)
+                part = save_table(dst, data_tag, name, table, int(s), 1, None, opts, None)
                 if nent is None:
                     nent = part
                 else:
