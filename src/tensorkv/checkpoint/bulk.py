@@ -31,16 +31,14 @@ from typing import Any
 
 import numpy as np
 
-from tensorkv.checkpoint import dense as _dense
-from tensorkv.checkpoint import layout
-from tensorkv.checkpoint import tables as _tables
+from tensorkv.checkpoint import dense, layout, tables
 from tensorkv.errors import CorruptRecordError, ShapeError
 from tensorkv.stores.base import KVStore
 
 #: Worker threads that verify and copy records (the calling thread builds the hash index).
 RESTORE_THREADS = max(2, min(8, os.cpu_count() or 1))
 #: Bytes of records read per store call by stores without zero-copy reads.
-READ_GROUP_BYTES = _tables.READ_GROUP_BYTES
+READ_GROUP_BYTES = tables.READ_GROUP_BYTES
 #: Bytes of records handed to the workers and not yet indexed (bounds the values held).
 IN_FLIGHT_BYTES = 2 * READ_GROUP_BYTES
 
@@ -91,7 +89,7 @@ def dense_items(name: str, entry: dict[str, Any], pages: Any) -> tuple[np.ndarra
     ``pages`` (a :class:`tensorkv.pages.FreshPages`) tracks the array: the copies
     into it follow its page policy.
     """
-    out = np.empty(tuple(entry["shape"]), dtype=_dense.entry_dtype(entry))
+    out = np.empty(tuple(entry["shape"]), dtype=dense.entry_dtype(entry))
     flat = out.reshape(-1).view(np.uint8)
     pages.track(flat)
     cb = entry["chunk_bytes"]
@@ -103,7 +101,7 @@ def dense_items(name: str, entry: dict[str, Any], pages: Any) -> tuple[np.ndarra
     return out, items
 
 
-def _check_slots(b: Block, rows: _tables.Rows) -> None:
+def _check_slots(b: Block, rows: tables.Rows) -> None:
     t = b.imp.table
     want = int(t.num_slots) * int(t.dim)
     if rows.slots.shape[1:] != (want,):
@@ -120,19 +118,19 @@ def _restore_block(b: Block, val: Any) -> int:
     name = f"{b.what} ({b.key.decode()})"
     if val is None:
         raise CorruptRecordError(f"{name} is missing from the store; the tag is damaged")
-    rows = _tables.decode_block(val, name)
+    rows = tables.decode_block(val, name)
     if rows.keys.shape[0] != b.rows:
         raise CorruptRecordError(f"{name} holds {rows.keys.shape[0]} rows, expected {b.rows}")
     if b.filt:
         assert b.num_shards is not None
-        rows = _tables.take(rows, layout.shard_of_keys(rows.keys, b.num_shards) == b.shard)
+        rows = tables.take(rows, layout.shard_of_keys(rows.keys, b.num_shards) == b.shard)
     _check_slots(b, rows)
     return b.imp.put(b.pos, rows)
 
 
 def _restore_chunk(c: Chunk, val: Any) -> int:
-    piece = _dense.check_piece(c.name, c.entry, c.index, c.key, val)
-    _dense.place_piece(c.name, c.entry, c.index, piece, c.flat, c.pages)
+    piece = dense.check_piece(c.name, c.entry, c.index, c.key, val)
+    dense.place_piece(c.name, c.entry, c.index, piece, c.flat, c.pages)
     return piece.nbytes
 
 

@@ -7,11 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tensorkv import config
-from tensorkv.checkpoint import layout, refs
-from tensorkv.checkpoint import manifest as _manifest
+from tensorkv.checkpoint import dense, keylists, layout, manifest, refs
 from tensorkv.checkpoint.access import using_store
-from tensorkv.checkpoint.dense import read_full
-from tensorkv.checkpoint.keylists import chain_key_set
 from tensorkv.checkpoint.load import stage_table
 from tensorkv.checkpoint.tags import compact
 from tensorkv.errors import CheckpointError, CorruptRecordError
@@ -55,11 +52,11 @@ class CheckReport:
 
 def _scan_orphans(store: KVStore, grace: float | None) -> tuple[CheckReport, list[bytes]]:
     rep = CheckReport()
-    docs = _manifest.read_all(store, include_expired=True)
+    docs = manifest.read_all(store, include_expired=True)
     now = time.time()
-    rep.tags = _manifest.sorted_tags({t: d for t, d in docs.items()
-                                      if not _manifest.is_expired(d, now)})
-    rep.expired = sorted(t for t, d in docs.items() if _manifest.is_expired(d, now))
+    rep.tags = manifest.sorted_tags({t: d for t, d in docs.items()
+                                      if not manifest.is_expired(d, now)})
+    rep.expired = sorted(t for t, d in docs.items() if manifest.is_expired(d, now))
     all_docs = refs.all_docs(store)
     shard_tags = {
         bytes(k[len(layout.SHARD_MANIFEST) :]).rpartition(b"/")[0].decode()
@@ -132,14 +129,14 @@ def check(url: str | KVStore, *, verify: bool = False, grace: float | None = Non
         rep.orphan_bytes = sum(len(v) for v in sizes if v is not None)
         if verify:
             for t in rep.tags:
-                doc = _manifest.read(store, t)
+                doc = manifest.read(store, t)
                 try:
                     for n, e in doc["dense"].items():
-                        read_full(store, n, e)
+                        dense.read_full(store, n, e)
                     for n, ent in doc["tables"].items():
                         stage_table(store, doc, n, None, None, None)
                         for s in ent["shards"]:  # key lists, rebuilt along the chain
-                            chain_key_set(store, doc, n, s, _manifest.getter(store))
+                            keylists.chain_key_set(store, doc, n, s, manifest.getter(store))
                 except (CorruptRecordError, CheckpointError) as exc:
                     rep.corrupt.append(f"{t}: {exc}")
         return rep
@@ -158,7 +155,7 @@ def gc(url: str | KVStore, *, grace: float | None = None, dry_run: bool = False)
         rep, _ = _scan_orphans(store, grace)
         if dry_run:
             return rep
-        docs = _manifest.read_all(store, include_expired=True)
+        docs = manifest.read_all(store, include_expired=True)
         for t in rep.expired:
             for child, d in docs.items():  # keep live children loadable
                 if d.get("parent") == t and d.get("incremental") and child not in rep.expired:

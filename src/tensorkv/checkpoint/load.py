@@ -6,12 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from tensorkv.checkpoint import bulk as _bulk
-from tensorkv.checkpoint import dense as _dense
-from tensorkv.checkpoint import keylists as _keylists
-from tensorkv.checkpoint import layout
-from tensorkv.checkpoint import manifest as _manifest
-from tensorkv.checkpoint import tables as _tables
+from tensorkv.checkpoint import bulk, dense, keylists, layout, manifest, tables
 from tensorkv.checkpoint.access import using_store
 from tensorkv.checkpoint.objects import SINGLE_TABLE_NAME, collect
 from tensorkv.checkpoint.progress import bar
@@ -28,7 +23,7 @@ def _parent_doc(store: KVStore, doc: dict[str, Any], name: str) -> dict[str, Any
             f"table {name!r} of tag {doc['tag']!r} is incremental on tag {parent!r}, which is "
             "missing: the chain is broken"
         )
-    return _manifest.decode_manifest(raw, f"tag {parent!r}")
+    return manifest.decode_manifest(raw, f"tag {parent!r}")
 
 
 def table_links(
@@ -70,20 +65,20 @@ def table_links(
     return out
 
 
-def _join_rows(blocks: Any, capacity: int) -> _tables.Rows | None:
+def _join_rows(blocks: Any, capacity: int) -> tables.Rows | None:
     """Copy blocks into one set of arrays (one import call: the table grows once)."""
-    out: _tables.Rows | None = None
+    out: tables.Rows | None = None
     filled = 0
     for r in blocks:
         m = r.keys.shape[0]
         if out is None:
-            out = _tables.Rows(*(np.empty((capacity, *a.shape[1:]), a.dtype) for a in r))
+            out = tables.Rows(*(np.empty((capacity, *a.shape[1:]), a.dtype) for a in r))
         for dst, src in zip(out, r, strict=True):
             dst[filled : filled + m] = src
         filled += m
     if out is None:
         return None
-    return _tables.Rows(*(a[:filled] for a in out))
+    return tables.Rows(*(a[:filled] for a in out))
 
 
 def stage_table(
@@ -94,7 +89,7 @@ def stage_table(
     num_shards: int | None,
     on_bytes: Any,
     saved_shard: str | None = None,
-) -> tuple[list[_tables.Rows], list[np.ndarray], bool]:
+) -> tuple[list[tables.Rows], list[np.ndarray], bool]:
     """Read and verify the rows of a table's chain, without touching any table.
 
     Parameters
@@ -119,7 +114,7 @@ def stage_table(
         marker where the next array of ``removed`` (the keys an incremental link removed)
         applies; and whether any saved shard has more than one link.
     """
-    rows: list[_tables.Rows] = []
+    rows: list[tables.Rows] = []
     removed: list[np.ndarray] = []
     links = table_links(store, doc, name)
     if saved_shard is not None:
@@ -131,30 +126,30 @@ def stage_table(
                 ent.get("data_tag", tag), name, int(s), ent.get("hash_tag")
             )
             what = f"table {name!r} (tag {tag!r}, shard {s})"
-            sel = _tables.blocks_for_shard(info["blocks"], shard, num_shards)
-            blocks = _tables.read_blocks(
+            sel = tables.blocks_for_shard(info["blocks"], shard, num_shards)
+            blocks = tables.read_blocks(
                 store, prefix, sel, what, shard, num_shards, ent.get("hash_tag"), on_bytes
             )
             rows.extend(blocks)  # zero-copy views into the records read
             if info.get("removed_pieces"):
-                rk = _keylists.read_key_list(
-                    store, prefix, info["removed_pieces"], what, _keylists.REMOVED
+                rk = keylists.read_key_list(
+                    store, prefix, info["removed_pieces"], what, keylists.REMOVED
                 )
-                rows.append(_tables.Rows(*([None] * 5)))  # marker: apply removals here
-                removed.append(_tables.filter_keys(rk, shard, num_shards))
+                rows.append(tables.Rows(*([None] * 5)))  # marker: apply removals here
+                removed.append(tables.filter_keys(rk, shard, num_shards))
     return rows, removed, is_chain
 
 
 def _table_items(
     store: KVStore, doc: dict[str, Any], name: str, shard: int | None, num_shards: int | None
-) -> tuple[list[_bulk.Item], int]:
+) -> tuple[list[bulk.Item], int]:
     """The blocks and removals of a table's chain, in order, for :func:`bulk.restore`.
 
     Each block gets the row positions ``pos .. pos + rows`` of the table's bulk import (in
     the order the rows are applied). Returns the items (``imp`` still unset) and the number
     of positions. The removed-key lists of incremental links are read here.
     """
-    items: list[_bulk.Item] = []
+    items: list[bulk.Item] = []
     pos = 0
     row_bytes = 8 + 4 * doc["tables"][name]["dim"] * 3 + 16  # as the progress total counts
     for s, chain in table_links(store, doc, name).items():
@@ -162,21 +157,21 @@ def _table_items(
             hash_tag = ent.get("hash_tag")
             prefix = layout.table_prefix(ent.get("data_tag", tag), name, int(s), hash_tag)
             what = f"table {name!r} (tag {tag!r}, shard {s})"
-            for b, filt in _tables.blocks_for_shard(info["blocks"], shard, num_shards):
-                items.append(_bulk.Block(
+            for b, filt in tables.blocks_for_shard(info["blocks"], shard, num_shards):
+                items.append(bulk.Block(
                     None, name, layout.block_key(prefix, b[1], b[0], hash_tag), pos, b[2], filt,
                     shard, num_shards, f"{what} block {b[1]}", b[2] * row_bytes,
                 ))
                 pos += b[2]
             if info.get("removed_pieces"):
-                rk = _keylists.read_key_list(
-                    store, prefix, info["removed_pieces"], what, _keylists.REMOVED
+                rk = keylists.read_key_list(
+                    store, prefix, info["removed_pieces"], what, keylists.REMOVED
                 )
-                items.append(_bulk.Removal(None, _tables.filter_keys(rk, shard, num_shards)))
+                items.append(bulk.Removal(None, tables.filter_keys(rk, shard, num_shards)))
     return items, pos
 
 
-def _import(table: Any, pending: list[_tables.Rows], presized: bool) -> None:
+def _import(table: Any, pending: list[tables.Rows], presized: bool) -> None:
     """Import staged rows so that the table grows at most once.
 
     A table built with room for every row, and a tiered table, import block by block;
@@ -197,10 +192,10 @@ def _import(table: Any, pending: list[_tables.Rows], presized: bool) -> None:
 
 
 def _apply_rows(
-    table: Any, rows: list[_tables.Rows], removed: list[np.ndarray], presized: bool = False
+    table: Any, rows: list[tables.Rows], removed: list[np.ndarray], presized: bool = False
 ) -> None:
     """Import staged rows into ``table`` in order, applying removals at their markers."""
-    pending: list[_tables.Rows] = []
+    pending: list[tables.Rows] = []
     it = iter(removed)
     for r in rows:
         if r.keys is None:
@@ -224,7 +219,7 @@ def _table_class() -> Any:
     return EmbeddingTable
 
 
-def build_table(meta: dict[str, Any], rows: list[_tables.Rows], removed: list[np.ndarray]) -> Any:
+def build_table(meta: dict[str, Any], rows: list[tables.Rows], removed: list[np.ndarray]) -> Any:
     """A new EmbeddingTable holding staged rows.
 
     Parameters
@@ -263,7 +258,7 @@ def _table_dim(table: Any) -> int:
     return int(dim)
 
 
-def _check_slots(name: str, table: Any, rows: list[_tables.Rows]) -> None:
+def _check_slots(name: str, table: Any, rows: list[tables.Rows]) -> None:
     nslots = getattr(table, "num_slots", None)
     if nslots is None:
         return
@@ -278,7 +273,7 @@ def _check_slots(name: str, table: Any, rows: list[_tables.Rows]) -> None:
             )
 
 
-def _check_room(name: str, table: Any, rows: list[_tables.Rows] | int) -> None:
+def _check_room(name: str, table: Any, rows: list[tables.Rows] | int) -> None:
     limit = getattr(table, "capacity_limit", None)
     if limit is None or getattr(table, "growth", True):
         return
@@ -380,7 +375,7 @@ def load(
         )
     kind, dense_t, tables_t = (None, {}, {}) if obj is None else collect(obj)
     with using_store(url) as store:
-        doc = _manifest.read(store, tag)
+        doc = manifest.read(store, tag)
         if kind == "table" and SINGLE_TABLE_NAME not in doc["tables"] and len(doc["tables"]) == 1:
             tables_t = {next(iter(doc["tables"])): tables_t[SINGLE_TABLE_NAME]}
         dnames, tnames = _select(doc, kind, dense_t, tables_t, variables)
@@ -392,8 +387,8 @@ def load(
                 )
             if n in dense_t:
                 tgt = dense_t[n]
-                arr_like = _dense.to_numpy(n, tgt)[0]
-                _dense.check_against(n, doc["dense"][n], arr_like)
+                arr_like = dense.to_numpy(n, tgt)[0]
+                dense.check_against(n, doc["dense"][n], arr_like)
         for n in tnames:
             if n in dense_t:
                 raise CheckpointError(
@@ -420,11 +415,11 @@ def load(
         fast = [n for n in tnames if n not in tables_t or
                 getattr(tables_t[n], "can_bulk_import", False)]
         slow = [n for n in tnames if n not in fast]
-        items: list[_bulk.Item] = []
+        items: list[bulk.Item] = []
         staged_dense: dict[str, np.ndarray] = {}
         pages = FreshPages()  # base pages for the new dense arrays
         for n in dnames:
-            staged_dense[n], chunks = _bulk.dense_items(n, doc["dense"][n], pages)
+            staged_dense[n], chunks = bulk.dense_items(n, doc["dense"][n], pages)
             items.extend(chunks)
         imports: dict[str, Any] = {}
         for n in fast:
@@ -440,7 +435,7 @@ def load(
             items.extend(table_items)
         pbar = bar(total, f"load {doc['tag']}", progress)
         try:
-            _bulk.restore(store, items, pbar.update)
+            bulk.restore(store, items, pbar.update)
             staged_tables = {
                 n: stage_table(store, doc, n, shard, num_shards, pbar.update) for n in slow
             }
@@ -486,7 +481,7 @@ def load(
                 only = next(iter(info.values()))
                 sid = only.get("state")
                 if sid:
-                    _tables.known_states(target)[sid] = _tables.table_seq(target)
+                    tables.known_states(target)[sid] = tables.table_seq(target)
         return obj
 
 
@@ -496,11 +491,11 @@ def _assign_dense(obj: Any, kind: str | None, dense_t: dict[str, Any], name: str
     if tgt is None:
         obj[name] = arr
         return
-    if _dense.is_torch_tensor(tgt):
+    if dense.is_torch_tensor(tgt):
         import torch
 
         with torch.no_grad():
-            tgt.copy_(_dense.to_torch(arr, torch_dtype))
+            tgt.copy_(dense.to_torch(arr, torch_dtype))
         return
     if isinstance(tgt, np.ndarray) and tgt.flags.writeable:
         np.copyto(tgt, arr)
@@ -524,7 +519,7 @@ def read_tensor(url: str | KVStore, tag: str, name: str, index: Any = None) -> n
         the chunks holding the rows of axis 0 it selects are read.
     """
     with using_store(url) as store:
-        doc = _manifest.read(store, tag)
+        doc = manifest.read(store, tag)
         ent = doc["dense"].get(name)
         if ent is None:
             where = " (it is an embedding table: use load(None, url, tag, variables=[...]))" if (
@@ -534,5 +529,5 @@ def read_tensor(url: str | KVStore, tag: str, name: str, index: Any = None) -> n
                 f"{sorted(doc['dense'])}"
             )
         if index is None:
-            return _dense.read_full(store, name, ent)
-        return _dense.read_slice(store, name, ent, index)
+            return dense.read_full(store, name, ent)
+        return dense.read_slice(store, name, ent, index)

@@ -15,11 +15,7 @@ from typing import Any
 import numpy as np
 
 from tensorkv import config
-from tensorkv.checkpoint import dense as _dense
-from tensorkv.checkpoint import keylists as _keylists
-from tensorkv.checkpoint import layout, refs
-from tensorkv.checkpoint import manifest as _manifest
-from tensorkv.checkpoint import tables as _tables
+from tensorkv.checkpoint import dense, keylists, layout, manifest, refs, tables
 from tensorkv.checkpoint.access import using_store, writeback_starter
 from tensorkv.checkpoint.objects import collect
 from tensorkv.checkpoint.progress import bar
@@ -61,16 +57,16 @@ def _row_bytes(table: Any) -> int:
 def _parent_keys(
     store: KVStore, parent_doc: dict[str, Any], name: str, shard: str, table: Any,
     parent_info: dict[str, Any],
-) -> _keylists.KeySet:
+) -> keylists.KeySet:
     """The key set of a table shard at the parent tag.
 
     Taken from memory when this table object saved that state, else rebuilt from the key
     lists along the parent chain.
     """
-    hit = _keylists.cached(table, parent_info["state"])
+    hit = keylists.cached(table, parent_info["state"])
     if hit is not None:
         return hit
-    return _keylists.chain_key_set(store, parent_doc, name, shard, _manifest.getter(store))
+    return keylists.chain_key_set(store, parent_doc, name, shard, manifest.getter(store))
 
 
 def save_table(
@@ -117,10 +113,10 @@ def save_table(
     bucket_bits = opts["bucket_bits"]
     chunk_rows = opts["block_rows"] << bucket_bits
     prefix = layout.table_prefix(tag, name, shard, hash_tag)
-    w = _tables.BlockWriter(
+    w = tables.BlockWriter(
         store, prefix, hash_tag, on_bytes, opts.get("after_write"), owner=table
     )
-    seq = _tables.table_seq(table)
+    seq = tables.table_seq(table)
     meta = table.state_dict_meta()
     entry: dict[str, Any] = {
         "meta": meta,
@@ -137,7 +133,7 @@ def save_table(
         if parent_doc is not None:
             pent = parent_doc["tables"].get(name)
             pinfo = None if pent is None else pent["shards"].get(str(shard))
-            known = _tables.known_states(table)
+            known = tables.known_states(table)
             same_layout = pent is not None and pent.get("hash_tag") == hash_tag
             if pinfo is not None and pinfo.get("state") in known and same_layout:
                 since = known[pinfo["state"]]
@@ -155,19 +151,19 @@ def save_table(
                 )
                 info["note"] = f"full save: {why}"
         if since is None:
-            runs = _tables.SortedRuns()  # merged on the helper thread as chunks arrive
-            blocks = _tables.write_table(w, table, chunk_rows, bucket_bits, on_keys=runs.append)
-            keyset = _keylists.KeySet(_tables.merge_sorted(runs))
+            runs = tables.SortedRuns()  # merged on the helper thread as chunks arrive
+            blocks = tables.write_table(w, table, chunk_rows, bucket_bits, on_keys=runs.append)
+            keyset = keylists.KeySet(tables.merge_sorted(runs))
             info["key_list"] = "full"
-            info["key_pieces"] = _keylists.write_key_list(w, keyset.base, _keylists.FULL)
+            info["key_pieces"] = keylists.write_key_list(w, keyset.base, keylists.FULL)
             removed = np.empty(0, np.int64)
         else:
             assert parent_doc is not None and parent_info is not None
             entry["full"] = False
-            parent: list[_keylists.KeySet] = []
+            parent: list[keylists.KeySet] = []
             new_parts: list[np.ndarray] = []
 
-            def parent_keys() -> _keylists.KeySet:
+            def parent_keys() -> keylists.KeySet:
                 if not parent:
                     parent.append(
                         _parent_keys(store, parent_doc, name, str(shard), table, parent_info)
@@ -181,23 +177,23 @@ def save_table(
 
             # Export chunks of block_rows changed rows (blocks of ~block_rows / 2**bucket_bits
             # rows): a small delta is then written while the rest is still being gathered.
-            blocks = _tables.write_table(
+            blocks = tables.write_table(
                 w, table, opts["block_rows"], bucket_bits, since, on_keys=on_keys
             )
             pset = parent_keys()
-            added = _tables.merge_sorted(new_parts)
+            added = tables.merge_sorted(new_parts)
             if len(table) == len(pset) + len(added):
                 removed = np.empty(0, np.int64)
             else:  # some keys were removed since the parent: diff the key sets
                 pkeys = pset.to_array()
                 keys = np.sort(np.asarray(table.keys(), dtype=np.int64))
-                removed = pkeys[~_keylists.sorted_member(keys, pkeys)]
+                removed = pkeys[~keylists.sorted_member(keys, pkeys)]
             keyset = pset.apply(added, removed, check=False)
             info["key_list"] = "delta"
             info["key_pieces"] = 0
             info["added"] = int(len(added))
             info["added_pieces"] = (
-                _keylists.write_key_list(w, added, _keylists.ADDED) if len(added) else 0
+                keylists.write_key_list(w, added, keylists.ADDED) if len(added) else 0
             )
         info.update(
             {
@@ -206,7 +202,7 @@ def save_table(
                 "num_keys": int(len(keyset)),
                 "removed": int(len(removed)),
                 "removed_pieces": (
-                    _keylists.write_key_list(w, removed, _keylists.REMOVED) if len(removed) else 0
+                    keylists.write_key_list(w, removed, keylists.REMOVED) if len(removed) else 0
                 ),
                 "seq": seq,
             }
@@ -216,8 +212,8 @@ def save_table(
         w.abort()
         raise
     info["full"] = since is None
-    info["state"] = _tables.remember_state(table, seq)
-    _keylists.remember(table, info["state"], keyset)
+    info["state"] = tables.remember_state(table, seq)
+    keylists.remember(table, info["state"], keyset)
     entry["shards"][str(shard)] = info
     return entry
 
@@ -236,8 +232,8 @@ def save(
     ttl: float | None = None,
     parent: str | None = None,
     hash_tag: str | None = None,
-    block_rows: int = _tables.DEFAULT_BLOCK_ROWS,
-    bucket_bits: int = _tables.DEFAULT_BUCKET_BITS,
+    block_rows: int = tables.DEFAULT_BLOCK_ROWS,
+    bucket_bits: int = tables.DEFAULT_BUCKET_BITS,
     chunk_bytes: int = config.CHECKPOINT_CHUNK_BYTES,
 ) -> str:
     """Save a model into a key-value store as a new tag.
@@ -311,7 +307,7 @@ def save(
     torch_dtypes: dict[str, str | None] = {}
     for name, val in dense_in.items():
         layout.check_var_name(name)
-        arrays[name], torch_dtypes[name] = _dense.to_numpy(name, val)
+        arrays[name], torch_dtypes[name] = dense.to_numpy(name, val)
     opts: dict[str, Any] = {
         "hash_tag": hash_tag, "bucket_bits": bucket_bits, "block_rows": block_rows
     }
@@ -333,20 +329,20 @@ def save(
         ).encode())
         parent_doc = None
         try:
-            docs = _manifest.read_all(store, include_expired=True)  # once: parent and chunks
+            docs = manifest.read_all(store, include_expired=True)  # once: parent and chunks
             if incremental:
                 if parent is not None:
-                    parent_doc = _manifest.read(store, parent)
+                    parent_doc = manifest.read(store, parent)
                 else:
                     now = time.time()
-                    live = {t: d for t, d in docs.items() if not _manifest.is_expired(d, now)}
+                    live = {t: d for t, d in docs.items() if not manifest.is_expired(d, now)}
                     if live:
-                        parent_doc = live[_manifest.sorted_tags(live)[-1]]
+                        parent_doc = live[manifest.sorted_tags(live)[-1]]
         except BaseException:
             with contextlib.suppress(Exception):
                 store.delete(pkey)
             raise
-        doc = _manifest.new_manifest(
+        doc = manifest.new_manifest(
             tag,
             step=step,
             parent=None if parent_doc is None else parent_doc["tag"],
@@ -369,14 +365,14 @@ def save(
 
         try:
             known = refs.referenced_chunks(store, docs)
-            dense_w = _tables.BlockWriter(store, b"", None, on_bytes, opts["after_write"])
+            dense_w = tables.BlockWriter(store, b"", None, on_bytes, opts["after_write"])
 
             def write_dense() -> None:
                 # hashes the dense chunks (xxhash lets the table gather run meanwhile) and
                 # queues the new ones on dense_w's writer thread
                 for name, arr in arrays.items():
-                    doc["dense"][name] = _dense.describe(arr, torch_dtypes[name], chunk_bytes)
-                _dense.write_tensors(dense_w, arrays, doc["dense"], known, on_bytes)
+                    doc["dense"][name] = dense.describe(arr, torch_dtypes[name], chunk_bytes)
+                dense.write_tensors(dense_w, arrays, doc["dense"], known, on_bytes)
                 dense_w.send()
 
             with ThreadPoolExecutor(1, thread_name_prefix="tensorkv-ckpt-dense") as helper:
@@ -403,9 +399,9 @@ def save(
             if ttl is not None:
                 doc["expires"] = doc["created"] + float(ttl)
             if nshards == 1:
-                store.put(layout.manifest_key(tag), _manifest.encode_manifest(doc))
+                store.put(layout.manifest_key(tag), manifest.encode_manifest(doc))
             else:
-                store.put(layout.shard_manifest_key(tag, shard_i), _manifest.encode_manifest(doc))
+                store.put(layout.shard_manifest_key(tag, shard_i), manifest.encode_manifest(doc))
             store.flush()
         except BaseException:
             _cleanup_failed(store, tag, shard_i, list(tables_in), hash_tag)

@@ -9,9 +9,7 @@ import time
 import uuid
 from typing import Any
 
-from tensorkv.checkpoint import layout, refs
-from tensorkv.checkpoint import manifest as _manifest
-from tensorkv.checkpoint import tables as _tables
+from tensorkv.checkpoint import layout, manifest, refs, tables
 from tensorkv.checkpoint.access import using_store
 from tensorkv.checkpoint.load import build_table, stage_table
 from tensorkv.checkpoint.save import save_table
@@ -34,8 +32,8 @@ def list_tags(url: str | KVStore, *, details: bool = False, include_expired: boo
         Also list expired tags (not yet removed by gc).
     """
     with using_store(url) as store:
-        docs = _manifest.read_all(store, include_expired=include_expired)
-    names = _manifest.sorted_tags(docs)
+        docs = manifest.read_all(store, include_expired=include_expired)
+    names = manifest.sorted_tags(docs)
     if not details:
         return names
     return [summary(docs[t]) for t in names]
@@ -70,7 +68,7 @@ def latest_tag(url: str | KVStore) -> str | None:
 def tag_info(url: str | KVStore, tag: str = "latest") -> dict[str, Any]:
     """The manifest of a tag (a dict; see docs/format.md)."""
     with using_store(url) as store:
-        return _manifest.read(store, tag)
+        return manifest.read(store, tag)
 
 
 def _children(docs: dict[str, dict[str, Any]], tag: str) -> list[str]:
@@ -90,9 +88,9 @@ def delete_tag(url: str | KVStore, tag: str, *, force: bool = False) -> None:
     with using_store(url) as store:
         raw = store.get(layout.manifest_key(tag))
         if raw is None:
-            _manifest.read(store, tag)  # raises TagNotFoundError listing the tags
-        doc = _manifest.decode_manifest(raw, f"tag {tag!r}")
-        docs = _manifest.read_all(store, include_expired=True)
+            manifest.read(store, tag)  # raises TagNotFoundError listing the tags
+        doc = manifest.decode_manifest(raw, f"tag {tag!r}")
+        docs = manifest.read_all(store, include_expired=True)
         kids = _children(docs, tag)
         if kids and not force:
             raise CheckpointError(
@@ -107,9 +105,9 @@ def delete_tag(url: str | KVStore, tag: str, *, force: bool = False) -> None:
 def expire_tag(url: str | KVStore, tag: str, ttl: float | None) -> None:
     """Set (seconds from now) or clear (None) the expiry of a tag."""
     with using_store(url) as store:
-        doc = _manifest.read(store, tag)
+        doc = manifest.read(store, tag)
         doc["expires"] = None if ttl is None else time.time() + float(ttl)
-        store.put(layout.manifest_key(doc["tag"]), _manifest.encode_manifest(doc))
+        store.put(layout.manifest_key(doc["tag"]), manifest.encode_manifest(doc))
 
 
 def _copy_records(src: KVStore, dst: KVStore, pairs: list[tuple[bytes, bytes]], what: str) -> None:
@@ -159,14 +157,14 @@ def write_copy(
                 sp = layout.table_prefix(ent.get("data_tag", doc["tag"]), name, int(s), hash_tag)
                 dp = layout.table_prefix(data_tag, name, int(s), hash_tag)
                 pairs += list(zip(
-                    _tables.record_keys(sp, info, hash_tag),
-                    _tables.record_keys(dp, info, hash_tag), strict=True,
+                    tables.record_keys(sp, info, hash_tag),
+                    tables.record_keys(dp, info, hash_tag), strict=True,
                 ))
             _copy_records(src, dst, pairs, f"table {name!r} of tag {doc['tag']!r}")
             new["tables"][name] = {**ent, "data_tag": data_tag}
         else:
             opts = {"hash_tag": hash_tag, "bucket_bits": ent.get("bucket_bits", 4),
-                    "block_rows": _tables.DEFAULT_BLOCK_ROWS}
+                    "block_rows": tables.DEFAULT_BLOCK_ROWS}
             nent = None
             for s in ent["shards"]:  # fold each saved shard's chain on its own
                 table = _materialize_table(src, doc, name, s)
@@ -208,7 +206,7 @@ def copy_tag(
         The new tag. Incremental tags are folded into a full tag on the way.
     """
     with using_store(url) as src:
-        doc = _manifest.read(src, src_tag)
+        doc = manifest.read(src, src_tag)
         dst_tag = layout.check_tag(dst_tag or doc["tag"])
         if dst_url is None:
             if dst_tag == doc["tag"]:
@@ -225,7 +223,7 @@ def _copy_into(src: KVStore, doc: dict[str, Any], dst: KVStore, dst_tag: str) ->
         raise CheckpointError(f"tag {dst_tag!r} already exists in {dst.url!r}; delete it first")
     new = write_copy(src, doc, dst, dst_tag)
     dst.flush()
-    dst.put(layout.manifest_key(dst_tag), _manifest.encode_manifest(new))
+    dst.put(layout.manifest_key(dst_tag), manifest.encode_manifest(new))
     dst.flush()
 
 
@@ -235,7 +233,7 @@ def compact(url: str | KVStore, tag: str) -> dict[str, Any]:
     Returns the new manifest. A full tag is left as it is.
     """
     with using_store(url) as store:
-        doc = _manifest.read(store, tag)
+        doc = manifest.read(store, tag)
         if not doc.get("incremental"):
             return doc
         data_tag = f"{doc['tag']}~{uuid.uuid4().hex[:8]}"
@@ -245,7 +243,7 @@ def compact(url: str | KVStore, tag: str) -> dict[str, Any]:
         new["compacted_from"] = doc.get("parent")
         new["created"] = doc["created"]  # keep its place in the tag order
         store.flush()
-        store.put(layout.manifest_key(doc["tag"]), _manifest.encode_manifest(new))
+        store.put(layout.manifest_key(doc["tag"]), manifest.encode_manifest(new))
         store.flush()
         store.delete(pkey)
         keys = refs.table_data_keys(doc)
@@ -270,7 +268,7 @@ def dump_tag(url: str | KVStore, tag: str, path: str) -> int:
     from tensorkv.stores.memory import MemoryStore
 
     with using_store(url) as store:
-        doc = _manifest.read(store, tag)
+        doc = manifest.read(store, tag)
         tmp = MemoryStore()
         if doc.get("incremental"):
             new = write_copy(store, doc, tmp, doc["tag"])
@@ -293,7 +291,7 @@ def dump_tag(url: str | KVStore, tag: str, path: str) -> int:
                     f.write(k)
                     f.write(v)
                     written += len(v)
-            m = _manifest.encode_manifest(new)
+            m = manifest.encode_manifest(new)
             mk = layout.manifest_key(new["tag"])
             f.write(_REC.pack(len(mk), len(m), checksum(m)) + mk + m)
             f.write(_REC.pack(0, 0, 0))
@@ -333,7 +331,7 @@ def restore_tag(path: str, url: str | KVStore, tag: str | None = None) -> str:
             records.append((k, v))
     if not records or not records[-1][0].startswith(layout.MANIFEST):
         raise CorruptRecordError(f"{path!r} does not end with a manifest")
-    doc = _manifest.decode_manifest(records[-1][1], f"the dump {path!r}")
+    doc = manifest.decode_manifest(records[-1][1], f"the dump {path!r}")
     new_tag = layout.check_tag(tag or doc["tag"])
     data = dict(records[:-1])
     with using_store(url) as store:
@@ -343,7 +341,7 @@ def restore_tag(path: str, url: str | KVStore, tag: str | None = None) -> str:
         new = write_copy(mem_src, doc, store, new_tag)  # type: ignore[arg-type]
         new["restored_from"] = path
         store.flush()
-        store.put(layout.manifest_key(new_tag), _manifest.encode_manifest(new))
+        store.put(layout.manifest_key(new_tag), manifest.encode_manifest(new))
         store.flush()
     return new_tag
 
