@@ -237,7 +237,14 @@ def _axis0_range(index: Any, n0: int) -> tuple[int, int, Any]:
 
 
 def read_slice(store: KVStore, name: str, entry: dict[str, Any], index: Any) -> np.ndarray:
-    """Read ``tensor[index]`` fetching only the chunks that hold the rows of axis 0 it needs."""
+    """Read ``tensor[index]`` fetching only the chunks that hold the rows of axis 0 it needs.
+
+    Raises
+    ------
+    IndexError
+        The index is out of bounds or not a basic index. A plain IndexError, as numpy
+        raises: ``tensorkv.errors`` has no class for a bad index (yet).
+    """
     shape = tuple(entry["shape"])
     dt = entry_dtype(entry)
     if not shape:

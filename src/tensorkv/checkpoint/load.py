@@ -10,7 +10,7 @@ from tensorkv.checkpoint import bulk, dense, keylists, layout, manifest, tables
 from tensorkv.checkpoint.access import using_store
 from tensorkv.checkpoint.objects import SINGLE_TABLE_NAME, collect
 from tensorkv.checkpoint.progress import bar
-from tensorkv.errors import CheckpointError, ShapeError
+from tensorkv.errors import CapacityError, CheckpointError, ShapeError
 from tensorkv.pages import FreshPages
 from tensorkv.stores.base import KVStore
 
@@ -280,8 +280,6 @@ def _check_room(name: str, table: Any, rows: list[tables.Rows] | int) -> None:
     n = rows if isinstance(rows, int) else sum(  # an upper bound
         r.keys.shape[0] for r in rows if r.keys is not None)
     if n > limit:
-        from tensorkv.errors import CapacityError
-
         raise CapacityError(
             f"table {name!r}: the checkpoint holds up to {n} rows but the target table may "
             f"hold at most capacity={limit} (growth=False); build it with a larger capacity"
