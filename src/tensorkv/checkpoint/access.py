@@ -14,7 +14,7 @@ from tensorkv.errors import ConfigError, StoreError
 from tensorkv.stores.base import KVStore
 
 
-def _open_retrying(open_store: Any, url: str, **options: Any) -> KVStore:
+def _open_retrying(open_store: Callable[..., KVStore], url: str, **options: Any) -> KVStore:
     # An LMDB environment opened while another process grows its map can fail with
     # MDB_MAP_RESIZED; opening again a moment later sees the new size.
     for attempt in range(4):

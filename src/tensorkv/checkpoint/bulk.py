@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +33,9 @@ from typing import Any
 import numpy as np
 
 from tensorkv.checkpoint import dense, layout, tables
+from tensorkv.checkpoint.progress import OnBytes
 from tensorkv.errors import CorruptRecordError, ShapeError
+from tensorkv.pages import FreshPages
 from tensorkv.stores.base import KVStore
 
 #: Worker threads that verify and copy records (the calling thread builds the hash index).
@@ -77,13 +80,15 @@ class Chunk:
     key: bytes
     flat: np.ndarray
     nbytes: int
-    pages: Any  # tensorkv.pages.FreshPages
+    pages: FreshPages
 
 
 Item = Block | Removal | Chunk
 
 
-def dense_items(name: str, entry: dict[str, Any], pages: Any) -> tuple[np.ndarray, list[Chunk]]:
+def dense_items(
+    name: str, entry: dict[str, Any], pages: FreshPages
+) -> tuple[np.ndarray, list[Chunk]]:
     """A new array for a stored tensor and the chunk items that fill it.
 
     ``pages`` (a :class:`tensorkv.pages.FreshPages`) tracks the array: the copies
@@ -155,8 +160,6 @@ def _values(store: KVStore, records: list[Block | Chunk], stack: ExitStack) -> I
             lo, size = i + 1, 0
     if not groups:
         return
-    from concurrent.futures import ThreadPoolExecutor
-
     pool = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="tensorkv-ckpt-read"))
     nxt = pool.submit(store.get_many, keys[groups[0][0] : groups[0][1]])
     for gi in range(len(groups)):
@@ -168,14 +171,12 @@ def _values(store: KVStore, records: list[Block | Chunk], stack: ExitStack) -> I
         del vals
 
 
-def restore(store: KVStore, items: list[Item], on_bytes: Any = None) -> None:
+def restore(store: KVStore, items: list[Item], on_bytes: OnBytes | None = None) -> None:
     """Read, verify and place every item (see the module docstring).
 
     Raises the error of the first bad record in ``items`` order, once every worker has
     stopped; the bulk imports are then half filled and must be dropped.
     """
-    from concurrent.futures import ThreadPoolExecutor
-
     records = [it for it in items if not isinstance(it, Removal)]
     with ExitStack() as stack:  # the values read stay valid until every worker has stopped
         values = _values(store, records, stack)
@@ -186,8 +187,10 @@ def restore(store: KVStore, items: list[Item], on_bytes: Any = None) -> None:
             pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _run(pool: Any, items: list[Item], values: Iterator[Any], on_bytes: Any) -> None:
-    pending: deque[tuple[Item, Any]] = deque()
+def _run(
+    pool: ThreadPoolExecutor, items: list[Item], values: Iterator[Any], on_bytes: OnBytes | None
+) -> None:
+    pending: deque[tuple[Item, Future[int] | None]] = deque()
     in_flight = 0
 
     def finish() -> None:
@@ -197,6 +200,7 @@ def _run(pool: Any, items: list[Item], values: Iterator[Any], on_bytes: Any) -> 
             if len(it.keys):
                 it.imp.remove(it.keys)
             return
+        assert fut is not None
         n = fut.result()
         in_flight -= it.nbytes
         if isinstance(it, Block):
@@ -208,8 +212,11 @@ def _run(pool: Any, items: list[Item], values: Iterator[Any], on_bytes: Any) -> 
         if isinstance(it, Removal):
             pending.append((it, None))
             continue
-        work = _restore_block if isinstance(it, Block) else _restore_chunk
-        pending.append((it, pool.submit(work, it, next(values))))
+        if isinstance(it, Block):
+            fut = pool.submit(_restore_block, it, next(values))
+        else:
+            fut = pool.submit(_restore_chunk, it, next(values))
+        pending.append((it, fut))
         in_flight += it.nbytes
         while in_flight > IN_FLIGHT_BYTES:
             finish()

@@ -60,7 +60,7 @@ def _scan_orphans(store: KVStore, grace: float | None) -> tuple[CheckReport, lis
     all_docs = refs.all_docs(store)
     shard_tags = {
         bytes(k[len(layout.SHARD_MANIFEST) :]).rpartition(b"/")[0].decode()
-        for k in store.scan(layout.SHARD_MANIFEST, keys_only=True)
+        for k in store.keys(layout.SHARD_MANIFEST)
     }
     rep.incomplete = sorted(shard_tags - set(docs))
     marks = refs.pending_markers(store)
@@ -70,7 +70,7 @@ def _scan_orphans(store: KVStore, grace: float | None) -> tuple[CheckReport, lis
     owned = {k for d in all_docs for k in refs.table_data_keys(d)}
     chunks = {d for doc in all_docs for e in doc["dense"].values() for d in e["chunks"]}
     protected: list[bytes] = []
-    for k in store.scan(layout.TABLE, keys_only=True):
+    for k in store.keys(layout.TABLE):
         k = bytes(k)
         if k in owned:
             continue
@@ -78,7 +78,7 @@ def _scan_orphans(store: KVStore, grace: float | None) -> tuple[CheckReport, lis
             protected.append(k)
         else:
             rep.orphan_keys.append(k)
-    for k in store.scan(layout.CHUNK, keys_only=True):
+    for k in store.keys(layout.CHUNK):
         k = bytes(k)
         if k[len(layout.CHUNK) :].decode() not in chunks:
             if live_tags:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -9,7 +10,7 @@ import numpy as np
 from tensorkv.checkpoint import bulk, dense, keylists, layout, manifest, tables
 from tensorkv.checkpoint.access import using_store
 from tensorkv.checkpoint.objects import SINGLE_TABLE_NAME, collect
-from tensorkv.checkpoint.progress import bar
+from tensorkv.checkpoint.progress import OnBytes, bar
 from tensorkv.errors import CapacityError, CheckpointError, ShapeError
 from tensorkv.pages import FreshPages
 from tensorkv.stores.base import KVStore
@@ -65,7 +66,7 @@ def table_links(
     return out
 
 
-def _join_rows(blocks: Any, capacity: int) -> tables.Rows | None:
+def _join_rows(blocks: Iterable[tables.Rows], capacity: int) -> tables.Rows | None:
     """Copy blocks into one set of arrays (one import call: the table grows once)."""
     out: tables.Rows | None = None
     filled = 0
@@ -87,9 +88,9 @@ def stage_table(
     name: str,
     shard: int | None,
     num_shards: int | None,
-    on_bytes: Any,
+    on_bytes: OnBytes | None,
     saved_shard: str | None = None,
-) -> tuple[list[tables.Rows], list[np.ndarray], bool]:
+) -> tuple[list[tables.Rows | None], list[np.ndarray], bool]:
     """Read and verify the rows of a table's chain, without touching any table.
 
     Parameters
@@ -111,10 +112,10 @@ def stage_table(
     -------
     (rows, removed, is_chain)
         The blocks (zero-copy views of the records read) in the order to apply them, with a
-        marker where the next array of ``removed`` (the keys an incremental link removed)
+        None where the next array of ``removed`` (the keys an incremental link removed)
         applies; and whether any saved shard has more than one link.
     """
-    rows: list[tables.Rows] = []
+    rows: list[tables.Rows | None] = []
     removed: list[np.ndarray] = []
     links = table_links(store, doc, name)
     if saved_shard is not None:
@@ -135,21 +136,21 @@ def stage_table(
                 rk = keylists.read_key_list(
                     store, prefix, info["removed_pieces"], what, keylists.REMOVED
                 )
-                rows.append(tables.Rows(*([None] * 5)))  # marker: apply removals here
+                rows.append(None)  # marker: apply removals here
                 removed.append(tables.filter_keys(rk, shard, num_shards))
     return rows, removed, is_chain
 
 
 def _table_items(
     store: KVStore, doc: dict[str, Any], name: str, shard: int | None, num_shards: int | None
-) -> tuple[list[bulk.Item], int]:
+) -> tuple[list[bulk.Block | bulk.Removal], int]:
     """The blocks and removals of a table's chain, in order, for :func:`bulk.restore`.
 
     Each block gets the row positions ``pos .. pos + rows`` of the table's bulk import (in
     the order the rows are applied). Returns the items (``imp`` still unset) and the number
     of positions. The removed-key lists of incremental links are read here.
     """
-    items: list[bulk.Item] = []
+    items: list[bulk.Block | bulk.Removal] = []
     pos = 0
     row_bytes = 8 + 4 * doc["tables"][name]["dim"] * 3 + 16  # as the progress total counts
     for s, chain in table_links(store, doc, name).items():
@@ -192,13 +193,13 @@ def _import(table: Any, pending: list[tables.Rows], presized: bool) -> None:
 
 
 def _apply_rows(
-    table: Any, rows: list[tables.Rows], removed: list[np.ndarray], presized: bool = False
+    table: Any, rows: list[tables.Rows | None], removed: list[np.ndarray], presized: bool = False
 ) -> None:
     """Import staged rows into ``table`` in order, applying removals at their markers."""
     pending: list[tables.Rows] = []
     it = iter(removed)
     for r in rows:
-        if r.keys is None:
+        if r is None:
             if pending:
                 _import(table, pending, presized)
                 pending = []
@@ -219,7 +220,9 @@ def _table_class() -> Any:
     return EmbeddingTable
 
 
-def build_table(meta: dict[str, Any], rows: list[tables.Rows], removed: list[np.ndarray]) -> Any:
+def build_table(
+    meta: dict[str, Any], rows: list[tables.Rows | None], removed: list[np.ndarray]
+) -> Any:
     """A new EmbeddingTable holding staged rows.
 
     Parameters
@@ -235,7 +238,7 @@ def build_table(meta: dict[str, Any], rows: list[tables.Rows], removed: list[np.
         Built with room for every row when it may grow (its saved capacity setting kept).
     """
     EmbeddingTable = _table_class()  # noqa: N806
-    n = sum(r.keys.shape[0] for r in rows if r.keys is not None)
+    n = sum(r.keys.shape[0] for r in rows if r is not None)
     cap = meta.get("capacity")
     if meta.get("growth", True) and n and (cap is None or cap < n):
         # Allocate the rows up front (lazily zeroed pages) instead of growing the arena,
@@ -258,13 +261,13 @@ def _table_dim(table: Any) -> int:
     return int(dim)
 
 
-def _check_slots(name: str, table: Any, rows: list[tables.Rows]) -> None:
+def _check_slots(name: str, table: Any, rows: list[tables.Rows | None]) -> None:
     nslots = getattr(table, "num_slots", None)
     if nslots is None:
         return
     want = int(nslots) * _table_dim(table)
     for r in rows:
-        if r.slots is not None and r.slots.shape[1] != want:
+        if r is not None and r.slots.shape[1] != want:
             opt = getattr(getattr(table, "optimizer", None), "name", "?")
             raise ShapeError(
                 f"table {name!r}: the checkpoint stores {r.slots.shape[1]} optimizer slot "
@@ -273,12 +276,12 @@ def _check_slots(name: str, table: Any, rows: list[tables.Rows]) -> None:
             )
 
 
-def _check_room(name: str, table: Any, rows: list[tables.Rows] | int) -> None:
+def _check_room(name: str, table: Any, rows: list[tables.Rows | None] | int) -> None:
     limit = getattr(table, "capacity_limit", None)
     if limit is None or getattr(table, "growth", True):
         return
     n = rows if isinstance(rows, int) else sum(  # an upper bound
-        r.keys.shape[0] for r in rows if r.keys is not None)
+        r.keys.shape[0] for r in rows if r is not None)
     if n > limit:
         raise CapacityError(
             f"table {name!r}: the checkpoint holds up to {n} rows but the target table may "

@@ -18,7 +18,7 @@ from tensorkv import config
 from tensorkv.checkpoint import dense, keylists, layout, manifest, refs, tables
 from tensorkv.checkpoint.access import using_store, writeback_starter
 from tensorkv.checkpoint.objects import collect
-from tensorkv.checkpoint.progress import bar
+from tensorkv.checkpoint.progress import OnBytes, bar
 from tensorkv.checkpoint.shards import merge_if_complete
 from tensorkv.errors import CheckpointError
 from tensorkv.stores.base import KVStore
@@ -78,7 +78,7 @@ def save_table(
     num_shards: int,
     parent_doc: dict[str, Any] | None,
     opts: dict[str, Any],
-    on_bytes: Any,
+    on_bytes: OnBytes | None,
 ) -> dict[str, Any]:
     """Write one shard of a table's rows and key list; return its manifest entry.
 

@@ -7,7 +7,7 @@ import os
 import struct
 import time
 import uuid
-from typing import Any
+from typing import Any, Literal, overload
 
 from tensorkv.checkpoint import layout, manifest, refs, tables
 from tensorkv.checkpoint.access import using_store
@@ -16,11 +16,32 @@ from tensorkv.checkpoint.save import save_table
 from tensorkv.codec import checksum
 from tensorkv.errors import CheckpointError, CorruptRecordError
 from tensorkv.stores.base import KVStore
+from tensorkv.stores.memory import MemoryStore
 
 COPY_BATCH_BYTES = 64 * 1024 * 1024
 
 
-def list_tags(url: str | KVStore, *, details: bool = False, include_expired: bool = False) -> Any:
+@overload
+def list_tags(
+    url: str | KVStore, *, details: Literal[False] = False, include_expired: bool = False
+) -> list[str]: ...
+
+
+@overload
+def list_tags(
+    url: str | KVStore, *, details: Literal[True], include_expired: bool = False
+) -> list[dict[str, Any]]: ...
+
+
+@overload
+def list_tags(
+    url: str | KVStore, *, details: bool, include_expired: bool = False
+) -> list[str] | list[dict[str, Any]]: ...
+
+
+def list_tags(
+    url: str | KVStore, *, details: bool = False, include_expired: bool = False
+) -> list[str] | list[dict[str, Any]]:
     """Visible tags, oldest first.
 
     Parameters
@@ -86,10 +107,7 @@ def delete_tag(url: str | KVStore, tag: str, *, force: bool = False) -> None:
     """
     layout.check_tag(tag)
     with using_store(url) as store:
-        raw = store.get(layout.manifest_key(tag))
-        if raw is None:
-            manifest.read(store, tag)  # raises TagNotFoundError listing the tags
-        doc = manifest.decode_manifest(raw, f"tag {tag!r}")
+        doc = manifest.read(store, tag, include_expired=True)  # or TagNotFoundError
         docs = manifest.read_all(store, include_expired=True)
         kids = _children(docs, tag)
         if kids and not force:
@@ -265,8 +283,6 @@ def dump_tag(url: str | KVStore, tag: str, path: str) -> int:
     uint64 value length, uint64 xxh3-64 of the value, key, value)``; the last record is the
     manifest, followed by a record with key length 0 (end marker). Works for every backend.
     """
-    from tensorkv.stores.memory import MemoryStore
-
     with using_store(url) as store:
         doc = manifest.read(store, tag)
         tmp = MemoryStore()
@@ -333,24 +349,14 @@ def restore_tag(path: str, url: str | KVStore, tag: str | None = None) -> str:
         raise CorruptRecordError(f"{path!r} does not end with a manifest")
     doc = manifest.decode_manifest(records[-1][1], f"the dump {path!r}")
     new_tag = layout.check_tag(tag or doc["tag"])
-    data = dict(records[:-1])
-    with using_store(url) as store:
-        if store.get(layout.manifest_key(new_tag)) is not None:
-            raise CheckpointError(f"tag {new_tag!r} already exists in {store.url!r}")
-        mem_src = _DictSource(data)
-        new = write_copy(mem_src, doc, store, new_tag)  # type: ignore[arg-type]
-        new["restored_from"] = path
-        store.flush()
-        store.put(layout.manifest_key(new_tag), manifest.encode_manifest(new))
-        store.flush()
+    with MemoryStore() as data:  # the dump's records (the bytes read, not copies)
+        data.put_many(records[:-1])
+        with using_store(url) as store:
+            if store.get(layout.manifest_key(new_tag)) is not None:
+                raise CheckpointError(f"tag {new_tag!r} already exists in {store.url!r}")
+            new = write_copy(data, doc, store, new_tag)
+            new["restored_from"] = path
+            store.flush()
+            store.put(layout.manifest_key(new_tag), manifest.encode_manifest(new))
+            store.flush()
     return new_tag
-
-
-class _DictSource:
-    """A read-only view of dump records with the get_many of a KVStore."""
-
-    def __init__(self, data: dict[bytes, bytes]) -> None:
-        self.data = data
-
-    def get_many(self, keys: list[bytes]) -> list[bytes | None]:
-        return [self.data.get(k) for k in keys]
