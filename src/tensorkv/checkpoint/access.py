@@ -1,4 +1,10 @@
-"""Opening the store a checkpoint call names (a URL or an already open KVStore)."""
+"""Opening the store a checkpoint call names (a URL or an already open KVStore).
+
+Stores opened here are closed when the call returns; LMDB ones skip per-transaction fsyncs,
+since checkpoint code flushes before each manifest (the order of writes that makes a tag
+atomic is in the "Atomic tags" section of ``docs/format.md``). Also the writeback hint that
+saves give an unsynced LMDB store after each batch.
+"""
 
 from __future__ import annotations
 

@@ -17,7 +17,8 @@ Work is split over threads (the copies, checksums and kernels release the GIL):
   ``READ_GROUP_BYTES`` on one more thread, a group ahead of the workers.
 
 Nothing is committed here: the caller commits the bulk imports (and assigns the arrays)
-only once every record has been read and verified, so a failed load changes nothing.
+only once every record has been read and verified, so a failed load changes nothing. The
+records themselves are described in ``docs/format.md``.
 """
 
 from __future__ import annotations

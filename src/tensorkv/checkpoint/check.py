@@ -1,4 +1,10 @@
-"""``tensorkv check`` and ``tensorkv gc``: find and remove data no manifest references."""
+"""``tensorkv check`` and ``tensorkv gc``: find and remove data no manifest references.
+
+:func:`check` reports orphaned records, expired and incomplete tags and pending saves (and
+with ``verify`` reads every tag in full); :func:`gc` removes expired tags, orphaned records
+and stale pending markers, leaving alone the data of saves still running. Why that is safe
+beside running saves is told in the "Atomic tags" section of ``docs/format.md``.
+"""
 
 from __future__ import annotations
 

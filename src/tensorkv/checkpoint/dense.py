@@ -3,7 +3,8 @@
 A tensor's C-order bytes are cut into pieces of ``chunk_bytes`` (the last may be shorter).
 Each piece is stored raw under ``ckpt/c/<xxh3-128 hex of the piece>``; the manifest lists the
 digests in order. Identical pieces (in any tensor of any tag) are stored once, so a tag that
-repeats its parent's tensors writes nothing new for them.
+repeats its parent's tensors writes nothing new for them (see "Dense tensors" in
+``docs/format.md``).
 """
 
 from __future__ import annotations

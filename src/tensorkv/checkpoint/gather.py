@@ -1,6 +1,8 @@
 """Numba kernels of the checkpoint code: a row gather for table blocks, a sorted-key search.
 
-Imported on first use.
+Imported on first use (inside functions of ``tables`` and ``keylists``), so that
+``import tensorkv`` does not load numba. The block records the gather fills are described
+in "Table blocks" in ``docs/format.md``.
 """
 
 from __future__ import annotations

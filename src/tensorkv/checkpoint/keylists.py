@@ -10,7 +10,8 @@ so a chain read stops at the first of them.
 
 The key set of the state a table object last saved is kept in memory with that object (a
 :class:`KeySet`, 8 bytes per key), so the next incremental save of the same object needs not
-read anything back; any other parent state is rebuilt from the store.
+read anything back; any other parent state is rebuilt from the store. The records and the
+rules are in "Atomic tags, incremental saves, sharded saves" in ``docs/format.md``.
 """
 
 from __future__ import annotations

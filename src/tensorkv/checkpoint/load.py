@@ -1,4 +1,10 @@
-"""``tensorkv.load`` and ``tensorkv.read_tensor``: verify everything, then assign."""
+"""``tensorkv.load`` and ``tensorkv.read_tensor``: verify everything, then assign.
+
+:func:`load` reads a tag (following the parent chain of incremental tables) into new arrays
+and tables, through the one-pass pipeline of ``bulk.py``, or stages the rows of targets that
+cannot bulk import (:func:`stage_table`); the target is changed only once everything read
+was verified. Shard selection on restore follows "Table blocks" in ``docs/format.md``.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,8 @@
-"""Progress bars for long saves and loads (tqdm, shown only after a delay, on terminals)."""
+"""Progress bars for long saves and loads (tqdm, shown only after a delay, on terminals).
+
+Saves and loads count the bytes of the records they write or read (``docs/format.md`` says
+which records) into a bar from :func:`bar`.
+"""
 
 from __future__ import annotations
 

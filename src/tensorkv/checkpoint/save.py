@@ -1,4 +1,10 @@
-"""``tensorkv.save``: write a model into a KVStore as a tag (data first, manifest last)."""
+"""``tensorkv.save``: write a model into a KVStore as a tag (data first, manifest last).
+
+:func:`save` writes a pending marker, the dense chunks (on a helper thread) and each table's
+blocks and key list (:func:`save_table`: in full, or only what changed since the parent),
+flushes the store, then writes the manifest. The records and the order that makes a tag
+atomic are in "Checkpoint layout" and "Atomic tags" in ``docs/format.md``.
+"""
 
 from __future__ import annotations
 

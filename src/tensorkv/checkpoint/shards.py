@@ -1,4 +1,9 @@
-"""Sharded saves: combining the per-shard manifests into the tag's manifest."""
+"""Sharded saves: combining the per-shard manifests into the tag's manifest.
+
+Each process of a sharded save writes ``ckpt/s/<tag>/<shard>``; the last one to finish (or
+:func:`merge`, by hand) writes the combined manifest (see "Atomic tags, incremental saves,
+sharded saves" in ``docs/format.md``).
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,9 @@
-"""Tags: list, latest, delete, expiry, copy (within or across stores), compact, dump/restore."""
+"""Tags: list, latest, delete, expiry, copy (within or across stores), compact, dump/restore.
+
+Copies, compaction and dumps fold incremental chains into full tags (:func:`write_copy`);
+deletion keeps dense chunks other tags use (``refs.py``). The manifest fields, ``compact``'s
+data tags and the dump file format are in ``docs/format.md``.
+"""
 
 from __future__ import annotations
 
