@@ -1,4 +1,18 @@
-"""Checkpoints: whole models saved into a KVStore as tags (see docs/format.md)."""
+"""Checkpoints: whole models saved into a KVStore as tags.
+
+The layout of a checkpoint in the store (keys, manifests, blocks, key lists, dump files) is
+described in ``docs/format.md``. The modules import one another in this order only (each
+imports only modules listed before it):
+
+- ``layout``, ``gather``, ``progress``, ``access``: key names and the stable hash, numba
+  kernels, progress bars, opening stores;
+- ``manifest``, ``dense``, ``keylists``: manifests, dense chunks, table key lists;
+- ``objects``, ``shards``, ``tables``: what can be saved, sharded-save manifests, table
+  blocks and the record writer;
+- ``refs``, ``bulk``: what a tag references and owns, the restore pipeline;
+- ``save``, ``load``;
+- ``tags`` (list, delete, copy, compact, dump), then ``check`` (check, gc).
+"""
 
 from tensorkv.checkpoint.check import CheckReport, check, gc
 from tensorkv.checkpoint.layout import shard_of_keys, splitmix64

@@ -17,7 +17,8 @@ Work is split over threads (the copies, checksums and kernels release the GIL):
   ``READ_GROUP_BYTES`` on one more thread, a group ahead of the workers.
 
 Nothing is committed here: the caller commits the bulk imports (and assigns the arrays)
-only once every record has been read and verified, so a failed load changes nothing.
+only once every record has been read and verified, so a failed load changes nothing. The
+records themselves are described in ``docs/format.md``.
 """
 
 from __future__ import annotations
@@ -25,22 +26,23 @@ from __future__ import annotations
 import os
 from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from tensorkv.checkpoint import dense as _dense
-from tensorkv.checkpoint import layout
-from tensorkv.checkpoint import tables as _tables
+from tensorkv.checkpoint import dense, layout, tables
+from tensorkv.checkpoint.progress import OnBytes
 from tensorkv.errors import CorruptRecordError, ShapeError
+from tensorkv.pages import FreshPages
 from tensorkv.stores.base import KVStore
 
 #: Worker threads that verify and copy records (the calling thread builds the hash index).
 RESTORE_THREADS = max(2, min(8, os.cpu_count() or 1))
 #: Bytes of records read per store call by stores without zero-copy reads.
-READ_GROUP_BYTES = _tables.READ_GROUP_BYTES
+READ_GROUP_BYTES = tables.READ_GROUP_BYTES
 #: Bytes of records handed to the workers and not yet indexed (bounds the values held).
 IN_FLIGHT_BYTES = 2 * READ_GROUP_BYTES
 
@@ -79,19 +81,21 @@ class Chunk:
     key: bytes
     flat: np.ndarray
     nbytes: int
-    pages: Any  # tensorkv.pages.FreshPages
+    pages: FreshPages
 
 
 Item = Block | Removal | Chunk
 
 
-def dense_items(name: str, entry: dict[str, Any], pages: Any) -> tuple[np.ndarray, list[Chunk]]:
+def dense_items(
+    name: str, entry: dict[str, Any], pages: FreshPages
+) -> tuple[np.ndarray, list[Chunk]]:
     """A new array for a stored tensor and the chunk items that fill it.
 
     ``pages`` (a :class:`tensorkv.pages.FreshPages`) tracks the array: the copies
     into it follow its page policy.
     """
-    out = np.empty(tuple(entry["shape"]), dtype=_dense.entry_dtype(entry))
+    out = np.empty(tuple(entry["shape"]), dtype=dense.entry_dtype(entry))
     flat = out.reshape(-1).view(np.uint8)
     pages.track(flat)
     cb = entry["chunk_bytes"]
@@ -103,7 +107,7 @@ def dense_items(name: str, entry: dict[str, Any], pages: Any) -> tuple[np.ndarra
     return out, items
 
 
-def _check_slots(b: Block, rows: _tables.Rows) -> None:
+def _check_slots(b: Block, rows: tables.Rows) -> None:
     t = b.imp.table
     want = int(t.num_slots) * int(t.dim)
     if rows.slots.shape[1:] != (want,):
@@ -120,19 +124,19 @@ def _restore_block(b: Block, val: Any) -> int:
     name = f"{b.what} ({b.key.decode()})"
     if val is None:
         raise CorruptRecordError(f"{name} is missing from the store; the tag is damaged")
-    rows = _tables.decode_block(val, name)
+    rows = tables.decode_block(val, name)
     if rows.keys.shape[0] != b.rows:
         raise CorruptRecordError(f"{name} holds {rows.keys.shape[0]} rows, expected {b.rows}")
     if b.filt:
         assert b.num_shards is not None
-        rows = _tables.take(rows, layout.shard_of_keys(rows.keys, b.num_shards) == b.shard)
+        rows = tables.take(rows, layout.shard_of_keys(rows.keys, b.num_shards) == b.shard)
     _check_slots(b, rows)
     return b.imp.put(b.pos, rows)
 
 
 def _restore_chunk(c: Chunk, val: Any) -> int:
-    piece = _dense.check_piece(c.name, c.entry, c.index, c.key, val)
-    _dense.place_piece(c.name, c.entry, c.index, piece, c.flat, c.pages)
+    piece = dense.check_piece(c.name, c.entry, c.index, c.key, val)
+    dense.place_piece(c.name, c.entry, c.index, piece, c.flat, c.pages)
     return piece.nbytes
 
 
@@ -157,8 +161,6 @@ def _values(store: KVStore, records: list[Block | Chunk], stack: ExitStack) -> I
             lo, size = i + 1, 0
     if not groups:
         return
-    from concurrent.futures import ThreadPoolExecutor
-
     pool = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="tensorkv-ckpt-read"))
     nxt = pool.submit(store.get_many, keys[groups[0][0] : groups[0][1]])
     for gi in range(len(groups)):
@@ -170,14 +172,12 @@ def _values(store: KVStore, records: list[Block | Chunk], stack: ExitStack) -> I
         del vals
 
 
-def restore(store: KVStore, items: list[Item], on_bytes: Any = None) -> None:
+def restore(store: KVStore, items: list[Item], on_bytes: OnBytes | None = None) -> None:
     """Read, verify and place every item (see the module docstring).
 
     Raises the error of the first bad record in ``items`` order, once every worker has
     stopped; the bulk imports are then half filled and must be dropped.
     """
-    from concurrent.futures import ThreadPoolExecutor
-
     records = [it for it in items if not isinstance(it, Removal)]
     with ExitStack() as stack:  # the values read stay valid until every worker has stopped
         values = _values(store, records, stack)
@@ -188,8 +188,10 @@ def restore(store: KVStore, items: list[Item], on_bytes: Any = None) -> None:
             pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _run(pool: Any, items: list[Item], values: Iterator[Any], on_bytes: Any) -> None:
-    pending: deque[tuple[Item, Any]] = deque()
+def _run(
+    pool: ThreadPoolExecutor, items: list[Item], values: Iterator[Any], on_bytes: OnBytes | None
+) -> None:
+    pending: deque[tuple[Item, Future[int] | None]] = deque()
     in_flight = 0
 
     def finish() -> None:
@@ -199,6 +201,7 @@ def _run(pool: Any, items: list[Item], values: Iterator[Any], on_bytes: Any) -> 
             if len(it.keys):
                 it.imp.remove(it.keys)
             return
+        assert fut is not None
         n = fut.result()
         in_flight -= it.nbytes
         if isinstance(it, Block):
@@ -210,8 +213,11 @@ def _run(pool: Any, items: list[Item], values: Iterator[Any], on_bytes: Any) -> 
         if isinstance(it, Removal):
             pending.append((it, None))
             continue
-        work = _restore_block if isinstance(it, Block) else _restore_chunk
-        pending.append((it, pool.submit(work, it, next(values))))
+        if isinstance(it, Block):
+            fut = pool.submit(_restore_block, it, next(values))
+        else:
+            fut = pool.submit(_restore_chunk, it, next(values))
+        pending.append((it, fut))
         in_flight += it.nbytes
         while in_flight > IN_FLIGHT_BYTES:
             finish()

@@ -1,16 +1,22 @@
-"""``tensorkv check`` and ``tensorkv gc``: find and remove data no manifest references."""
+"""``tensorkv check`` and ``tensorkv gc``: find and remove data no manifest references.
+
+:func:`check` reports orphaned records, expired and incomplete tags and pending saves (and
+with ``verify`` reads every tag in full); :func:`gc` removes expired tags, orphaned records
+and stale pending markers, leaving alone the data of saves still running. Why that is safe
+beside running saves is told in the "Atomic tags" section of ``docs/format.md``.
+"""
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from tensorkv import config
-from tensorkv.checkpoint import layout
-from tensorkv.checkpoint import manifest as _manifest
+from tensorkv.checkpoint import dense, keylists, layout, manifest, refs
 from tensorkv.checkpoint.access import using_store
+from tensorkv.checkpoint.load import stage_table
+from tensorkv.checkpoint.tags import compact
 from tensorkv.errors import CheckpointError, CorruptRecordError
 from tensorkv.stores.base import KVStore
 
@@ -50,82 +56,35 @@ class CheckReport:
         }
 
 
-def pending_markers(store: KVStore) -> list[dict[str, Any]]:
-    """Pending-save markers: tag, shard, start time, age in seconds."""
-    out = []
-    now = time.time()
-    for k, v in _manifest.scan_items(store, layout.PENDING):
-        rest = bytes(k[len(layout.PENDING) :]).decode()
-        tag, _, shard = rest.rpartition("/")
-        try:
-            started = float(json.loads(bytes(v)).get("started", 0.0))
-        except (ValueError, AttributeError):
-            started = 0.0
-        out.append({"tag": tag, "shard": int(shard), "started": started, "age": now - started,
-                    "key": bytes(k)})
-    return out
-
-
-def live_pending(store: KVStore, grace: float | None = None) -> list[dict[str, Any]]:
-    """Markers of saves started less than ``grace`` seconds ago (presumed still running)."""
-    g = config.CHECKPOINT_GC_GRACE_SECONDS if grace is None else grace
-    return [p for p in pending_markers(store) if p["age"] < g]
-
-
-def _all_docs(store: KVStore) -> list[dict[str, Any]]:
-    docs = list(_manifest.read_all(store, include_expired=True).values())
-    for k, v in _manifest.scan_items(store, layout.SHARD_MANIFEST):
-        docs.append(_manifest.decode_manifest(v, bytes(k).decode()))
-    return docs
-
-
-def referenced_chunks_all(store: KVStore) -> set[str]:
-    """Digests referenced by any manifest, complete, expired or per shard."""
-    return {d for doc in _all_docs(store) for e in doc["dense"].values() for d in e["chunks"]}
-
-
-def key_tag(key: bytes) -> str:
-    """The (data) tag a table record key belongs to."""
-    rest = key[len(layout.TABLE) :]
-    if rest.startswith(b"{"):
-        inner, _, after = rest[1:].partition(b"}")
-        if b"/" in inner:
-            return inner.split(b"/", 1)[0].decode()
-        return after.lstrip(b"/").split(b"/", 1)[0].decode()
-    return rest.split(b"/", 1)[0].decode()
-
-
 def _scan_orphans(store: KVStore, grace: float | None) -> tuple[CheckReport, list[bytes]]:
-    from tensorkv.checkpoint.tags import table_data_keys
-
     rep = CheckReport()
-    docs = _manifest.read_all(store, include_expired=True)
+    docs = manifest.read_all(store, include_expired=True)
     now = time.time()
-    rep.tags = _manifest.sorted_tags({t: d for t, d in docs.items()
-                                      if not _manifest.is_expired(d, now)})
-    rep.expired = sorted(t for t, d in docs.items() if _manifest.is_expired(d, now))
-    all_docs = _all_docs(store)
+    rep.tags = manifest.sorted_tags({t: d for t, d in docs.items()
+                                      if not manifest.is_expired(d, now)})
+    rep.expired = sorted(t for t, d in docs.items() if manifest.is_expired(d, now))
+    all_docs = refs.all_docs(store)
     shard_tags = {
         bytes(k[len(layout.SHARD_MANIFEST) :]).rpartition(b"/")[0].decode()
-        for k in store.scan(layout.SHARD_MANIFEST, keys_only=True)
+        for k in store.keys(layout.SHARD_MANIFEST)
     }
     rep.incomplete = sorted(shard_tags - set(docs))
-    marks = pending_markers(store)
+    marks = refs.pending_markers(store)
     g = config.CHECKPOINT_GC_GRACE_SECONDS if grace is None else grace
     rep.pending = [{k: v for k, v in m.items() if k != "key"} for m in marks]
     live_tags = {m["tag"] for m in marks if m["age"] < g}
-    owned = {k for d in all_docs for k in table_data_keys(d)}
+    owned = {k for d in all_docs for k in refs.table_data_keys(d)}
     chunks = {d for doc in all_docs for e in doc["dense"].values() for d in e["chunks"]}
     protected: list[bytes] = []
-    for k in store.scan(layout.TABLE, keys_only=True):
+    for k in store.keys(layout.TABLE):
         k = bytes(k)
         if k in owned:
             continue
-        if key_tag(k) in live_tags:
+        if refs.key_tag(k) in live_tags:
             protected.append(k)
         else:
             rep.orphan_keys.append(k)
-    for k in store.scan(layout.CHUNK, keys_only=True):
+    for k in store.keys(layout.CHUNK):
         k = bytes(k)
         if k[len(layout.CHUNK) :].decode() not in chunks:
             if live_tags:
@@ -142,20 +101,18 @@ def _still_orphaned(store: KVStore, candidates: list[bytes], grace: float | None
     so data of a save that started or finished while gc scanned is referenced by a manifest
     or covered by a marker now.
     """
-    from tensorkv.checkpoint.tags import table_data_keys
-
     # Markers first, manifests second: a save writes its manifest before it drops its
     # marker, so a save missing from the markers read here has its manifest in the docs.
-    live = {m["tag"] for m in live_pending(store, grace)}
-    all_docs = _all_docs(store)
-    owned = {k for d in all_docs for k in table_data_keys(d)}
+    live = {m["tag"] for m in refs.live_pending(store, grace)}
+    all_docs = refs.all_docs(store)
+    owned = {k for d in all_docs for k in refs.table_data_keys(d)}
     chunks = {d for doc in all_docs for e in doc["dense"].values() for d in e["chunks"]}
     out = []
     for k in candidates:
         if k.startswith(layout.CHUNK):
             if not live and k[len(layout.CHUNK) :].decode() not in chunks:
                 out.append(k)
-        elif k not in owned and key_tag(k) not in live:
+        elif k not in owned and refs.key_tag(k) not in live:
             out.append(k)
     return out
 
@@ -177,19 +134,15 @@ def check(url: str | KVStore, *, verify: bool = False, grace: float | None = Non
         sizes = store.get_many(rep.orphan_keys[:10000]) if rep.orphan_keys else []
         rep.orphan_bytes = sum(len(v) for v in sizes if v is not None)
         if verify:
-            from tensorkv.checkpoint.dense import read_full
-            from tensorkv.checkpoint.keylists import chain_key_set
-            from tensorkv.checkpoint.load import _stage_table
-
             for t in rep.tags:
-                doc = _manifest.read(store, t)
+                doc = manifest.read(store, t)
                 try:
                     for n, e in doc["dense"].items():
-                        read_full(store, n, e)
+                        dense.read_full(store, n, e)
                     for n, ent in doc["tables"].items():
-                        _stage_table(store, doc, n, None, None, None)
+                        stage_table(store, doc, n, None, None, None)
                         for s in ent["shards"]:  # key lists, rebuilt along the chain
-                            chain_key_set(store, doc, n, s, _manifest.getter(store))
+                            keylists.chain_key_set(store, doc, n, s, manifest.getter(store))
                 except (CorruptRecordError, CheckpointError) as exc:
                     rep.corrupt.append(f"{t}: {exc}")
         return rep
@@ -204,31 +157,29 @@ def gc(url: str | KVStore, *, grace: float | None = None, dry_run: bool = False)
     while any save is in progress, since a new save may reuse them. A save that runs longer
     than ``grace`` is presumed dead.
     """
-    from tensorkv.checkpoint.tags import _delete_doc, compact
-
     with using_store(url) as store:
         rep, _ = _scan_orphans(store, grace)
         if dry_run:
             return rep
-        docs = _manifest.read_all(store, include_expired=True)
+        docs = manifest.read_all(store, include_expired=True)
         for t in rep.expired:
             for child, d in docs.items():  # keep live children loadable
                 if d.get("parent") == t and d.get("incremental") and child not in rep.expired:
                     compact(store, child)
-            _delete_doc(store, docs[t])
+            refs.delete_doc(store, docs[t])
             rep.removed_tags.append(t)
         rep2, _ = _scan_orphans(store, grace)
         keys = _still_orphaned(store, rep2.orphan_keys, grace)
         removed = 0
         for i in range(0, len(keys), 4096):
             batch = keys[i : i + 4096]
-            if live_pending(store, grace):  # a save started meanwhile: it may reuse chunks
+            if refs.live_pending(store, grace):  # a save started meanwhile: it may reuse chunks
                 batch = [k for k in batch if not k.startswith(layout.CHUNK)]
             store.delete_many(batch)
             removed += len(batch)
         rep.removed_keys = removed
         g = config.CHECKPOINT_GC_GRACE_SECONDS if grace is None else grace
-        stale = [m["key"] for m in pending_markers(store) if m["age"] >= g]
+        stale = [m["key"] for m in refs.pending_markers(store) if m["age"] >= g]
         if stale:
             store.delete_many(stale)
         rep.orphan_keys = keys

@@ -3,21 +3,27 @@
 A tensor's C-order bytes are cut into pieces of ``chunk_bytes`` (the last may be shorter).
 Each piece is stored raw under ``ckpt/c/<xxh3-128 hex of the piece>``; the manifest lists the
 digests in order. Identical pieces (in any tensor of any tag) are stored once, so a tag that
-repeats its parent's tensors writes nothing new for them.
+repeats its parent's tensors writes nothing new for them (see "Dense tensors" in
+``docs/format.md``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import xxhash
 
 from tensorkv.checkpoint import layout
+from tensorkv.checkpoint.progress import OnBytes
 from tensorkv.codec import BFLOAT16, dtype_code
 from tensorkv.errors import CheckpointError, CodecError, CorruptRecordError, ShapeError
+from tensorkv.pages import FreshPages
 from tensorkv.stores.base import KVStore
+
+if TYPE_CHECKING:
+    from tensorkv.checkpoint.tables import BlockWriter
 
 
 def is_torch_tensor(x: Any) -> bool:
@@ -87,14 +93,14 @@ def to_torch(arr: np.ndarray, torch_dtype: str | None) -> Any:
     return t
 
 
-def digest(piece: memoryview | np.ndarray) -> str:
+def digest(piece: bytes | memoryview) -> str:
     """Content digest of a chunk: xxh3-128 as 32 hex digits."""
     return xxhash.xxh3_128_hexdigest(piece)
 
 
 def iter_pieces(arr: np.ndarray, chunk_bytes: int) -> Iterator[memoryview]:
     """The tensor's bytes cut into pieces of ``chunk_bytes``."""
-    flat = memoryview(arr.reshape(-1).view(np.uint8)) if arr.size else memoryview(b"")
+    flat = arr.reshape(-1).view(np.uint8).data if arr.size else memoryview(b"")
     for off in range(0, flat.nbytes, chunk_bytes):
         yield flat[off : off + chunk_bytes]
 
@@ -113,11 +119,11 @@ def describe(arr: np.ndarray, torch_dtype: str | None, chunk_bytes: int) -> dict
 
 
 def write_tensors(
-    w: Any,
+    w: BlockWriter,
     arrays: dict[str, np.ndarray],
     entries: dict[str, dict[str, Any]],
     known: set[str],
-    on_bytes: Any = None,
+    on_bytes: OnBytes | None = None,
 ) -> int:
     """Queue the chunks of each tensor whose digest is not in ``known``; return their bytes.
 
@@ -162,7 +168,7 @@ def check_piece(name: str, entry: dict[str, Any], i: int, key: bytes, val: Any) 
 
 
 def place_piece(name: str, entry: dict[str, Any], i: int, piece: memoryview,
-                flat: np.ndarray, pages: Any = None) -> None:
+                flat: np.ndarray, pages: FreshPages | None = None) -> None:
     """Copy verified chunk ``i`` into ``flat`` (the tensor's bytes), checking its length.
 
     ``pages`` (a :class:`tensorkv.pages.FreshPages` tracking ``flat``) maps the
@@ -191,7 +197,9 @@ def _fetch(
     ]
 
 
-def read_full(store: KVStore, name: str, entry: dict[str, Any], on_bytes: Any = None) -> np.ndarray:
+def read_full(
+    store: KVStore, name: str, entry: dict[str, Any], on_bytes: OnBytes | None = None
+) -> np.ndarray:
     """Read and verify a whole tensor into a new writable array."""
     dt = entry_dtype(entry)
     out = np.empty(tuple(entry["shape"]), dtype=dt)
@@ -237,7 +245,14 @@ def _axis0_range(index: Any, n0: int) -> tuple[int, int, Any]:
 
 
 def read_slice(store: KVStore, name: str, entry: dict[str, Any], index: Any) -> np.ndarray:
-    """Read ``tensor[index]`` fetching only the chunks that hold the rows of axis 0 it needs."""
+    """Read ``tensor[index]`` fetching only the chunks that hold the rows of axis 0 it needs.
+
+    Raises
+    ------
+    IndexError
+        The index is out of bounds or not a basic index. A plain IndexError, as numpy
+        raises: ``tensorkv.errors`` has no class for a bad index (yet).
+    """
     shape = tuple(entry["shape"])
     dt = entry_dtype(entry)
     if not shape:

@@ -1,6 +1,8 @@
 """Numba kernels of the checkpoint code: a row gather for table blocks, a sorted-key search.
 
-Imported on first use.
+Imported on first use (inside functions of ``tables`` and ``keylists``), so that
+``import tensorkv`` does not load numba. The block records the gather fills are described
+in "Table blocks" in ``docs/format.md``.
 """
 
 from __future__ import annotations
@@ -65,9 +67,9 @@ def gather_rows(src: np.ndarray, idx: np.ndarray, out: np.ndarray) -> None:
         np.take(src, idx, axis=0, out=out)
         return
     aligned = row % 8 == 0 and src.strides[0] % 8 == 0 and src.ctypes.data % 8 == 0
-    word = np.uint64 if aligned else np.uint8
+    lane = np.dtype(np.uint64) if aligned else np.dtype(np.uint8)
     o = out.reshape(idx.shape[0], -1).view(np.uint8)
-    _gather_bytes(rows.view(word), idx, o.view(word))
+    _gather_bytes(rows.view(lane), idx, o.view(lane))
 
 
 @njit(nogil=True, cache=True)

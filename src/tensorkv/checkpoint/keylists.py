@@ -10,14 +10,16 @@ so a chain read stops at the first of them.
 
 The key set of the state a table object last saved is kept in memory with that object (a
 :class:`KeySet`, 8 bytes per key), so the next incremental save of the same object needs not
-read anything back; any other parent state is rebuilt from the store.
+read anything back; any other parent state is rebuilt from the store. The records and the
+rules are in "Atomic tags, incremental saves, sharded saves" in ``docs/format.md``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -25,6 +27,9 @@ from tensorkv.checkpoint import layout
 from tensorkv.codec import decode, encode_parts
 from tensorkv.errors import CheckpointError, CorruptRecordError
 from tensorkv.stores.base import KVStore
+
+if TYPE_CHECKING:
+    from tensorkv.checkpoint.tables import BlockWriter
 
 KEYS_PER_PIECE = 512 * 1024  # int64 keys per key-list record (4 MiB)
 FULL = b"k"  # the shard's sorted key list at the tag
@@ -35,7 +40,7 @@ _COMPACT_FRACTION = 1 / 8
 _EMPTY = np.empty(0, dtype=np.int64)
 
 
-def write_key_list(w: Any, keys: np.ndarray, kind: bytes = FULL) -> int:
+def write_key_list(w: BlockWriter, keys: np.ndarray, kind: bytes = FULL) -> int:
     """Queue a sorted int64 key array on a :class:`BlockWriter` as pieces; return their count.
 
     An empty array is one empty piece (a full list always has at least one record).
@@ -176,7 +181,8 @@ def _union(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 # ----------------------------------------------------------------------------- chains
 def chain_key_set(
-    store: KVStore, doc: dict[str, Any], name: str, shard: str, load_manifest: Any
+    store: KVStore, doc: dict[str, Any], name: str, shard: str,
+    load_manifest: Callable[[str], dict[str, Any] | None],
 ) -> KeySet:
     """The key set of one saved shard of a table at a tag, from its key lists.
 

@@ -1,21 +1,23 @@
-"""``tensorkv.load`` and ``tensorkv.read_tensor``: verify everything, then assign."""
+"""``tensorkv.load`` and ``tensorkv.read_tensor``: verify everything, then assign.
+
+:func:`load` reads a tag (following the parent chain of incremental tables) into new arrays
+and tables, through the one-pass pipeline of ``bulk.py``, or stages the rows of targets that
+cannot bulk import (:func:`stage_table`); the target is changed only once everything read
+was verified. Shard selection on restore follows "Table blocks" in ``docs/format.md``.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 
-from tensorkv.checkpoint import bulk as _bulk
-from tensorkv.checkpoint import dense as _dense
-from tensorkv.checkpoint import keylists as _keylists
-from tensorkv.checkpoint import layout
-from tensorkv.checkpoint import manifest as _manifest
-from tensorkv.checkpoint import tables as _tables
+from tensorkv.checkpoint import bulk, dense, keylists, layout, manifest, tables
 from tensorkv.checkpoint.access import using_store
 from tensorkv.checkpoint.objects import SINGLE_TABLE_NAME, collect
-from tensorkv.checkpoint.progress import bar
-from tensorkv.errors import CheckpointError, ShapeError
+from tensorkv.checkpoint.progress import OnBytes, bar
+from tensorkv.errors import CapacityError, CheckpointError, ShapeError
 from tensorkv.pages import FreshPages
 from tensorkv.stores.base import KVStore
 
@@ -28,7 +30,7 @@ def _parent_doc(store: KVStore, doc: dict[str, Any], name: str) -> dict[str, Any
             f"table {name!r} of tag {doc['tag']!r} is incremental on tag {parent!r}, which is "
             "missing: the chain is broken"
         )
-    return _manifest.decode_manifest(raw, f"tag {parent!r}")
+    return manifest.decode_manifest(raw, f"tag {parent!r}")
 
 
 def table_links(
@@ -70,36 +72,56 @@ def table_links(
     return out
 
 
-def _join_rows(blocks: Any, capacity: int) -> _tables.Rows | None:
+def _join_rows(blocks: Iterable[tables.Rows], capacity: int) -> tables.Rows | None:
     """Copy blocks into one set of arrays (one import call: the table grows once)."""
-    out: _tables.Rows | None = None
+    out: tables.Rows | None = None
     filled = 0
     for r in blocks:
         m = r.keys.shape[0]
         if out is None:
-            out = _tables.Rows(*(np.empty((capacity, *a.shape[1:]), a.dtype) for a in r))
+            out = tables.Rows(*(np.empty((capacity, *a.shape[1:]), a.dtype) for a in r))
         for dst, src in zip(out, r, strict=True):
             dst[filled : filled + m] = src
         filled += m
     if out is None:
         return None
-    return _tables.Rows(*(a[:filled] for a in out))
+    return tables.Rows(*(a[:filled] for a in out))
 
 
-def _stage_table(
+def stage_table(
     store: KVStore,
     doc: dict[str, Any],
     name: str,
     shard: int | None,
     num_shards: int | None,
-    on_bytes: Any,
+    on_bytes: OnBytes | None,
     saved_shard: str | None = None,
-) -> tuple[list[_tables.Rows], list[np.ndarray], bool]:
-    """Read and verify a table's rows. Returns (rows, removed-key arrays, is_chain).
+) -> tuple[list[tables.Rows | None], list[np.ndarray], bool]:
+    """Read and verify the rows of a table's chain, without touching any table.
 
-    ``saved_shard`` limits the read to the rows one shard of the save wrote.
+    Parameters
+    ----------
+    store
+        The store holding the tag.
+    doc
+        The tag's manifest.
+    name
+        The table's name in the manifest.
+    shard, num_shards
+        Keep only the rows of shard ``shard`` of ``num_shards`` (None, None: every row).
+    on_bytes
+        Called with the byte count of each block read (progress), or None.
+    saved_shard
+        Read only the rows one shard of the save wrote (a key of the entry's ``shards``).
+
+    Returns
+    -------
+    (rows, removed, is_chain)
+        The blocks (zero-copy views of the records read) in the order to apply them, with a
+        None where the next array of ``removed`` (the keys an incremental link removed)
+        applies; and whether any saved shard has more than one link.
     """
-    rows: list[_tables.Rows] = []
+    rows: list[tables.Rows | None] = []
     removed: list[np.ndarray] = []
     links = table_links(store, doc, name)
     if saved_shard is not None:
@@ -111,30 +133,30 @@ def _stage_table(
                 ent.get("data_tag", tag), name, int(s), ent.get("hash_tag")
             )
             what = f"table {name!r} (tag {tag!r}, shard {s})"
-            sel = _tables.blocks_for_shard(info["blocks"], shard, num_shards)
-            blocks = _tables.read_blocks(
+            sel = tables.blocks_for_shard(info["blocks"], shard, num_shards)
+            blocks = tables.read_blocks(
                 store, prefix, sel, what, shard, num_shards, ent.get("hash_tag"), on_bytes
             )
             rows.extend(blocks)  # zero-copy views into the records read
             if info.get("removed_pieces"):
-                rk = _keylists.read_key_list(
-                    store, prefix, info["removed_pieces"], what, _keylists.REMOVED
+                rk = keylists.read_key_list(
+                    store, prefix, info["removed_pieces"], what, keylists.REMOVED
                 )
-                rows.append(_tables.Rows(*([None] * 5)))  # marker: apply removals here
-                removed.append(_tables.filter_keys(rk, shard, num_shards))
+                rows.append(None)  # marker: apply removals here
+                removed.append(tables.filter_keys(rk, shard, num_shards))
     return rows, removed, is_chain
 
 
 def _table_items(
     store: KVStore, doc: dict[str, Any], name: str, shard: int | None, num_shards: int | None
-) -> tuple[list[_bulk.Item], int]:
+) -> tuple[list[bulk.Block | bulk.Removal], int]:
     """The blocks and removals of a table's chain, in order, for :func:`bulk.restore`.
 
     Each block gets the row positions ``pos .. pos + rows`` of the table's bulk import (in
     the order the rows are applied). Returns the items (``imp`` still unset) and the number
     of positions. The removed-key lists of incremental links are read here.
     """
-    items: list[_bulk.Item] = []
+    items: list[bulk.Block | bulk.Removal] = []
     pos = 0
     row_bytes = 8 + 4 * doc["tables"][name]["dim"] * 3 + 16  # as the progress total counts
     for s, chain in table_links(store, doc, name).items():
@@ -142,21 +164,21 @@ def _table_items(
             hash_tag = ent.get("hash_tag")
             prefix = layout.table_prefix(ent.get("data_tag", tag), name, int(s), hash_tag)
             what = f"table {name!r} (tag {tag!r}, shard {s})"
-            for b, filt in _tables.blocks_for_shard(info["blocks"], shard, num_shards):
-                items.append(_bulk.Block(
+            for b, filt in tables.blocks_for_shard(info["blocks"], shard, num_shards):
+                items.append(bulk.Block(
                     None, name, layout.block_key(prefix, b[1], b[0], hash_tag), pos, b[2], filt,
                     shard, num_shards, f"{what} block {b[1]}", b[2] * row_bytes,
                 ))
                 pos += b[2]
             if info.get("removed_pieces"):
-                rk = _keylists.read_key_list(
-                    store, prefix, info["removed_pieces"], what, _keylists.REMOVED
+                rk = keylists.read_key_list(
+                    store, prefix, info["removed_pieces"], what, keylists.REMOVED
                 )
-                items.append(_bulk.Removal(None, _tables.filter_keys(rk, shard, num_shards)))
+                items.append(bulk.Removal(None, tables.filter_keys(rk, shard, num_shards)))
     return items, pos
 
 
-def _import(table: Any, pending: list[_tables.Rows], presized: bool) -> None:
+def _import(table: Any, pending: list[tables.Rows], presized: bool) -> None:
     """Import staged rows so that the table grows at most once.
 
     A table built with room for every row, and a tiered table, import block by block;
@@ -177,13 +199,13 @@ def _import(table: Any, pending: list[_tables.Rows], presized: bool) -> None:
 
 
 def _apply_rows(
-    table: Any, rows: list[_tables.Rows], removed: list[np.ndarray], presized: bool = False
+    table: Any, rows: list[tables.Rows | None], removed: list[np.ndarray], presized: bool = False
 ) -> None:
     """Import staged rows into ``table`` in order, applying removals at their markers."""
-    pending: list[_tables.Rows] = []
+    pending: list[tables.Rows] = []
     it = iter(removed)
     for r in rows:
-        if r.keys is None:
+        if r is None:
             if pending:
                 _import(table, pending, presized)
                 pending = []
@@ -204,9 +226,25 @@ def _table_class() -> Any:
     return EmbeddingTable
 
 
-def _build_table(meta: dict[str, Any], rows: list[_tables.Rows], removed: list[np.ndarray]) -> Any:
+def build_table(
+    meta: dict[str, Any], rows: list[tables.Rows | None], removed: list[np.ndarray]
+) -> Any:
+    """A new EmbeddingTable holding staged rows.
+
+    Parameters
+    ----------
+    meta
+        The table's ``state_dict_meta()`` as saved in the manifest.
+    rows, removed
+        The rows and removed keys :func:`stage_table` returns, applied in order.
+
+    Returns
+    -------
+    EmbeddingTable
+        Built with room for every row when it may grow (its saved capacity setting kept).
+    """
     EmbeddingTable = _table_class()  # noqa: N806
-    n = sum(r.keys.shape[0] for r in rows if r.keys is not None)
+    n = sum(r.keys.shape[0] for r in rows if r is not None)
     cap = meta.get("capacity")
     if meta.get("growth", True) and n and (cap is None or cap < n):
         # Allocate the rows up front (lazily zeroed pages) instead of growing the arena,
@@ -229,13 +267,13 @@ def _table_dim(table: Any) -> int:
     return int(dim)
 
 
-def _check_slots(name: str, table: Any, rows: list[_tables.Rows]) -> None:
+def _check_slots(name: str, table: Any, rows: list[tables.Rows | None]) -> None:
     nslots = getattr(table, "num_slots", None)
     if nslots is None:
         return
     want = int(nslots) * _table_dim(table)
     for r in rows:
-        if r.slots is not None and r.slots.shape[1] != want:
+        if r is not None and r.slots.shape[1] != want:
             opt = getattr(getattr(table, "optimizer", None), "name", "?")
             raise ShapeError(
                 f"table {name!r}: the checkpoint stores {r.slots.shape[1]} optimizer slot "
@@ -244,15 +282,13 @@ def _check_slots(name: str, table: Any, rows: list[_tables.Rows]) -> None:
             )
 
 
-def _check_room(name: str, table: Any, rows: list[_tables.Rows] | int) -> None:
+def _check_room(name: str, table: Any, rows: list[tables.Rows | None] | int) -> None:
     limit = getattr(table, "capacity_limit", None)
     if limit is None or getattr(table, "growth", True):
         return
     n = rows if isinstance(rows, int) else sum(  # an upper bound
-        r.keys.shape[0] for r in rows if r.keys is not None)
+        r.keys.shape[0] for r in rows if r is not None)
     if n > limit:
-        from tensorkv.errors import CapacityError
-
         raise CapacityError(
             f"table {name!r}: the checkpoint holds up to {n} rows but the target table may "
             f"hold at most capacity={limit} (growth=False); build it with a larger capacity"
@@ -346,7 +382,7 @@ def load(
         )
     kind, dense_t, tables_t = (None, {}, {}) if obj is None else collect(obj)
     with using_store(url) as store:
-        doc = _manifest.read(store, tag)
+        doc = manifest.read(store, tag)
         if kind == "table" and SINGLE_TABLE_NAME not in doc["tables"] and len(doc["tables"]) == 1:
             tables_t = {next(iter(doc["tables"])): tables_t[SINGLE_TABLE_NAME]}
         dnames, tnames = _select(doc, kind, dense_t, tables_t, variables)
@@ -358,8 +394,8 @@ def load(
                 )
             if n in dense_t:
                 tgt = dense_t[n]
-                arr_like = _dense.to_numpy(n, tgt)[0]
-                _dense.check_against(n, doc["dense"][n], arr_like)
+                arr_like = dense.to_numpy(n, tgt)[0]
+                dense.check_against(n, doc["dense"][n], arr_like)
         for n in tnames:
             if n in dense_t:
                 raise CheckpointError(
@@ -386,11 +422,11 @@ def load(
         fast = [n for n in tnames if n not in tables_t or
                 getattr(tables_t[n], "can_bulk_import", False)]
         slow = [n for n in tnames if n not in fast]
-        items: list[_bulk.Item] = []
+        items: list[bulk.Item] = []
         staged_dense: dict[str, np.ndarray] = {}
         pages = FreshPages()  # base pages for the new dense arrays
         for n in dnames:
-            staged_dense[n], chunks = _bulk.dense_items(n, doc["dense"][n], pages)
+            staged_dense[n], chunks = bulk.dense_items(n, doc["dense"][n], pages)
             items.extend(chunks)
         imports: dict[str, Any] = {}
         for n in fast:
@@ -406,9 +442,9 @@ def load(
             items.extend(table_items)
         pbar = bar(total, f"load {doc['tag']}", progress)
         try:
-            _bulk.restore(store, items, pbar.update)
+            bulk.restore(store, items, pbar.update)
             staged_tables = {
-                n: _stage_table(store, doc, n, shard, num_shards, pbar.update) for n in slow
+                n: stage_table(store, doc, n, shard, num_shards, pbar.update) for n in slow
             }
         finally:
             pbar.close()
@@ -427,7 +463,7 @@ def load(
         built = {}
         for n, (rows, removed, is_chain) in staged_tables.items():
             if is_chain:
-                built[n] = _build_table(doc["tables"][n]["meta"], rows, removed)
+                built[n] = build_table(doc["tables"][n]["meta"], rows, removed)
         for n in fast:
             imports[n].commit()
         for n, arr in staged_dense.items():
@@ -452,7 +488,7 @@ def load(
                 only = next(iter(info.values()))
                 sid = only.get("state")
                 if sid:
-                    _tables.known_states(target)[sid] = _tables.table_seq(target)
+                    tables.known_states(target)[sid] = tables.table_seq(target)
         return obj
 
 
@@ -462,11 +498,11 @@ def _assign_dense(obj: Any, kind: str | None, dense_t: dict[str, Any], name: str
     if tgt is None:
         obj[name] = arr
         return
-    if _dense.is_torch_tensor(tgt):
+    if dense.is_torch_tensor(tgt):
         import torch
 
         with torch.no_grad():
-            tgt.copy_(_dense.to_torch(arr, torch_dtype))
+            tgt.copy_(dense.to_torch(arr, torch_dtype))
         return
     if isinstance(tgt, np.ndarray) and tgt.flags.writeable:
         np.copyto(tgt, arr)
@@ -490,7 +526,7 @@ def read_tensor(url: str | KVStore, tag: str, name: str, index: Any = None) -> n
         the chunks holding the rows of axis 0 it selects are read.
     """
     with using_store(url) as store:
-        doc = _manifest.read(store, tag)
+        doc = manifest.read(store, tag)
         ent = doc["dense"].get(name)
         if ent is None:
             where = " (it is an embedding table: use load(None, url, tag, variables=[...]))" if (
@@ -500,5 +536,5 @@ def read_tensor(url: str | KVStore, tag: str, name: str, index: Any = None) -> n
                 f"{sorted(doc['dense'])}"
             )
         if index is None:
-            return _dense.read_full(store, name, ent)
-        return _dense.read_slice(store, name, ent, index)
+            return dense.read_full(store, name, ent)
+        return dense.read_slice(store, name, ent, index)

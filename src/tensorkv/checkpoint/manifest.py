@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 import struct
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, cast
 
 from tensorkv.checkpoint import layout
 from tensorkv.codec import checksum
@@ -97,12 +97,13 @@ def scan_keys(store: KVStore, prefix: bytes) -> list[bytes]:
     bookkeeping).
     """
     if not store.capabilities.ordered_scans:
-        return [bytes(k) for k in store.scan(prefix, keys_only=True)]
+        return [bytes(k) for k in store.keys(prefix)]
     out: list[bytes] = []
     start = None
     page = 8
     while True:
-        got = [bytes(k) for k in store.scan(prefix, start=start, keys_only=True, limit=page)]
+        page_keys = store.scan(prefix, start=start, keys_only=True, limit=page)
+        got = [bytes(k) for k in cast("Iterator[bytes]", page_keys)]
         out += got
         if len(got) < page:
             return out
@@ -146,8 +147,10 @@ def sorted_tags(docs: dict[str, dict[str, Any]]) -> list[str]:
     return sorted(docs, key=lambda t: (_order(docs[t]), t))
 
 
-def read(store: KVStore, tag: str) -> dict[str, Any]:
+def read(store: KVStore, tag: str, *, include_expired: bool = False) -> dict[str, Any]:
     """The manifest of ``tag`` (``"latest"``: the newest tag).
+
+    An expired tag counts as missing unless ``include_expired``.
 
     Raises
     ------
@@ -155,7 +158,7 @@ def read(store: KVStore, tag: str) -> dict[str, Any]:
         No such visible tag; the message lists the available ones.
     """
     if tag == "latest":
-        docs = read_all(store)
+        docs = read_all(store, include_expired=include_expired)
         if not docs:
             raise TagNotFoundError(
                 f"store {store.url!r} holds no checkpoint tags; save one with tensorkv.save"
@@ -164,13 +167,13 @@ def read(store: KVStore, tag: str) -> dict[str, Any]:
     layout.check_tag(tag)
     raw = store.get(layout.manifest_key(tag))
     doc = None if raw is None else decode_manifest(raw, f"tag {tag!r}")
-    if doc is None or is_expired(doc):
+    if doc is None or (not include_expired and is_expired(doc)):
         docs = read_all(store)
         avail = ", ".join(repr(t) for t in sorted_tags(docs)) or "none"
         why = "has expired" if doc is not None else "does not exist"
         pend = [
             bytes(k).decode().split("/")[2]
-            for k in store.scan(layout.PENDING + tag.encode() + b"/", keys_only=True)
+            for k in store.keys(layout.PENDING + tag.encode() + b"/")
         ]
         extra = " (a save of it is in progress or was interrupted)" if pend else ""
         raise TagNotFoundError(

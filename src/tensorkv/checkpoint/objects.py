@@ -1,4 +1,8 @@
-"""What can be saved: dicts of arrays/tensors, EmbeddingTables, nn.Modules, and mixes."""
+"""What can be saved: dicts of arrays/tensors, EmbeddingTables, nn.Modules, and mixes.
+
+:func:`collect` splits such an object into dense tensors and tables by name; the manifest
+records which kind it was (the ``kind`` field in ``docs/format.md``).
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,10 @@
-"""``tensorkv.save``: write a model into a KVStore as a tag (data first, manifest last)."""
+"""``tensorkv.save``: write a model into a KVStore as a tag (data first, manifest last).
+
+:func:`save` writes a pending marker, the dense chunks (on a helper thread) and each table's
+blocks and key list (:func:`save_table`: in full, or only what changed since the parent),
+flushes the store, then writes the manifest. The records and the order that makes a tag
+atomic are in "Checkpoint layout" and "Atomic tags" in ``docs/format.md``.
+"""
 
 from __future__ import annotations
 
@@ -15,14 +21,11 @@ from typing import Any
 import numpy as np
 
 from tensorkv import config
-from tensorkv.checkpoint import dense as _dense
-from tensorkv.checkpoint import keylists as _keylists
-from tensorkv.checkpoint import layout
-from tensorkv.checkpoint import manifest as _manifest
-from tensorkv.checkpoint import tables as _tables
+from tensorkv.checkpoint import dense, keylists, layout, manifest, refs, tables
 from tensorkv.checkpoint.access import using_store, writeback_starter
 from tensorkv.checkpoint.objects import collect
-from tensorkv.checkpoint.progress import bar
+from tensorkv.checkpoint.progress import OnBytes, bar
+from tensorkv.checkpoint.shards import merge_if_complete
 from tensorkv.errors import CheckpointError
 from tensorkv.stores.base import KVStore
 
@@ -48,24 +51,6 @@ def _default_tag(step: int | None) -> str:
     return time.strftime("ckpt-%Y%m%d-%H%M%S", time.gmtime(t)) + f"-{int(t * 1e6) % 1000000:06d}"
 
 
-def referenced_chunks(
-    store: KVStore, docs: dict[str, dict[str, Any]] | None = None
-) -> set[str]:
-    """Digests of the dense chunks referenced by every manifest (complete or per shard).
-
-    ``docs``: the complete tags' manifests (expired ones included), when already read.
-    """
-    out: set[str] = set()
-    parts = [_manifest.decode_manifest(v, bytes(k).decode())
-             for k, v in _manifest.scan_items(store, layout.SHARD_MANIFEST)]
-    if docs is None:
-        docs = _manifest.read_all(store, include_expired=True)
-    for doc in [*docs.values(), *parts]:
-        for ent in doc.get("dense", {}).values():
-            out.update(ent["chunks"])
-    return out
-
-
 def _row_bytes(table: Any) -> int:
     meta_dim = int(getattr(table, "dim", 0) or 0)
     nslots = 0
@@ -78,19 +63,19 @@ def _row_bytes(table: Any) -> int:
 def _parent_keys(
     store: KVStore, parent_doc: dict[str, Any], name: str, shard: str, table: Any,
     parent_info: dict[str, Any],
-) -> _keylists.KeySet:
+) -> keylists.KeySet:
     """The key set of a table shard at the parent tag.
 
     Taken from memory when this table object saved that state, else rebuilt from the key
     lists along the parent chain.
     """
-    hit = _keylists.cached(table, parent_info["state"])
+    hit = keylists.cached(table, parent_info["state"])
     if hit is not None:
         return hit
-    return _keylists.chain_key_set(store, parent_doc, name, shard, _manifest.getter(store))
+    return keylists.chain_key_set(store, parent_doc, name, shard, manifest.getter(store))
 
 
-def _save_table(
+def save_table(
     store: KVStore,
     tag: str,
     name: str,
@@ -99,17 +84,45 @@ def _save_table(
     num_shards: int,
     parent_doc: dict[str, Any] | None,
     opts: dict[str, Any],
-    on_bytes: Any,
+    on_bytes: OnBytes | None,
 ) -> dict[str, Any]:
-    """Write one table's shard; return its manifest entry."""
+    """Write one shard of a table's rows and key list; return its manifest entry.
+
+    Parameters
+    ----------
+    store
+        The destination store.
+    tag
+        The data tag the records are written under.
+    name
+        The table's name.
+    table
+        The EmbeddingTable.
+    shard, num_shards
+        Which shard of the save this is.
+    parent_doc
+        The parent manifest of an incremental save, or None for a full save. Only the rows
+        changed since the parent are written when this table object wrote or loaded it;
+        otherwise the table is saved in full, with a warning.
+    opts
+        ``hash_tag``, ``bucket_bits``, ``block_rows`` (see :func:`save`) and optionally
+        ``after_write`` (see :class:`tensorkv.checkpoint.tables.BlockWriter`).
+    on_bytes
+        Called with the byte count of each batch written (progress), or None.
+
+    Returns
+    -------
+    dict
+        The table's manifest entry (``meta``, ``dim``, ..., ``shards`` holding this shard).
+    """
     hash_tag = opts["hash_tag"]
     bucket_bits = opts["bucket_bits"]
     chunk_rows = opts["block_rows"] << bucket_bits
     prefix = layout.table_prefix(tag, name, shard, hash_tag)
-    w = _tables.BlockWriter(
+    w = tables.BlockWriter(
         store, prefix, hash_tag, on_bytes, opts.get("after_write"), owner=table
     )
-    seq = _tables.table_seq(table)
+    seq = tables.table_seq(table)
     meta = table.state_dict_meta()
     entry: dict[str, Any] = {
         "meta": meta,
@@ -126,7 +139,7 @@ def _save_table(
         if parent_doc is not None:
             pent = parent_doc["tables"].get(name)
             pinfo = None if pent is None else pent["shards"].get(str(shard))
-            known = _tables.known_states(table)
+            known = tables.known_states(table)
             same_layout = pent is not None and pent.get("hash_tag") == hash_tag
             if pinfo is not None and pinfo.get("state") in known and same_layout:
                 since = known[pinfo["state"]]
@@ -144,19 +157,19 @@ def _save_table(
                 )
                 info["note"] = f"full save: {why}"
         if since is None:
-            runs = _tables.SortedRuns()  # merged on the helper thread as chunks arrive
-            blocks = _tables.write_table(w, table, chunk_rows, bucket_bits, on_keys=runs.append)
-            keyset = _keylists.KeySet(_tables.merge_sorted(runs))
+            runs = tables.SortedRuns()  # merged on the helper thread as chunks arrive
+            blocks = tables.write_table(w, table, chunk_rows, bucket_bits, on_keys=runs.append)
+            keyset = keylists.KeySet(tables.merge_sorted(runs))
             info["key_list"] = "full"
-            info["key_pieces"] = _keylists.write_key_list(w, keyset.base, _keylists.FULL)
+            info["key_pieces"] = keylists.write_key_list(w, keyset.base, keylists.FULL)
             removed = np.empty(0, np.int64)
         else:
             assert parent_doc is not None and parent_info is not None
             entry["full"] = False
-            parent: list[_keylists.KeySet] = []
+            parent: list[keylists.KeySet] = []
             new_parts: list[np.ndarray] = []
 
-            def parent_keys() -> _keylists.KeySet:
+            def parent_keys() -> keylists.KeySet:
                 if not parent:
                     parent.append(
                         _parent_keys(store, parent_doc, name, str(shard), table, parent_info)
@@ -170,23 +183,23 @@ def _save_table(
 
             # Export chunks of block_rows changed rows (blocks of ~block_rows / 2**bucket_bits
             # rows): a small delta is then written while the rest is still being gathered.
-            blocks = _tables.write_table(
+            blocks = tables.write_table(
                 w, table, opts["block_rows"], bucket_bits, since, on_keys=on_keys
             )
             pset = parent_keys()
-            added = _tables.merge_sorted(new_parts)
+            added = tables.merge_sorted(new_parts)
             if len(table) == len(pset) + len(added):
                 removed = np.empty(0, np.int64)
             else:  # some keys were removed since the parent: diff the key sets
                 pkeys = pset.to_array()
                 keys = np.sort(np.asarray(table.keys(), dtype=np.int64))
-                removed = pkeys[~_keylists.sorted_member(keys, pkeys)]
+                removed = pkeys[~keylists.sorted_member(keys, pkeys)]
             keyset = pset.apply(added, removed, check=False)
             info["key_list"] = "delta"
             info["key_pieces"] = 0
             info["added"] = int(len(added))
             info["added_pieces"] = (
-                _keylists.write_key_list(w, added, _keylists.ADDED) if len(added) else 0
+                keylists.write_key_list(w, added, keylists.ADDED) if len(added) else 0
             )
         info.update(
             {
@@ -195,7 +208,7 @@ def _save_table(
                 "num_keys": int(len(keyset)),
                 "removed": int(len(removed)),
                 "removed_pieces": (
-                    _keylists.write_key_list(w, removed, _keylists.REMOVED) if len(removed) else 0
+                    keylists.write_key_list(w, removed, keylists.REMOVED) if len(removed) else 0
                 ),
                 "seq": seq,
             }
@@ -205,8 +218,8 @@ def _save_table(
         w.abort()
         raise
     info["full"] = since is None
-    info["state"] = _tables.remember_state(table, seq)
-    _keylists.remember(table, info["state"], keyset)
+    info["state"] = tables.remember_state(table, seq)
+    keylists.remember(table, info["state"], keyset)
     entry["shards"][str(shard)] = info
     return entry
 
@@ -225,8 +238,8 @@ def save(
     ttl: float | None = None,
     parent: str | None = None,
     hash_tag: str | None = None,
-    block_rows: int = _tables.DEFAULT_BLOCK_ROWS,
-    bucket_bits: int = _tables.DEFAULT_BUCKET_BITS,
+    block_rows: int = tables.DEFAULT_BLOCK_ROWS,
+    bucket_bits: int = tables.DEFAULT_BUCKET_BITS,
     chunk_bytes: int = config.CHECKPOINT_CHUNK_BYTES,
 ) -> str:
     """Save a model into a key-value store as a new tag.
@@ -300,7 +313,7 @@ def save(
     torch_dtypes: dict[str, str | None] = {}
     for name, val in dense_in.items():
         layout.check_var_name(name)
-        arrays[name], torch_dtypes[name] = _dense.to_numpy(name, val)
+        arrays[name], torch_dtypes[name] = dense.to_numpy(name, val)
     opts: dict[str, Any] = {
         "hash_tag": hash_tag, "bucket_bits": bucket_bits, "block_rows": block_rows
     }
@@ -322,20 +335,20 @@ def save(
         ).encode())
         parent_doc = None
         try:
-            docs = _manifest.read_all(store, include_expired=True)  # once: parent and chunks
+            docs = manifest.read_all(store, include_expired=True)  # once: parent and chunks
             if incremental:
                 if parent is not None:
-                    parent_doc = _manifest.read(store, parent)
+                    parent_doc = manifest.read(store, parent)
                 else:
                     now = time.time()
-                    live = {t: d for t, d in docs.items() if not _manifest.is_expired(d, now)}
+                    live = {t: d for t, d in docs.items() if not manifest.is_expired(d, now)}
                     if live:
-                        parent_doc = live[_manifest.sorted_tags(live)[-1]]
+                        parent_doc = live[manifest.sorted_tags(live)[-1]]
         except BaseException:
             with contextlib.suppress(Exception):
                 store.delete(pkey)
             raise
-        doc = _manifest.new_manifest(
+        doc = manifest.new_manifest(
             tag,
             step=step,
             parent=None if parent_doc is None else parent_doc["tag"],
@@ -357,22 +370,22 @@ def save(
                 pbar.update(n)
 
         try:
-            known = referenced_chunks(store, docs)
-            dense_w = _tables.BlockWriter(store, b"", None, on_bytes, opts["after_write"])
+            known = refs.referenced_chunks(store, docs)
+            dense_w = tables.BlockWriter(store, b"", None, on_bytes, opts["after_write"])
 
             def write_dense() -> None:
                 # hashes the dense chunks (xxhash lets the table gather run meanwhile) and
                 # queues the new ones on dense_w's writer thread
                 for name, arr in arrays.items():
-                    doc["dense"][name] = _dense.describe(arr, torch_dtypes[name], chunk_bytes)
-                _dense.write_tensors(dense_w, arrays, doc["dense"], known, on_bytes)
+                    doc["dense"][name] = dense.describe(arr, torch_dtypes[name], chunk_bytes)
+                dense.write_tensors(dense_w, arrays, doc["dense"], known, on_bytes)
                 dense_w.send()
 
             with ThreadPoolExecutor(1, thread_name_prefix="tensorkv-ckpt-dense") as helper:
                 dense_job = helper.submit(write_dense)
                 try:
                     for name, table in tables_in.items():
-                        ent = _save_table(
+                        ent = save_table(
                             store, tag, name, table, shard_i, nshards, parent_doc, opts, on_bytes
                         )
                         doc["tables"][name] = ent
@@ -392,9 +405,9 @@ def save(
             if ttl is not None:
                 doc["expires"] = doc["created"] + float(ttl)
             if nshards == 1:
-                store.put(layout.manifest_key(tag), _manifest.encode_manifest(doc))
+                store.put(layout.manifest_key(tag), manifest.encode_manifest(doc))
             else:
-                store.put(layout.shard_manifest_key(tag, shard_i), _manifest.encode_manifest(doc))
+                store.put(layout.shard_manifest_key(tag, shard_i), manifest.encode_manifest(doc))
             store.flush()
         except BaseException:
             _cleanup_failed(store, tag, shard_i, list(tables_in), hash_tag)
@@ -404,8 +417,6 @@ def save(
         with contextlib.suppress(Exception):
             store.delete(pkey)
         if nshards > 1:
-            from tensorkv.checkpoint.shards import merge_if_complete
-
             merge_if_complete(store, tag, nshards)
     return tag
 

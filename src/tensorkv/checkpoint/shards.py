@@ -1,12 +1,16 @@
-"""Sharded saves: combining the per-shard manifests into the tag's manifest."""
+"""Sharded saves: combining the per-shard manifests into the tag's manifest.
+
+Each process of a sharded save writes ``ckpt/s/<tag>/<shard>``; the last one to finish (or
+:func:`merge`, by hand) writes the combined manifest (see "Atomic tags, incremental saves,
+sharded saves" in ``docs/format.md``).
+"""
 
 from __future__ import annotations
 
 import contextlib
 from typing import Any
 
-from tensorkv.checkpoint import layout
-from tensorkv.checkpoint import manifest as _manifest
+from tensorkv.checkpoint import layout, manifest
 from tensorkv.checkpoint.access import using_store
 from tensorkv.errors import CheckpointError
 from tensorkv.stores.base import KVStore
@@ -16,9 +20,9 @@ def shard_manifests(store: KVStore, tag: str) -> dict[int, dict[str, Any]]:
     """The manifests of the finished shards of ``tag``, by shard index."""
     prefix = layout.SHARD_MANIFEST + tag.encode() + b"/"
     out = {}
-    for k, v in _manifest.scan_items(store, prefix):
+    for k, v in manifest.scan_items(store, prefix):
         i = int(bytes(k[len(prefix) :]))
-        out[i] = _manifest.decode_manifest(v, f"shard {i} of tag {tag!r}")
+        out[i] = manifest.decode_manifest(v, f"shard {i} of tag {tag!r}")
     return out
 
 
@@ -64,7 +68,7 @@ def merge_if_complete(store: KVStore, tag: str, num_shards: int) -> bool:
     if len(parts) < num_shards:
         return False
     doc = combine(tag, parts)
-    store.put(layout.manifest_key(tag), _manifest.encode_manifest(doc))
+    store.put(layout.manifest_key(tag), manifest.encode_manifest(doc))
     with contextlib.suppress(Exception):
         store.flush()
     return True
@@ -93,7 +97,7 @@ def merge(url: str | KVStore, tag: str, *, allow_missing: bool = False) -> dict[
     with using_store(url) as store:
         raw = store.get(layout.manifest_key(tag))
         if raw is not None:
-            return _manifest.decode_manifest(raw, f"tag {tag!r}")
+            return manifest.decode_manifest(raw, f"tag {tag!r}")
         parts = shard_manifests(store, tag)
         if not parts:
             raise CheckpointError(f"no shard of tag {tag!r} has finished in {store.url!r}")
@@ -105,6 +109,6 @@ def merge(url: str | KVStore, tag: str, *, allow_missing: bool = False) -> dict[
                 "pass allow_missing=True to publish the tag without them"
             )
         doc = combine(tag, parts)
-        store.put(layout.manifest_key(tag), _manifest.encode_manifest(doc))
+        store.put(layout.manifest_key(tag), manifest.encode_manifest(doc))
         store.flush()
         return doc

@@ -17,12 +17,14 @@ import uuid
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from tensorkv.checkpoint import layout
 from tensorkv.checkpoint.keylists import ADDED, FULL, REMOVED, piece_key
+from tensorkv.checkpoint.progress import OnBytes
 from tensorkv.codec import decode, encode_parts
 from tensorkv.errors import CheckpointError, CorruptRecordError
 from tensorkv.stores.base import KVStore
@@ -63,7 +65,7 @@ def as_rows(chunk: Any) -> Rows:
     return Rows(*(getattr(chunk, f) for f in FIELDS))
 
 
-def take(rows: Rows, sel: Any) -> Rows:
+def take(rows: Rows, sel: np.ndarray | slice) -> Rows:
     """Rows selected by a boolean mask, slice or index array."""
     return Rows(*(a[sel] for a in rows))
 
@@ -77,7 +79,7 @@ FieldSpec = tuple[np.dtype, tuple[int, ...]]  # (dtype, row shape) of one block 
 
 
 def new_block(
-    m: int, fields: tuple[FieldSpec, ...], alloc: Any = None
+    m: int, fields: tuple[FieldSpec, ...], alloc: Callable[[int], np.ndarray] | None = None
 ) -> tuple[np.ndarray, list[np.ndarray]]:
     """Allocate a block record of ``m`` rows and write its header.
 
@@ -126,7 +128,8 @@ def seal_block(buf: np.ndarray, payloads: list[np.ndarray]) -> None:
 
 
 def encode_block(
-    rows: Rows, index: np.ndarray | slice | None = None, alloc: Any = None
+    rows: Rows, index: np.ndarray | slice | None = None,
+    alloc: Callable[[int], np.ndarray] | None = None,
 ) -> np.ndarray:
     """One block record: a small header, then one tensor record per field (8-aligned).
 
@@ -224,8 +227,9 @@ class BlockWriter:
     first ``QUEUE_BYTES`` plus one chunk.
     """
 
-    def __init__(self, store: KVStore, prefix: bytes, hash_tag: str | None, on_bytes: Any,
-                 after_write: Any = None, owner: Any = None):
+    def __init__(self, store: KVStore, prefix: bytes, hash_tag: str | None,
+                 on_bytes: OnBytes | None, after_write: Callable[[], None] | None = None,
+                 owner: Any = None):
         self.store = store
         self.after_write = after_write
         self.prefix = prefix
@@ -239,9 +243,10 @@ class BlockWriter:
         self._pool: list[np.ndarray] = _take_kept(owner)
         self._out: dict[int, np.ndarray] = {}  # id -> buffer: handed out, not yet put
         self._lent: list[np.ndarray] = []  # buffers of the records in the batch being filled
-        self._queue: deque[tuple[Any, int]] = deque()  # (future, bytes) oldest first
+        # (future, bytes) oldest first
+        self._queue: deque[tuple[Future[tuple[int, list[np.ndarray]]], int]] = deque()
         self._queued = 0
-        self._executor: Any = None
+        self._executor: ThreadPoolExecutor | None = None
         self._since_after = 0  # bytes written since after_write last ran (writer thread)
 
     def alloc(self, nbytes: int) -> np.ndarray:
@@ -314,8 +319,6 @@ class BlockWriter:
             return nbytes, lent
 
         if self._executor is None:
-            from concurrent.futures import ThreadPoolExecutor
-
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="tensorkv-ckpt-write")
         self._queue.append((self._executor.submit(write), nbytes))
         self._queued += nbytes
@@ -391,7 +394,7 @@ def _keep(owner: Any, pool: list[np.ndarray]) -> None:
 
 def write_blocks(
     w: BlockWriter, chunks: Iterable[Any], bucket_bits: int,
-    on_keys: Callable[[np.ndarray], Any] | None = None, start: int = 0,
+    on_keys: Callable[[np.ndarray], object] | None = None, start: int = 0,
 ) -> list[list[int]]:
     """Write rows as hash-bucketed blocks; return their manifest entries.
 
@@ -447,7 +450,7 @@ def _gathers_in_place(table: Any) -> bool:
 
 def write_table(
     w: BlockWriter, table: Any, chunk_rows: int, bucket_bits: int, since: int | None = None,
-    on_keys: Callable[[np.ndarray], Any] | None = None,
+    on_keys: Callable[[np.ndarray], object] | None = None,
 ) -> list[list[int]]:
     """Write a table's rows (all, or those changed after ``since``) as hash-bucketed blocks.
 
@@ -465,12 +468,10 @@ def write_table(
             chunk_rows=chunk_rows, since=since
         )
         return write_blocks(w, chunks, bucket_bits, on_keys)
-    from concurrent.futures import ThreadPoolExecutor
-
     blocks: list[list[int]] = []
     pending: list[tuple[list[int], np.ndarray, list[np.ndarray]]] = []
     helper = ThreadPoolExecutor(1, thread_name_prefix="tensorkv-ckpt-keys")
-    jobs: list[Any] = []
+    jobs: list[Future[None]] = []
 
     def sort_keys(keys: np.ndarray) -> None:
         assert on_keys is not None
@@ -519,7 +520,7 @@ def _merge2(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.sort(np.concatenate((a, b)), kind="stable")
 
 
-class SortedRuns(list):  # type: ignore[type-arg]
+class SortedRuns(list[np.ndarray]):
     """Sorted int64 arrays, merged as they arrive (a binary counter of runs).
 
     ``append`` merges the newest run into the previous one while that is no larger, so runs
@@ -571,19 +572,17 @@ def read_blocks(
     shard: int | None,
     num_shards: int | None,
     hash_tag: str | None,
-    on_bytes: Any = None,
+    on_bytes: OnBytes | None = None,
 ) -> Iterator[Rows]:
     """Read, verify and (at shard boundaries) filter the selected blocks.
 
     The next group of blocks is fetched on a helper thread while this group is decoded, so
     the store's I/O overlaps the caller's copying.
     """
-    from concurrent.futures import ThreadPoolExecutor
-
     step = max(1, READ_GROUP_BYTES // max(1, _block_bytes_hint(selected)))
     groups = [selected[lo : lo + step] for lo in range(0, len(selected), step)]
 
-    def fetch(group: list[tuple[list[int], bool]]) -> tuple[list[bytes], list[Any]]:
+    def fetch(group: list[tuple[list[int], bool]]) -> tuple[list[bytes], list[bytes | None]]:
         keys = [layout.block_key(prefix, b[1], b[0], hash_tag) for b, _ in group]
         return keys, store.get_many(keys)
 

@@ -1,4 +1,9 @@
-"""Tags: list, latest, delete, expiry, copy (within or across stores), compact, dump/restore."""
+"""Tags: list, latest, delete, expiry, copy (within or across stores), compact, dump/restore.
+
+Copies, compaction and dumps fold incremental chains into full tags (:func:`write_copy`);
+deletion keeps dense chunks other tags use (``refs.py``). The manifest fields, ``compact``'s
+data tags and the dump file format are in ``docs/format.md``.
+"""
 
 from __future__ import annotations
 
@@ -7,20 +12,41 @@ import os
 import struct
 import time
 import uuid
-from typing import Any
+from typing import Any, Literal, overload
 
-from tensorkv.checkpoint import layout
-from tensorkv.checkpoint import manifest as _manifest
-from tensorkv.checkpoint import tables as _tables
+from tensorkv.checkpoint import layout, manifest, refs, tables
 from tensorkv.checkpoint.access import using_store
+from tensorkv.checkpoint.load import build_table, stage_table
+from tensorkv.checkpoint.save import save_table
 from tensorkv.codec import checksum
 from tensorkv.errors import CheckpointError, CorruptRecordError
 from tensorkv.stores.base import KVStore
+from tensorkv.stores.memory import MemoryStore
 
 COPY_BATCH_BYTES = 64 * 1024 * 1024
 
 
-def list_tags(url: str | KVStore, *, details: bool = False, include_expired: bool = False) -> Any:
+@overload
+def list_tags(
+    url: str | KVStore, *, details: Literal[False] = False, include_expired: bool = False
+) -> list[str]: ...
+
+
+@overload
+def list_tags(
+    url: str | KVStore, *, details: Literal[True], include_expired: bool = False
+) -> list[dict[str, Any]]: ...
+
+
+@overload
+def list_tags(
+    url: str | KVStore, *, details: bool, include_expired: bool = False
+) -> list[str] | list[dict[str, Any]]: ...
+
+
+def list_tags(
+    url: str | KVStore, *, details: bool = False, include_expired: bool = False
+) -> list[str] | list[dict[str, Any]]:
     """Visible tags, oldest first.
 
     Parameters
@@ -32,8 +58,8 @@ def list_tags(url: str | KVStore, *, details: bool = False, include_expired: boo
         Also list expired tags (not yet removed by gc).
     """
     with using_store(url) as store:
-        docs = _manifest.read_all(store, include_expired=include_expired)
-    names = _manifest.sorted_tags(docs)
+        docs = manifest.read_all(store, include_expired=include_expired)
+    names = manifest.sorted_tags(docs)
     if not details:
         return names
     return [summary(docs[t]) for t in names]
@@ -68,7 +94,7 @@ def latest_tag(url: str | KVStore) -> str | None:
 def tag_info(url: str | KVStore, tag: str = "latest") -> dict[str, Any]:
     """The manifest of a tag (a dict; see docs/format.md)."""
     with using_store(url) as store:
-        return _manifest.read(store, tag)
+        return manifest.read(store, tag)
 
 
 def _children(docs: dict[str, dict[str, Any]], tag: str) -> list[str]:
@@ -76,38 +102,6 @@ def _children(docs: dict[str, dict[str, Any]], tag: str) -> list[str]:
         t for t, d in docs.items()
         if d.get("parent") == tag and d.get("incremental") and t != tag
     )
-
-
-def table_data_keys(doc: dict[str, Any]) -> list[bytes]:
-    """Every table record key a manifest owns."""
-    out: list[bytes] = []
-    for name, ent in doc["tables"].items():
-        for s, info in ent["shards"].items():
-            prefix = layout.table_prefix(
-                ent.get("data_tag", doc["tag"]), name, int(s), ent.get("hash_tag")
-            )
-            out += _tables.record_keys(prefix, info, ent.get("hash_tag"))
-    return out
-
-
-def _delete_doc(store: KVStore, doc: dict[str, Any]) -> None:
-    """Delete a tag: manifest first (invisible at once), then its data."""
-    from tensorkv.checkpoint.check import live_pending, referenced_chunks_all
-
-    tag = doc["tag"]
-    store.delete(layout.manifest_key(tag))
-    store.delete_prefix(layout.SHARD_MANIFEST + tag.encode() + b"/")
-    keys = table_data_keys(doc)
-    for i in range(0, len(keys), 4096):
-        store.delete_many(keys[i : i + 4096])
-    if not live_pending(store):
-        referenced = referenced_chunks_all(store)
-        mine = {d for e in doc["dense"].values() for d in e["chunks"]}
-        doomed = [layout.chunk_key(d) for d in sorted(mine - referenced)]
-        for i in range(0, len(doomed), 4096):
-            if live_pending(store):  # a save started: it may write these chunks again
-                break  # gc removes what is left once no save runs
-            store.delete_many(doomed[i : i + 4096])
 
 
 def delete_tag(url: str | KVStore, tag: str, *, force: bool = False) -> None:
@@ -118,11 +112,8 @@ def delete_tag(url: str | KVStore, tag: str, *, force: bool = False) -> None:
     """
     layout.check_tag(tag)
     with using_store(url) as store:
-        raw = store.get(layout.manifest_key(tag))
-        if raw is None:
-            _manifest.read(store, tag)  # raises TagNotFoundError listing the tags
-        doc = _manifest.decode_manifest(raw, f"tag {tag!r}")
-        docs = _manifest.read_all(store, include_expired=True)
+        doc = manifest.read(store, tag, include_expired=True)  # or TagNotFoundError
+        docs = manifest.read_all(store, include_expired=True)
         kids = _children(docs, tag)
         if kids and not force:
             raise CheckpointError(
@@ -131,15 +122,15 @@ def delete_tag(url: str | KVStore, tag: str, *, force: bool = False) -> None:
             )
         for k in kids:
             compact(store, k)
-        _delete_doc(store, doc)
+        refs.delete_doc(store, doc)
 
 
 def expire_tag(url: str | KVStore, tag: str, ttl: float | None) -> None:
     """Set (seconds from now) or clear (None) the expiry of a tag."""
     with using_store(url) as store:
-        doc = _manifest.read(store, tag)
+        doc = manifest.read(store, tag)
         doc["expires"] = None if ttl is None else time.time() + float(ttl)
-        store.put(layout.manifest_key(doc["tag"]), _manifest.encode_manifest(doc))
+        store.put(layout.manifest_key(doc["tag"]), manifest.encode_manifest(doc))
 
 
 def _copy_records(src: KVStore, dst: KVStore, pairs: list[tuple[bytes, bytes]], what: str) -> None:
@@ -160,10 +151,8 @@ def _copy_records(src: KVStore, dst: KVStore, pairs: list[tuple[bytes, bytes]], 
 
 
 def _materialize_table(src: KVStore, doc: dict[str, Any], name: str, saved_shard: str) -> Any:
-    from tensorkv.checkpoint.load import _build_table, _stage_table
-
-    rows, removed, _ = _stage_table(src, doc, name, None, None, None, saved_shard)
-    return _build_table(doc["tables"][name]["meta"], rows, removed)
+    rows, removed, _ = stage_table(src, doc, name, None, None, None, saved_shard)
+    return build_table(doc["tables"][name]["meta"], rows, removed)
 
 
 def write_copy(
@@ -173,8 +162,6 @@ def write_copy(
 
     Full tables are copied record by record; incremental chains are folded first.
     """
-    from tensorkv.checkpoint.save import _save_table
-
     data_tag = data_tag or dst_tag
     new = dict(doc)
     new.update(tag=dst_tag, parent=None, incremental=False, tables={}, created=time.time())
@@ -193,18 +180,18 @@ def write_copy(
                 sp = layout.table_prefix(ent.get("data_tag", doc["tag"]), name, int(s), hash_tag)
                 dp = layout.table_prefix(data_tag, name, int(s), hash_tag)
                 pairs += list(zip(
-                    _tables.record_keys(sp, info, hash_tag),
-                    _tables.record_keys(dp, info, hash_tag), strict=True,
+                    tables.record_keys(sp, info, hash_tag),
+                    tables.record_keys(dp, info, hash_tag), strict=True,
                 ))
             _copy_records(src, dst, pairs, f"table {name!r} of tag {doc['tag']!r}")
             new["tables"][name] = {**ent, "data_tag": data_tag}
         else:
             opts = {"hash_tag": hash_tag, "bucket_bits": ent.get("bucket_bits", 4),
-                    "block_rows": _tables.DEFAULT_BLOCK_ROWS}
+                    "block_rows": tables.DEFAULT_BLOCK_ROWS}
             nent = None
             for s in ent["shards"]:  # fold each saved shard's chain on its own
                 table = _materialize_table(src, doc, name, s)
-                part = _save_table(dst, data_tag, name, table, int(s), 1, None, opts, None)
+                part = save_table(dst, data_tag, name, table, int(s), 1, None, opts, None)
                 if nent is None:
                     nent = part
                 else:
@@ -242,7 +229,7 @@ def copy_tag(
         The new tag. Incremental tags are folded into a full tag on the way.
     """
     with using_store(url) as src:
-        doc = _manifest.read(src, src_tag)
+        doc = manifest.read(src, src_tag)
         dst_tag = layout.check_tag(dst_tag or doc["tag"])
         if dst_url is None:
             if dst_tag == doc["tag"]:
@@ -259,7 +246,7 @@ def _copy_into(src: KVStore, doc: dict[str, Any], dst: KVStore, dst_tag: str) ->
         raise CheckpointError(f"tag {dst_tag!r} already exists in {dst.url!r}; delete it first")
     new = write_copy(src, doc, dst, dst_tag)
     dst.flush()
-    dst.put(layout.manifest_key(dst_tag), _manifest.encode_manifest(new))
+    dst.put(layout.manifest_key(dst_tag), manifest.encode_manifest(new))
     dst.flush()
 
 
@@ -269,7 +256,7 @@ def compact(url: str | KVStore, tag: str) -> dict[str, Any]:
     Returns the new manifest. A full tag is left as it is.
     """
     with using_store(url) as store:
-        doc = _manifest.read(store, tag)
+        doc = manifest.read(store, tag)
         if not doc.get("incremental"):
             return doc
         data_tag = f"{doc['tag']}~{uuid.uuid4().hex[:8]}"
@@ -279,10 +266,10 @@ def compact(url: str | KVStore, tag: str) -> dict[str, Any]:
         new["compacted_from"] = doc.get("parent")
         new["created"] = doc["created"]  # keep its place in the tag order
         store.flush()
-        store.put(layout.manifest_key(doc["tag"]), _manifest.encode_manifest(new))
+        store.put(layout.manifest_key(doc["tag"]), manifest.encode_manifest(new))
         store.flush()
         store.delete(pkey)
-        keys = table_data_keys(doc)
+        keys = refs.table_data_keys(doc)
         for i in range(0, len(keys), 4096):
             store.delete_many(keys[i : i + 4096])
         return new
@@ -301,10 +288,8 @@ def dump_tag(url: str | KVStore, tag: str, path: str) -> int:
     uint64 value length, uint64 xxh3-64 of the value, key, value)``; the last record is the
     manifest, followed by a record with key length 0 (end marker). Works for every backend.
     """
-    from tensorkv.stores.memory import MemoryStore
-
     with using_store(url) as store:
-        doc = _manifest.read(store, tag)
+        doc = manifest.read(store, tag)
         tmp = MemoryStore()
         if doc.get("incremental"):
             new = write_copy(store, doc, tmp, doc["tag"])
@@ -317,7 +302,7 @@ def dump_tag(url: str | KVStore, tag: str, path: str) -> int:
             f.write(DUMP_MAGIC + struct.pack("<I", DUMP_VERSION))
             keys = [layout.chunk_key(d) for d in
                     sorted({d for e in new["dense"].values() for d in e["chunks"]})]
-            keys += table_data_keys(new)
+            keys += refs.table_data_keys(new)
             for lo in range(0, len(keys), 64):
                 group = keys[lo : lo + 64]
                 for k, v in zip(group, src.get_many(group), strict=True):
@@ -327,7 +312,7 @@ def dump_tag(url: str | KVStore, tag: str, path: str) -> int:
                     f.write(k)
                     f.write(v)
                     written += len(v)
-            m = _manifest.encode_manifest(new)
+            m = manifest.encode_manifest(new)
             mk = layout.manifest_key(new["tag"])
             f.write(_REC.pack(len(mk), len(m), checksum(m)) + mk + m)
             f.write(_REC.pack(0, 0, 0))
@@ -367,26 +352,16 @@ def restore_tag(path: str, url: str | KVStore, tag: str | None = None) -> str:
             records.append((k, v))
     if not records or not records[-1][0].startswith(layout.MANIFEST):
         raise CorruptRecordError(f"{path!r} does not end with a manifest")
-    doc = _manifest.decode_manifest(records[-1][1], f"the dump {path!r}")
+    doc = manifest.decode_manifest(records[-1][1], f"the dump {path!r}")
     new_tag = layout.check_tag(tag or doc["tag"])
-    data = dict(records[:-1])
-    with using_store(url) as store:
-        if store.get(layout.manifest_key(new_tag)) is not None:
-            raise CheckpointError(f"tag {new_tag!r} already exists in {store.url!r}")
-        mem_src = _DictSource(data)
-        new = write_copy(mem_src, doc, store, new_tag)  # type: ignore[arg-type]
-        new["restored_from"] = path
-        store.flush()
-        store.put(layout.manifest_key(new_tag), _manifest.encode_manifest(new))
-        store.flush()
+    with MemoryStore() as data:  # the dump's records (the bytes read, not copies)
+        data.put_many(records[:-1])
+        with using_store(url) as store:
+            if store.get(layout.manifest_key(new_tag)) is not None:
+                raise CheckpointError(f"tag {new_tag!r} already exists in {store.url!r}")
+            new = write_copy(data, doc, store, new_tag)
+            new["restored_from"] = path
+            store.flush()
+            store.put(layout.manifest_key(new_tag), manifest.encode_manifest(new))
+            store.flush()
     return new_tag
-
-
-class _DictSource:
-    """A read-only view of dump records with the get_many of a KVStore."""
-
-    def __init__(self, data: dict[bytes, bytes]) -> None:
-        self.data = data
-
-    def get_many(self, keys: list[bytes]) -> list[bytes | None]:
-        return [self.data.get(k) for k in keys]

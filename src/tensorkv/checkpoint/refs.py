@@ -1,0 +1,137 @@
+"""Reference bookkeeping of checkpoints: which records a tag owns, which saves are running.
+
+Every manifest (complete, expired or per shard) references dense chunks, shared by content,
+and owns the table records under its data tag; a pending-save marker protects the data of a
+save still in progress. ``delete_tag``, ``compact``, ``gc`` and ``check`` decide from these
+what may be deleted. The rules are in the "Atomic tags, incremental saves, sharded saves"
+section of ``docs/format.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from tensorkv import config
+from tensorkv.checkpoint import layout, manifest, tables
+from tensorkv.stores.base import KVStore
+
+
+# ----------------------------------------------------------------------------- pending saves
+def pending_markers(store: KVStore) -> list[dict[str, Any]]:
+    """Pending-save markers: tag, shard, start time, age in seconds."""
+    out = []
+    now = time.time()
+    for k, v in manifest.scan_items(store, layout.PENDING):
+        rest = bytes(k[len(layout.PENDING) :]).decode()
+        tag, _, shard = rest.rpartition("/")
+        try:
+            started = float(json.loads(bytes(v)).get("started", 0.0))
+        except (ValueError, AttributeError):
+            started = 0.0
+        out.append({"tag": tag, "shard": int(shard), "started": started, "age": now - started,
+                    "key": bytes(k)})
+    return out
+
+
+def live_pending(store: KVStore, grace: float | None = None) -> list[dict[str, Any]]:
+    """Markers of saves started less than ``grace`` seconds ago (presumed still running)."""
+    g = config.CHECKPOINT_GC_GRACE_SECONDS if grace is None else grace
+    return [p for p in pending_markers(store) if p["age"] < g]
+
+
+# ----------------------------------------------------------------------------- references
+def all_docs(store: KVStore) -> list[dict[str, Any]]:
+    """Every manifest in the store: complete tags (expired ones too), then per-shard ones."""
+    docs = list(manifest.read_all(store, include_expired=True).values())
+    for k, v in manifest.scan_items(store, layout.SHARD_MANIFEST):
+        docs.append(manifest.decode_manifest(v, bytes(k).decode()))
+    return docs
+
+
+def referenced_chunks(
+    store: KVStore, docs: dict[str, dict[str, Any]] | None = None
+) -> set[str]:
+    """Digests of the dense chunks referenced by every manifest (complete or per shard).
+
+    Parameters
+    ----------
+    store
+        The store holding the manifests.
+    docs
+        The complete tags' manifests (expired ones included), when already read.
+
+    Returns
+    -------
+    set of str
+        The xxh3-128 hex digests of the chunks.
+    """
+    out: set[str] = set()
+    parts = [manifest.decode_manifest(v, bytes(k).decode())
+             for k, v in manifest.scan_items(store, layout.SHARD_MANIFEST)]
+    if docs is None:
+        docs = manifest.read_all(store, include_expired=True)
+    for doc in [*docs.values(), *parts]:
+        for ent in doc.get("dense", {}).values():
+            out.update(ent["chunks"])
+    return out
+
+
+def referenced_chunks_all(store: KVStore) -> set[str]:
+    """Digests referenced by any manifest, complete, expired or per shard (see :func:`all_docs`)."""
+    return {d for doc in all_docs(store) for e in doc["dense"].values() for d in e["chunks"]}
+
+
+def table_data_keys(doc: dict[str, Any]) -> list[bytes]:
+    """Every table record key a manifest owns."""
+    out: list[bytes] = []
+    for name, ent in doc["tables"].items():
+        for s, info in ent["shards"].items():
+            prefix = layout.table_prefix(
+                ent.get("data_tag", doc["tag"]), name, int(s), ent.get("hash_tag")
+            )
+            out += tables.record_keys(prefix, info, ent.get("hash_tag"))
+    return out
+
+
+def key_tag(key: bytes) -> str:
+    """The (data) tag a table record key belongs to."""
+    rest = key[len(layout.TABLE) :]
+    if rest.startswith(b"{"):
+        inner, _, after = rest[1:].partition(b"}")
+        if b"/" in inner:
+            return inner.split(b"/", 1)[0].decode()
+        return after.lstrip(b"/").split(b"/", 1)[0].decode()
+    return rest.split(b"/", 1)[0].decode()
+
+
+# ----------------------------------------------------------------------------- deletion
+def delete_doc(store: KVStore, doc: dict[str, Any]) -> None:
+    """Delete a tag: manifest first (invisible at once), then its data.
+
+    Its table records go at once; its dense chunks only where no other manifest references
+    them and no save is running (a new save may write the same chunks again: gc removes what
+    is left once no save runs).
+
+    Parameters
+    ----------
+    store
+        The store holding the tag.
+    doc
+        The tag's manifest.
+    """
+    tag = doc["tag"]
+    store.delete(layout.manifest_key(tag))
+    store.delete_prefix(layout.SHARD_MANIFEST + tag.encode() + b"/")
+    keys = table_data_keys(doc)
+    for i in range(0, len(keys), 4096):
+        store.delete_many(keys[i : i + 4096])
+    if not live_pending(store):
+        referenced = referenced_chunks_all(store)
+        mine = {d for e in doc["dense"].values() for d in e["chunks"]}
+        doomed = [layout.chunk_key(d) for d in sorted(mine - referenced)]
+        for i in range(0, len(doomed), 4096):
+            if live_pending(store):  # a save started: it may write these chunks again
+                break  # gc removes what is left once no save runs
+            store.delete_many(doomed[i : i + 4096])
