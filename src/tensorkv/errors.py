@@ -104,6 +104,10 @@ class CheckpointError(TensorKVError):
     """A checkpoint could not be saved or loaded."""
 
 
+class BadIndexError(CheckpointError, IndexError):
+    """An index into a stored tensor is out of bounds or not a basic index."""
+
+
 class TagNotFoundError(CheckpointError, KeyError):
     """No checkpoint tag of that name exists in the store."""
 

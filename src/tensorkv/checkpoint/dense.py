@@ -18,7 +18,13 @@ import xxhash
 from tensorkv.checkpoint import layout
 from tensorkv.checkpoint.progress import OnBytes
 from tensorkv.codec import BFLOAT16, dtype_code
-from tensorkv.errors import CheckpointError, CodecError, CorruptRecordError, ShapeError
+from tensorkv.errors import (
+    BadIndexError,
+    CheckpointError,
+    CodecError,
+    CorruptRecordError,
+    ShapeError,
+)
 from tensorkv.pages import FreshPages
 from tensorkv.stores.base import KVStore
 
@@ -228,7 +234,7 @@ def _axis0_range(index: Any, n0: int) -> tuple[int, int, Any]:
     if isinstance(first, (int, np.integer)) and not isinstance(first, bool):
         i = int(first)
         if not -n0 <= i < n0:
-            raise IndexError(f"index {i} is out of bounds for axis 0 with size {n0}")
+            raise BadIndexError(f"index {i} is out of bounds for axis 0 with size {n0}")
         i %= n0
         return i, i + 1, (0, *rest)
     if isinstance(first, slice):
@@ -239,7 +245,7 @@ def _axis0_range(index: Any, n0: int) -> tuple[int, int, Any]:
         lo, hi = min(rng[0], rng[-1]), max(rng[0], rng[-1]) + 1
         rel: Any = slice(0, hi - lo) if step == 1 else np.asarray(rng, dtype=np.int64) - lo
         return lo, hi, (rel, *rest)
-    raise IndexError(
+    raise BadIndexError(
         f"index {index!r} is not a basic index; read_tensor takes ints, slices, None and ..."
     )
 
@@ -249,9 +255,8 @@ def read_slice(store: KVStore, name: str, entry: dict[str, Any], index: Any) -> 
 
     Raises
     ------
-    IndexError
-        The index is out of bounds or not a basic index. A plain IndexError, as numpy
-        raises: ``tensorkv.errors`` has no class for a bad index (yet).
+    BadIndexError
+        The index is out of bounds or not a basic index (an ``IndexError``).
     """
     shape = tuple(entry["shape"])
     dt = entry_dtype(entry)
@@ -272,7 +277,7 @@ def read_slice(store: KVStore, name: str, entry: dict[str, Any], index: Any) -> 
     try:
         return sub[rel]
     except IndexError as exc:
-        raise IndexError(f"read_tensor({name!r}, {index!r}): {exc}") from None
+        raise BadIndexError(f"read_tensor({name!r}, {index!r}): {exc}") from None
 
 
 def check_against(name: str, entry: dict[str, Any], target: np.ndarray) -> None:

@@ -219,10 +219,9 @@ def _apply_rows(
 
 
 def _table_class() -> Any:
-    try:
-        from tensorkv.embedding import EmbeddingTable
-    except ImportError:
-        from tensorkv.embedding.table import EmbeddingTable
+    """The table class restores build (imported on first use: it loads numba)."""
+    from tensorkv.embedding.table import EmbeddingTable
+
     return EmbeddingTable
 
 
