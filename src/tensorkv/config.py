@@ -9,7 +9,8 @@ Environment variable                   Default     Meaning
 ``TENSORKV_PROGRESS``                  auto        ``0`` disables progress bars everywhere
 ``TENSORKV_PARALLEL_KERNELS``          1           ``0``: optimizer kernels always run serial
 ``TENSORKV_ASSIST_THREAD``             1           ``0``: tiered tables never share kernels
-                                                   with the helper thread (embedding.assist)
+                                                   with the helper thread
+                                                   (embedding.chain.assist)
 =====================================  ==========  =========================================
 """
 
@@ -21,31 +22,57 @@ from typing import Any
 
 from tensorkv.errors import ConfigError
 
-# --- key-value stores ----------------------------------------------------------------------
+# ==== settings, by subsystem (units in the comments) ========================================
+
+# --- key-value stores: common --------------------------------------------------------------
+DEFAULT_EMBEDDED_SCHEME = "lmdb"  # embedded backend used where none is named (docs/backends.md)
+DEFAULT_WRITE_CHUNK = 1024  # records per backend write call in bulk paths
+STORE_SCAN_CHUNK = 1024  # records read per step of a scan; no snapshot is held between steps
+
+# --- key-value stores: LMDB ------------------------------------------------------------------
+LMDB_INITIAL_MAP_SIZE = 64 * 1024 * 1024  # bytes; the map doubles when full
+LMDB_MAX_MAP_SIZE = 1 << 40  # bytes (1 TiB); growth stops here with StoreFullError
+LMDB_MAX_READERS = 1024  # concurrent read transactions across all processes sharing an env
+
+# --- key-value stores: RocksDB and LevelDB -------------------------------------------------
+ROCKSDB_WRITE_BUFFER_SIZE = 64 * 1024 * 1024  # bytes per memtable before it is flushed
+ROCKSDB_MAX_WRITE_BUFFERS = 4  # memtables kept in memory while older ones flush
+ROCKSDB_BLOCK_CACHE_SIZE = 128 * 1024 * 1024  # bytes of uncompressed blocks cached for reads
+LEVELDB_WRITE_BUFFER_SIZE = 32 * 1024 * 1024  # bytes per memtable before it is flushed
+LEVELDB_BLOCK_CACHE_SIZE = 64 * 1024 * 1024  # bytes of uncompressed blocks cached for reads
+
+# --- key-value stores: Redis -----------------------------------------------------------------
 REDIS_KEYS_SENDING_SIZE = 1024  # keys per pipelined Redis round trip
 REDIS_MAX_VALUE_BYTES = 512 * 1024 * 1024  # Redis's hard limit on one string value (bytes)
+REDIS_MAX_COMMAND_BYTES = 64 * 1024 * 1024  # bytes of values per MSET before it is split
 REDIS_CONNECT_TIMEOUT = 5.0  # seconds
 REDIS_SOCKET_TIMEOUT = 30.0  # seconds
 REDIS_RETRIES = 3  # attempts after the first on connection errors
 REDIS_RETRY_BACKOFF = 0.05  # seconds, doubled after each retry
-LMDB_INITIAL_MAP_SIZE = 64 * 1024 * 1024  # bytes; the map doubles when full
-LMDB_MAX_MAP_SIZE = 1 << 40  # bytes (1 TiB); growth stops here with StoreFullError
-DEFAULT_WRITE_CHUNK = 1024  # records per backend write call in bulk paths
+REDIS_STATS_COUNT_LIMIT = 1_000_000  # stats() counts namespace keys only below this db size
+ENV_REDIS_CONFIG_PATH = "TENSORKV_REDIS_CONFIG_PATH"
 
-# --- embedding tables ----------------------------------------------------------------------
+# --- embedding tables and optimizer kernels --------------------------------------------------
 TABLE_INITIAL_CAPACITY = 1024  # rows
 TABLE_MAX_LOAD_FACTOR = 0.5  # hash slots in use / slots before the index doubles
+OPTIMIZER_PARALLEL_MIN_ELEMENTS = 1 << 16  # rows*dim of one update before rows run on threads
+ENV_PARALLEL_KERNELS = "TENSORKV_PARALLEL_KERNELS"  # 0: optimizer kernels always run serially
 
-# --- checkpoints ---------------------------------------------------------------------------
-CHECKPOINT_CHUNK_BYTES = 4 * 1024 * 1024  # bytes per dense tensor chunk
-PROGRESS_MIN_SECONDS = 2.0  # show a progress bar only for work longer than this
-
+# --- tier chains -------------------------------------------------------------------------------
 ENV_EVICTION_THREADS = "TENSORKV_EVICTION_THREADS"
-ENV_SSDHASH_ASYNC_COMPACTION = "TENSORKV_SSDHASH_ASYNC_COMPACTION"
-ENV_REDIS_CONFIG_PATH = "TENSORKV_REDIS_CONFIG_PATH"
-ENV_PROGRESS = "TENSORKV_PROGRESS"
 ENV_ASSIST_THREAD = "TENSORKV_ASSIST_THREAD"
+ENV_SSDHASH_ASYNC_COMPACTION = "TENSORKV_SSDHASH_ASYNC_COMPACTION"
 
+# --- checkpoints -------------------------------------------------------------------------------
+CHECKPOINT_CHUNK_BYTES = 4 * 1024 * 1024  # bytes per dense tensor chunk
+CHECKPOINT_GC_GRACE_SECONDS = 3600.0  # gc leaves data of saves started less than this ago
+
+# --- command line and progress bars ------------------------------------------------------------
+PROGRESS_MIN_SECONDS = 2.0  # show a progress bar only for work longer than this
+ENV_PROGRESS = "TENSORKV_PROGRESS"
+
+
+# ==== parsing helpers and readers of the environment ==========================================
 
 def parse_scalar(text: str) -> Any:
     """Turn option text into a bool, int or float where it reads as one (else the text).
@@ -166,27 +193,3 @@ def progress_enabled(progress: bool | None) -> bool:
     if raw in {"1", "true", "yes", "on"}:
         return True
     return sys.stderr.isatty()
-
-
-# --- embedded stores (appended) --------------------------------------------------------------
-STORE_SCAN_CHUNK = 1024  # records read per step of a scan; no snapshot is held between steps
-LMDB_MAX_READERS = 1024  # concurrent read transactions across all processes sharing an env
-ROCKSDB_WRITE_BUFFER_SIZE = 64 * 1024 * 1024  # bytes per memtable before it is flushed
-ROCKSDB_MAX_WRITE_BUFFERS = 4  # memtables kept in memory while older ones flush
-ROCKSDB_BLOCK_CACHE_SIZE = 128 * 1024 * 1024  # bytes of uncompressed blocks cached for reads
-LEVELDB_WRITE_BUFFER_SIZE = 32 * 1024 * 1024  # bytes per memtable before it is flushed
-LEVELDB_BLOCK_CACHE_SIZE = 64 * 1024 * 1024  # bytes of uncompressed blocks cached for reads
-
-# --- Redis (appended) ----------------------------------------------------------------------
-REDIS_MAX_COMMAND_BYTES = 64 * 1024 * 1024  # bytes of values per MSET before it is split
-REDIS_STATS_COUNT_LIMIT = 1_000_000  # stats() counts namespace keys only below this db size
-
-# --- optimizer kernels (appended) ----------------------------------------------------------
-OPTIMIZER_PARALLEL_MIN_ELEMENTS = 1 << 16  # rows*dim of one update before rows run on threads
-ENV_PARALLEL_KERNELS = "TENSORKV_PARALLEL_KERNELS"  # 0: optimizer kernels always run serially
-
-# --- checkpoints (appended) -------------------------------------------------------------------
-CHECKPOINT_GC_GRACE_SECONDS = 3600.0  # gc leaves data of saves started less than this ago
-
-# --- command line (appended) ----------------------------------------------------------------
-DEFAULT_EMBEDDED_SCHEME = "lmdb"  # embedded backend used where none is named (docs/backends.md)

@@ -29,6 +29,13 @@ class ConfigError(TensorKVError, ValueError):
     """A setting or option has an invalid value."""
 
 
+class UnknownNameError(ConfigError, KeyError):
+    """A name (of a kernel, optimizer, initializer...) is not one of the known names."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable.
+        return str(self.args[0]) if self.args else ""
+
+
 # --- key-value stores --------------------------------------------------------------------
 class StoreError(TensorKVError):
     """A key-value store refused or failed an operation."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from tensorkv.errors import ConfigError
 from tensorkv.kernels.arena import PREFETCH_DISTANCE
 from tensorkv.kernels.hashindex import prefetch1
 
@@ -350,7 +351,7 @@ def lru_hits(keys: np.ndarray, capacity: int) -> np.ndarray:
         ``bool[len(keys)]``: True where the access was a hit.
     """
     if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity < 1:
-        raise ValueError(f"capacity={capacity!r} must be a positive integer")
+        raise ConfigError(f"capacity={capacity!r} must be a positive integer")
     keys = np.asarray(keys).ravel()
     hit = np.zeros(keys.size, np.bool_)
     if keys.size == 0:

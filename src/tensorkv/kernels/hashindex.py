@@ -29,6 +29,8 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from tensorkv.errors import ConfigError
+
 # state[] fields
 #: How many items ahead the probe and copy kernels prefetch (index slots, rows, records).
 PREFETCH_DISTANCE = 16
@@ -100,7 +102,7 @@ def home_slot(key: np.int64, mask: np.int64) -> np.int64:  # pragma: no cover - 
 def new_index(n_slots: int) -> np.ndarray:
     """Allocate an empty index of ``n_slots`` slots (a power of two): int64 ``[n_slots, 2]``."""
     if n_slots <= 0 or n_slots & (n_slots - 1):
-        raise ValueError(f"n_slots={n_slots} must be a positive power of two")
+        raise ConfigError(f"n_slots={n_slots} must be a positive power of two")
     index = np.empty((n_slots, 2), np.int64)
     index[:, 0] = 0
     index[:, 1] = -1

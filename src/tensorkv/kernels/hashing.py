@@ -17,6 +17,8 @@ from collections.abc import Sequence
 import numpy as np
 from numba import njit
 
+from tensorkv.errors import KeyTypeError
+
 P1 = np.uint64(0x9E3779B185EBCA87)
 P2 = np.uint64(0xC2B2AE3D27D4EB4F)
 P3 = np.uint64(0x165667B19E3779F9)
@@ -125,7 +127,7 @@ def pack_keys(keys: Sequence[str | bytes]) -> tuple[np.ndarray, np.ndarray]:
         elif isinstance(k, (bytes, bytearray, memoryview)):
             encoded.append(bytes(k))
         else:
-            raise TypeError(
+            raise KeyTypeError(
                 f"key {k!r} of type {type(k).__name__} is neither str nor bytes; give all "
                 "keys as str/bytes, or all as integers in an int64 array"
             )

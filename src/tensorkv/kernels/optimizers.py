@@ -46,6 +46,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from tensorkv import config
+from tensorkv.errors import UnknownNameError
 
 __all__ = [
     "KERNEL_NAMES",
@@ -337,7 +338,7 @@ def get_kernel(name: str, elements: int = 0, parallel: bool | None = None) -> Ca
         ``kernel(values, slots, rows, grads, *scalars)``; see the module docstring.
     """
     if name not in _SOURCES:
-        raise KeyError(f"no optimizer kernel named {name!r}; choose one of {KERNEL_NAMES}")
+        raise UnknownNameError(f"no optimizer kernel named {name!r}; choose one of {KERNEL_NAMES}")
     if parallel is None:
         parallel = elements >= config.OPTIMIZER_PARALLEL_MIN_ELEMENTS and parallel_enabled()
     if parallel:
