@@ -15,13 +15,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from tests.checkpoint.helpers import make_table, rows_of  # noqa: E402
 
 import tensorkv  # noqa: E402
+import tensorkv.checkpoint.layout  # noqa: E402
 from tensorkv.embedding.table import EmbeddingTable  # noqa: E402
 
 
 def shard_table(shard: int, num_shards: int) -> EmbeddingTable:
     """The rows of the reference table that shard ``shard`` of ``num_shards`` owns."""
     keys, vals, slots, freq, ver = rows_of(make_table(30000, 8, "adagrad", seed=7))
-    m = tensorkv.checkpoint.shard_of_keys(keys, num_shards) == shard
+    m = tensorkv.checkpoint.layout.shard_of_keys(keys, num_shards) == shard
     t = EmbeddingTable(8, optimizer="adagrad")
     t.import_([(keys[m], vals[m], slots[m], freq[m], ver[m])])
     return t

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import tensorkv
+import tensorkv.checkpoint.layout
 from tensorkv.errors import CheckpointError, TagNotFoundError
 
 from .helpers import make_table, rows_of
@@ -43,7 +44,7 @@ def test_parallel_sharded_save_and_reshard(proc_url):
         parts = [rows_of(tensorkv.load(None, proc_url, "sh", shard=j, num_shards=m)["emb"])
                  for j in range(m)]
         for j, p in enumerate(parts):
-            assert (tensorkv.checkpoint.shard_of_keys(p[0], m) == j).all()
+            assert (tensorkv.checkpoint.layout.shard_of_keys(p[0], m) == j).all()
         cat = [np.concatenate([p[i] for p in parts]) for i in range(5)]
         order = np.argsort(cat[0])
         assert all(a.tobytes() == b[order].tobytes() for a, b in zip(ref, cat, strict=True))

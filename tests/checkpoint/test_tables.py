@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tensorkv
+import tensorkv.checkpoint.layout
 from tensorkv.checkpoint import layout
 from tensorkv.embedding.table import EmbeddingTable
 from tensorkv.errors import CheckpointError, CorruptRecordError, ShapeError
@@ -147,7 +148,7 @@ def test_incremental_from_another_table_falls_back_to_full(mem_url):
 def test_reshard_in_process(mem_url, saved, restored):
     full = make_table(8000, 4, "adagrad")
     keys, vals, slots, freq, ver = rows_of(full)
-    owner = tensorkv.checkpoint.shard_of_keys(keys, saved)
+    owner = tensorkv.checkpoint.layout.shard_of_keys(keys, saved)
     for s in range(saved):
         part = EmbeddingTable(4, optimizer="adagrad")
         m = owner == s
@@ -157,7 +158,7 @@ def test_reshard_in_process(mem_url, saved, restored):
     for j in range(restored):
         got = tensorkv.load(None, mem_url, "x", shard=j, num_shards=restored)["emb"]
         gk = rows_of(got)
-        assert (tensorkv.checkpoint.shard_of_keys(gk[0], restored) == j).all()
+        assert (tensorkv.checkpoint.layout.shard_of_keys(gk[0], restored) == j).all()
         seen.append(gk)
     cat = [np.concatenate([s[i] for s in seen]) for i in range(5)]
     order = np.argsort(cat[0])
@@ -167,10 +168,10 @@ def test_reshard_in_process(mem_url, saved, restored):
 
 def test_splitmix64_reference_values():
     # reference outputs of the splitmix64 finaliser (documented in docs/format.md)
-    h = tensorkv.checkpoint.splitmix64(np.array([0, 1, -1], dtype=np.int64))
+    h = tensorkv.checkpoint.layout.splitmix64(np.array([0, 1, -1], dtype=np.int64))
     assert [hex(int(x)) for x in h] == ["0xe220a8397b1dcdaf", "0x910a2dec89025cc1",
                                         "0xe4d971771b652c20"]
-    s = tensorkv.checkpoint.shard_of_keys(np.arange(100000), 7)
+    s = tensorkv.checkpoint.layout.shard_of_keys(np.arange(100000), 7)
     assert s.min() == 0 and s.max() == 6
     assert abs(np.bincount(s).min() - 100000 / 7) < 600
 
@@ -178,7 +179,7 @@ def test_splitmix64_reference_values():
 def test_sharded_incremental_chain_reshards(mem_url):
     full = make_table(6000, 4, "adagrad")
     keys, vals, slots, freq, ver = rows_of(full)
-    owner = tensorkv.checkpoint.shard_of_keys(keys, 2)
+    owner = tensorkv.checkpoint.layout.shard_of_keys(keys, 2)
     parts = []
     for s in range(2):
         part = EmbeddingTable(4, optimizer="adagrad")

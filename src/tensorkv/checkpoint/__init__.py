@@ -12,10 +12,12 @@ imports only modules listed before it):
 - ``refs``, ``bulk``: what a tag references and owns, the restore pipeline;
 - ``save``, ``load``;
 - ``tags`` (list, delete, copy, compact, dump), then ``check`` (check, gc).
+
+The stable key hash and the shard of a key (:func:`tensorkv.checkpoint.layout.shard_of_keys`)
+are in ``layout``.
 """
 
 from tensorkv.checkpoint.check import CheckReport, check, gc
-from tensorkv.checkpoint.layout import shard_of_keys, splitmix64
 from tensorkv.checkpoint.load import load, read_tensor
 from tensorkv.checkpoint.save import save
 from tensorkv.checkpoint.shards import merge
@@ -47,7 +49,5 @@ __all__ = [
     "read_tensor",
     "restore_tag",
     "save",
-    "shard_of_keys",
-    "splitmix64",
     "tag_info",
 ]
