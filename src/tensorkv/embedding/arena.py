@@ -130,6 +130,7 @@ class RowArena:
             raise ConfigError(f"dtype={dtype!r} is not one of {STORAGE_DTYPES}")
         self.dtype = dtype
         self.raw = dtype != "float32"
+        self.np_dtype: np.dtype[Any]
         if dtype == "float16":
             self.np_dtype = np.dtype(np.float16)
         elif dtype == "bfloat16":
@@ -494,6 +495,21 @@ class RowArena:
         else:
             optimizer.apply(self.values, self.slots, rows, grads, step, parallel=parallel,
                             split=split)
+
+    def lookup_torch(self, keys: np.ndarray, fill: Any = None) -> Any:
+        """Values of ``keys`` as a float32 ``[n, dim]`` CPU torch tensor.
+
+        Absent keys read zeros, or the rows of ``fill`` (``[n, dim]``) at their positions.
+        A device arena gathers on its device instead.
+        """
+        import torch
+
+        rows = self.find(np.ascontiguousarray(keys, dtype=np.int64))
+        out = self.gather_f32(rows)  # a new array
+        if fill is not None:
+            miss = rows < 0
+            out[miss] = np.asarray(fill, dtype=np.float32)[miss]
+        return torch.from_numpy(out)
 
     def host_view(self) -> Any:
         """The arena as :meth:`~tensorkv.embedding.filters.Eviction.select` reads it (itself)."""

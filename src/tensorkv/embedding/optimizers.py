@@ -580,7 +580,7 @@ class RMSProp(Optimizer):
 
     def slot_names(self) -> tuple[str, ...]:
         """``("square_avg",)`` + ``("momentum_buffer",)`` + ``("grad_avg",)`` as configured."""
-        names = ("square_avg",)
+        names: tuple[str, ...] = ("square_avg",)
         if self.momentum > 0:
             names += ("momentum_buffer",)
         if self.centered:

@@ -79,7 +79,7 @@ class Schedule:
         return f"{type(self).__name__}({args})"
 
     def __eq__(self, other: object) -> bool:
-        return type(other) is type(self) and other.config() == self.config()  # type: ignore[attr-defined]
+        return type(other) is type(self) and other.config() == self.config()
 
     def __hash__(self) -> int:
         return hash(tuple(sorted(self.config().items())))

@@ -33,7 +33,7 @@ from tensorkv.embedding.keys import as_int64_keys
 from tensorkv.embedding.optimizers import get_optimizer
 from tensorkv.embedding.rows import ArenaRows
 from tensorkv.embedding.scratch import Scratch
-from tensorkv.embedding.table_io import TableIO, is_int
+from tensorkv.embedding.table_io import META_FORMAT, TableIO, is_int
 from tensorkv.errors import (
     ConfigError,
     MissingDependencyError,
@@ -710,6 +710,30 @@ class EmbeddingTable(TableIO):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    @classmethod
+    def from_meta(cls, meta: dict[str, Any]) -> EmbeddingTable:
+        """Build an empty DRAM table from :meth:`state_dict_meta` (step, optimizer state too)."""
+        if not isinstance(meta, dict) or "dim" not in meta:
+            raise ConfigError("from_meta needs the dict returned by state_dict_meta()")
+        if meta.get("format", META_FORMAT) > META_FORMAT:
+            raise ConfigError(
+                f"table meta format {meta['format']} is newer than this tensorkv "
+                f"({META_FORMAT}); upgrade tensorkv"
+            )
+        opt = meta.get("optimizer") or {}
+        table = cls(
+            meta["dim"], dtype=meta.get("dtype", "float32"), initializer=meta.get("initializer"),
+            optimizer=opt.get("config"), admission=meta.get("admission"),
+            eviction=meta.get("eviction"), capacity=meta.get("capacity"), seed=meta.get("seed", 0),
+            default_value=meta.get("default_value"), nan_policy=meta.get("nan_policy", "raise"),
+            growth=meta.get("growth", True),
+        )
+        if opt.get("state") is not None:
+            table.optimizer.load_state(opt["state"])
+        table._step = int(meta.get("step", 0))
+        table._mseq = int(meta.get("mutation_seq", 0))
+        return table
 
     # --- statistics ---------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

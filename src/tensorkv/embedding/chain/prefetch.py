@@ -24,6 +24,7 @@ What keeps this consistent with the other threads:
 
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -155,7 +156,7 @@ def fetch(chain: TierChain, keys: np.ndarray, held: np.ndarray,
                     if not tier.takes_on_read:  # the copies go in the background
                         with chain.lock:
                             chain.stale.append(got)
-                        chain.queue.submit(lambda g=got: chain.drop_lower(g))
+                        chain.queue.submit(functools.partial(chain.drop_lower, got))
                     left = left[~found]
         error = None
     except BaseException as e:  # kept: the training thread re-raises it after taking the rows

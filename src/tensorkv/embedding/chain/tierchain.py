@@ -13,9 +13,10 @@ story: pending batches, cascades, prefetch, deferred demotion and memory bounds.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 
@@ -146,7 +147,7 @@ class TierChain:
         valid = last is not None and last[2] is a.state and np.array_equal(last[3], a.state)
         held = a.hold_rows(min(int(keys.size), self.fetch_rows))
         self._ensure_tick()
-        if valid:  # holding rows moves no key: the previous batch's rows stay valid
+        if valid and last is not None:  # holding rows moves no key: its rows stay valid
             self._last = (last[0], last[1], a.state, a.state.copy())
         job = prefetch.FetchJob(self, keys.copy(), held)
         self._prefetch = job
@@ -164,7 +165,7 @@ class TierChain:
             got = job.not_run()
         else:
             job.done.wait()
-            got = job.result
+            got = job.result if job.result is not None else job.not_run()
         self.arena.free_rows(got.spare)
         n = int(got.keys.size)
         # the next prefetch holds room for a quarter more than this one found (at least the
@@ -363,7 +364,8 @@ class TierChain:
         else:
             ck.touch(self.tick, rows, self.cur)
 
-    def _valid(self, b: tuple | None, keys: np.ndarray, same: bool = False) -> bool:
+    def _valid(self, b: tuple | None, keys: np.ndarray,
+               same: bool = False) -> TypeGuard[tuple]:
         """Whether ``b`` (see ``_batch``) holds the rows of ``keys`` in tier 0 as it is now.
 
         ``b[3]``, a copy of tier 0's state when ``b`` was made, is None while a deferred
@@ -505,7 +507,7 @@ class TierChain:
         """Queue the writes of batches moved down while a prefetch was expected."""
         done, self._deferred = self._deferred, []
         for p in done:
-            self.queue.submit(lambda p=p: self._land(p))
+            self.queue.submit(functools.partial(self._land, p))
 
     def _reclaim(self) -> None:
         """Free the held rows of landed batches (training thread, under the table's lock).

@@ -92,6 +92,8 @@ class HBMArena(RowArena):
 
     kind = "HBM"
     on_device = True
+    values: Any  # float32 torch tensor [capacity, dim] on ``device``
+    slots: Any  # float32 torch tensor [capacity, slot_width] on ``device``
 
     def __init__(
         self,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -95,7 +95,7 @@ class KVTier(LowerTier):
         else:
             raise ConfigError(f"store={store!r} must be a store URL or an open KVStore")
         # A private memory:// store vanishes on close; every other store keeps its rows.
-        self.persistent = self.store.url.rstrip("/") != "memory:"  # type: ignore[misc]
+        self.persistent = self.store.url.rstrip("/") != "memory:"
         self._counters = {"reads": 0, "writes": 0, "deletes": 0, "store_calls": 0}
         try:
             self._check_meta()
@@ -199,11 +199,11 @@ class KVTier(LowerTier):
 
     def _scan_raw(self, chunk_rows: int, keys_only: bool) -> Iterator[tuple[list[bytes], list]]:
         ks: list[bytes] = []
-        vs: list[bytes] = []
+        vs: list[bytes | None] = []
         want = len(self.prefix) + 8
         it = self.store.scan(self.prefix, keys_only=keys_only)
         for item in it:
-            k, v = (item, None) if keys_only else item
+            k, v = (cast(bytes, item), None) if keys_only else cast(tuple[bytes, bytes], item)
             if len(k) != want:
                 continue
             ks.append(k)

@@ -104,6 +104,10 @@ class PMEMTier(IndexedTier):
         h = MAGIC + struct.pack("<Q", len(meta)) + meta
         return h + b"\0" * (HEADER_BYTES - len(h))
 
+    # the mapping and its uint64 view; None while remapping and once closed
+    _mm: Any
+    _arr: Any
+
     def _map(self, capacity: int) -> None:
         self._mm = mmap.mmap(self._fd, HEADER_BYTES + capacity * self.slot_bytes)
         self._arr = np.frombuffer(self._mm, np.uint64, count=capacity * self.words,

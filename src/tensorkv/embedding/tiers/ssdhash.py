@@ -399,18 +399,20 @@ class SSDHashTier(IndexedTier):
         whole segment while the write-back thread stalls and tier 0's pending rows pile up.
         """
         offset = self._offset(seg.written)
-        sf.pwrite_all(seg.fd, stored, offset)
+        fd = seg.write_fd
+        sf.pwrite_all(fd, stored, offset)
         seg.populate(seg.written, seg.written + stored.shape[0], self.words)
-        pages.start_writeback(seg.fd, offset, stored.nbytes)
+        pages.start_writeback(fd, offset, stored.nbytes)
         self._counters["write_calls"] += 1
 
     def _roll(self) -> None:
         self._write_buffer()
         seg = self._active
-        os.ftruncate(seg.fd, self._offset(seg.written))  # drop the preallocated tail
+        fd = seg.write_fd
+        os.ftruncate(fd, self._offset(seg.written))  # drop the preallocated tail
         with self._io():
-            os.fsync(seg.fd)
-        os.close(seg.fd)
+            os.fsync(fd)
+        os.close(fd)
         seg.fd = None  # the mapping stays: the segment is full, its size has not changed
         self._counters["fsyncs"] += 1
         self._new_segment()
@@ -564,7 +566,7 @@ class SSDHashTier(IndexedTier):
     def _flush(self, force_snapshot: bool) -> None:
         self._write_buffer()
         with self._io():
-            os.fsync(self._active.fd)
+            os.fsync(self._active.write_fd)
         self._counters["fsyncs"] += 1
         limit = max(self.snapshot_min_bytes, 16 * len(self.index))
         if force_snapshot or self._since_snapshot >= limit:

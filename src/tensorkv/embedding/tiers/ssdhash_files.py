@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from tensorkv.errors import CorruptRecordError
+from tensorkv.errors import CorruptRecordError, StoreError
 
 SEG_MAGIC = b"TKVSEG01"
 SNAP_MAGIC = b"TKVSNAP1"
@@ -92,7 +92,7 @@ def write_all(fd: int, data: memoryview | bytes) -> None:
         mv = mv[n:]
 
 
-def pwrite_all(fd: int, data: memoryview | bytes | np.ndarray, offset: int) -> None:
+def pwrite_all(fd: int, data: Any, offset: int) -> None:
     """``os.pwrite`` at ``offset`` until every byte is written."""
     mv = memoryview(data).cast("B")
     while mv.nbytes:
@@ -148,6 +148,14 @@ class Segment:
     fd: int | None = None  # write descriptor (active segment only)
     arr: np.ndarray | None = None  # uint64[mapped_rows, words] view of an mmap
     mm: mmap.mmap | None = None
+
+    @property
+    def write_fd(self) -> int:
+        """The write descriptor of the active segment (a sealed segment has none)."""
+        if self.fd is None:
+            raise StoreError(f"segment {self.seg_id} is sealed; only the active segment is "
+                             "written")
+        return self.fd
 
     def mapped(self, words: int, need: int) -> np.ndarray:
         """A uint64 view of the first ``need`` rows (the whole file is mapped, once).
@@ -207,8 +215,8 @@ def write_snapshot(path: str, header: dict[str, Any], keys: np.ndarray, locs: np
     k = np.ascontiguousarray(keys, np.int64)
     v = np.ascontiguousarray(locs, np.int64)
     h = xxhash.xxh3_64()
-    for c in (head, k, v):
-        h.update(memoryview(c).cast("B"))
+    for c in (memoryview(head), k.data, v.data):
+        h.update(c.cast("B"))
     atomic_write(path, [head, k, v, h.digest()])
     return len(head) + k.nbytes + v.nbytes + 8
 
