@@ -21,46 +21,9 @@ float bit patterns included::
 Tables that own resources (threads, files) are closed at teardown: ``table.close()`` is called
 on every table ``make_table`` returned, if it has such a method.
 
-Class attributes tune the suite:
-
-``dim``
-    Row width of the tables (default 5: odd, so 16-bit rows and records need padding).
-``optimizers``
-    Optimizer names :meth:`TableTests.test_apply_gradients` runs, one test each (default
-    ``("sgd", "adagrad", "adam", "ftrl")``).
-``dtypes``
-    Storage dtypes :meth:`TableTests.test_storage_dtype` runs (default ``("float32",
-    "float16", "bfloat16")``); narrow it for tables that hold float32 rows only.
-``supports``
-    What the implementation can do (default :data:`FEATURES`, all of them); a test needing a
-    feature not in it is skipped with the reason ``"<feature> not supported"``. Features:
-
-    - ``"string_keys"``: str/bytes keys, hashed as the reference hashes them;
-    - ``"admission"``: ``admission=CounterFilter(...)`` / ``BloomFilter(...)``;
-    - ``"eviction"``: ``eviction=Eviction(...)``, :meth:`evict` and ``every_n_steps``;
-    - ``"nan_skip"``: ``nan_policy="skip"``;
-    - ``"upsert"``, ``"remove"``, ``"clear"``: those methods;
-    - ``"export"``: ``export(chunk_rows=..., since=...)`` and ``import_``, with the fields of
-      :class:`tensorkv.ExportChunk`; without it, states are compared through lookups;
-    - ``"checkpoint"``: ``tensorkv.save`` / ``tensorkv.load`` of the table;
-    - ``"prefetch"``: ``prefetch(keys)`` (a no-op for the reference);
-    - ``"stats"``: ``stats()`` has the reference's counters (:data:`STAT_COUNTERS`).
-``checks``
-    Which groups of tests run (default :data:`CHECKS`, all of them): narrowing it keeps a
-    slow implementation's run short (tests left out are skipped with the reason ``"not in
-    checks"``), without claiming that the implementation cannot do them. Groups:
-    ``"reads"``, ``"string_keys"``, ``"training"``, ``"optimizer_objects"``,
-    ``"initializers"``, ``"nan"``, ``"mutations"``, ``"eviction"``, ``"admission"``,
-    ``"export"``, ``"dtypes"``, ``"checkpoint"``, ``"randomized"``.
-``random_seeds``, ``random_ops``
-    Seeds of :meth:`TableTests.test_random_operations` (one test each) and operations per
-    sequence (default ``(0, 1, 2)`` and 150).
-
-:meth:`TableTests.check_exercised` is a hook called with the table under test at the end of
-the training and randomized tests (default: does nothing); a tiered table's tests override
-it to assert that rows really moved through the lower tiers, so the comparison tested them.
-
-:func:`assert_same_table` and :func:`table_rows` compare and dump tables for other tests.
+The class attributes that tune the suite are documented on :class:`TableTests`; the
+comparison helpers (:func:`~tensorkv.testing.tablecheck.assert_same_table`, ...) live in
+:mod:`tensorkv.testing.tablecheck`.
 """
 
 from __future__ import annotations
@@ -74,6 +37,18 @@ import pytest
 
 import tensorkv
 from tensorkv.errors import NonFiniteGradientError
+from tensorkv.testing.tablecheck import (
+    ROW_FIELDS,
+    assert_bits_equal,
+    assert_reads_equal,
+    assert_same_rows,
+    assert_same_table,
+    close_table,
+    grads_like,
+    rng_keys,
+    snapshot,
+    table_rows,
+)
 
 FEATURES = frozenset({
     "string_keys", "admission", "eviction", "nan_skip", "upsert", "remove", "clear", "export",
@@ -87,172 +62,54 @@ CHECKS = frozenset({
 })  # fmt: skip
 """Every group of tests :attr:`TableTests.checks` can name."""
 
-ROW_FIELDS = ("keys", "values", "slots", "freq", "version", "seq")
-"""The fields of an export chunk, in order."""
-
-STAT_COUNTERS = ("rows", "step", "mutation_seq", "hits", "misses", "inserts", "evictions",
-                 "admissions_rejected", "gradients_dropped", "nonfinite_skipped", "removed")
-"""The ``stats()`` entries :func:`assert_same_table` compares with ``stats=True``."""
-
-PROBE_KEYS = np.array([-1, 10**12, -(2**50)], np.int64)
-"""Keys the suite never inserts (read to check the values of keys without a row)."""
-
 TableFactory = Callable[..., Any]
-
-
-# --------------------------------------------------------------------------- comparisons
-def bits(a: Any) -> np.ndarray:
-    """The bit patterns of ``a``'s elements as unsigned integers of the same width.
-
-    Two float arrays are bit-identical when their ``bits`` are equal: ``-0.0`` differs from
-    ``0.0`` and every NaN payload counts.
-    """
-    a = np.ascontiguousarray(np.asarray(a))
-    if a.dtype.itemsize in (1, 2, 4, 8) and a.ndim:
-        return a.view(f"u{a.dtype.itemsize}")
-    return a.reshape(-1).view(np.uint8)
-
-
-def assert_bits_equal(got: Any, want: Any, what: str, keys: Any = None) -> None:
-    """Assert that two arrays have the same shape, dtype and element bits.
-
-    Parameters
-    ----------
-    got, want
-        The table under test's array and the reference's.
-    what
-        Names the compared quantity in the failure message.
-    keys
-        Keys of the rows (first axis), named in the failure message.
-    """
-    got, want = np.asarray(got), np.asarray(want)
-    assert got.shape == want.shape, f"{what}: shape {got.shape} != reference {want.shape}"
-    assert got.dtype == want.dtype, f"{what}: dtype {got.dtype} != reference {want.dtype}"
-    gb, wb = bits(got), bits(want)
-    if np.array_equal(gb, wb):
-        return
-    diff = gb != wb
-    rows = np.flatnonzero(diff.reshape(diff.shape[0], -1).any(axis=1)) if diff.ndim else [0]
-    first = int(rows[0])
-    where = f"row {first}" + ("" if keys is None else f" (key {np.asarray(keys)[first]})")
-    raise AssertionError(
-        f"{what} differs from the reference in {len(rows)} of {got.shape[0] if got.ndim else 1}"
-        f" rows; first at {where}: {got[first]!r} != reference {want[first]!r}"
-    )
-
-
-def table_rows(table: Any, chunk_rows: int = 7, since: int | None = None) -> dict[str, Any]:
-    """Every row ``table.export`` yields, as arrays sorted by key.
-
-    Returns
-    -------
-    dict
-        ``keys``, ``values``, ``slots``, ``freq``, ``version``, ``seq`` (those the chunks
-        hold); just ``keys`` (empty) when nothing was exported. Each key appears once.
-    """
-    chunks = [tuple(c) for c in table.export(chunk_rows=chunk_rows, since=since)]
-    chunks = [c for c in chunks if len(c[0])]
-    for c in chunks:
-        assert 0 < len(c[0]) <= chunk_rows, f"an export chunk has {len(c[0])} rows"
-    if not chunks:
-        return {"keys": np.empty(0, np.int64)}
-    n_fields = min(len(c) for c in chunks)
-    out = {f: np.concatenate([np.asarray(c[i]) for c in chunks])
-           for i, f in enumerate(ROW_FIELDS[:n_fields])}  # fmt: skip
-    order = np.argsort(out["keys"], kind="stable")
-    out = {f: v[order] for f, v in out.items()}
-    k = out["keys"]
-    assert k.size == np.unique(k).size, "export yielded a key twice"
-    return out
-
-
-def assert_same_rows(got: dict[str, Any], want: dict[str, Any], what: str = "export",
-                     seq: bool = True) -> None:
-    """Compare two :func:`table_rows` dumps field by field, bit for bit.
-
-    ``seq=False`` leaves out the change sequence numbers (tables filled by ``import_`` or a
-    checkpoint load number their changes differently).
-    """
-    assert_bits_equal(got["keys"], want["keys"], f"{what}: keys")
-    for f in ROW_FIELDS[1:]:
-        if f == "seq" and not seq:
-            continue
-        if f in got or f in want:
-            assert f in got and f in want, f"{what}: field {f} missing on one side"
-            assert_bits_equal(got[f], want[f], f"{what}: {f}", got["keys"])
-
-
-def assert_same_table(table: Any, ref: Any, *, seq: bool = True, export: bool = True,
-                      stats: bool = False, probe: Any = None) -> None:
-    """Assert that ``table`` holds what the reference ``ref`` holds.
-
-    Compares ``len``, ``keys()`` (as sets), ``step``, ``mutation_seq`` (with ``seq``), every
-    exported row field bit for bit (with ``export``; ``seq`` includes the change sequence
-    numbers), and ``contains``, ``frequency``, ``version`` and ``table[keys]`` of the keys
-    of rows plus :data:`PROBE_KEYS` and ``probe`` (keys without a row read as their initial
-    value).
-    """
-    assert len(table) == len(ref), f"len {len(table)} != reference {len(ref)}"
-    keys = np.asarray(table.keys())
-    ref_keys = np.asarray(ref.keys())
-    assert keys.size == len(table), f"keys() returned {keys.size} keys for {len(table)} rows"
-    assert set(keys.tolist()) == set(ref_keys.tolist()), (
-        f"keys differ: only in table {sorted(set(keys.tolist()) - set(ref_keys.tolist()))[:8]},"
-        f" only in reference {sorted(set(ref_keys.tolist()) - set(keys.tolist()))[:8]}"
-    )
-    assert table.step == ref.step, f"step {table.step} != reference {ref.step}"
-    if seq:
-        assert table.mutation_seq == ref.mutation_seq, (
-            f"mutation_seq {table.mutation_seq} != reference {ref.mutation_seq}"
-        )
-    if export:
-        assert_same_rows(table_rows(table), table_rows(ref), seq=seq)
-    if stats:
-        st, sr = table.stats(), ref.stats()
-        for name in STAT_COUNTERS:
-            assert st[name] == sr[name], f"stats()[{name!r}] {st[name]} != reference {sr[name]}"
-    extra = PROBE_KEYS if probe is None else np.concatenate([PROBE_KEYS, np.asarray(probe,
-                                                                                     np.int64)])
-    ks = np.concatenate([np.sort(ref_keys), extra])
-    assert_reads_equal(table, ref, ks)
-
-
-def assert_reads_equal(table: Any, ref: Any, keys: Any) -> None:
-    """Compare ``contains``, ``frequency``, ``version`` and ``table[keys]`` of ``keys``.
-
-    None of them inserts a row or counts a sighting (``table[keys]`` counts ``stats()``
-    hits and misses, alike in both tables).
-    """
-    assert_bits_equal(table.contains(keys), ref.contains(keys), "contains", keys)
-    assert_bits_equal(table.frequency(keys), ref.frequency(keys), "frequency", keys)
-    assert_bits_equal(table.version(keys), ref.version(keys), "version", keys)
-    assert_bits_equal(table[keys], ref[keys], "table[keys]", keys)
-
-
-def _snapshot(table: Any, export: bool) -> tuple[Any, ...]:
-    rows = table_rows(table) if export else None
-    return len(table), table.step, table.mutation_seq, rows
-
-
-def _close(table: Any) -> None:
-    close = getattr(table, "close", None)
-    if callable(close):
-        close()
-
-
-def _rng_keys(rng: np.random.Generator, n: int, high: int, dups: int = 2) -> np.ndarray:
-    """``n`` keys in ``[0, high)`` (with replacement) plus ``dups`` repeats of the first ones."""
-    k = rng.integers(0, high, n).astype(np.int64)
-    return np.concatenate([k, k[:dups]])
-
-
-def _grads(rng: np.random.Generator, n: int, dim: int, scale: float = 1.0) -> np.ndarray:
-    return (rng.standard_normal((n, dim)) * scale).astype(np.float32)
 
 
 # --------------------------------------------------------------------------- the suite
 class TableTests:
-    """The EmbeddingTable contract as pytest tests; subclasses provide ``make_table``."""
+    """The EmbeddingTable contract as pytest tests; subclasses provide ``make_table``.
+
+    Class attributes tune the suite.
+
+    Attributes
+    ----------
+    ``dim``
+        Row width of the tables (default 5: odd, so 16-bit rows and records need padding).
+    ``optimizers``
+        Optimizer names :meth:`TableTests.test_apply_gradients` runs, one test each (default
+        ``("sgd", "adagrad", "adam", "ftrl")``).
+    ``dtypes``
+        Storage dtypes :meth:`TableTests.test_storage_dtype` runs (default ``("float32",
+        "float16", "bfloat16")``); narrow it for tables that hold float32 rows only.
+    ``supports``
+        What the implementation can do (default :data:`FEATURES`, all of them); a test needing a
+        feature not in it is skipped with the reason ``"<feature> not supported"``. Features:
+
+        - ``"string_keys"``: str/bytes keys, hashed as the reference hashes them;
+        - ``"admission"``: ``admission=CounterFilter(...)`` / ``BloomFilter(...)``;
+        - ``"eviction"``: ``eviction=Eviction(...)``, :meth:`evict` and ``every_n_steps``;
+        - ``"nan_skip"``: ``nan_policy="skip"``;
+        - ``"upsert"``, ``"remove"``, ``"clear"``: those methods;
+        - ``"export"``: ``export(chunk_rows=..., since=...)`` and ``import_``, with the fields of
+          :class:`tensorkv.ExportChunk`; without it, states are compared through lookups;
+        - ``"checkpoint"``: ``tensorkv.save`` / ``tensorkv.load`` of the table;
+        - ``"prefetch"``: ``prefetch(keys)`` (a no-op for the reference);
+        - ``"stats"``: ``stats()`` has the reference's counters (:data:`STAT_COUNTERS`).
+    ``checks``
+        Which groups of tests run (default :data:`CHECKS`, all of them): narrowing it keeps a
+        slow implementation's run short (tests left out are skipped with the reason ``"not in
+        checks"``), without claiming that the implementation cannot do them. Groups:
+        ``"reads"``, ``"string_keys"``, ``"training"``, ``"optimizer_objects"``,
+        ``"initializers"``, ``"nan"``, ``"mutations"``, ``"eviction"``, ``"admission"``,
+        ``"export"``, ``"dtypes"``, ``"checkpoint"``, ``"randomized"``.
+    ``random_seeds``, ``random_ops``
+        Seeds of :meth:`TableTests.test_random_operations` (one test each) and operations per
+        sequence (default ``(0, 1, 2)`` and 150).
+
+    :meth:`TableTests.check_exercised` is a hook called with the table under test at the end of
+    the training and randomized tests (default: does nothing); a tiered table's tests override
+    it to assert that rows really moved through the lower tiers, so the comparison tested them.
+    """
 
     dim: int = 5
     optimizers: tuple[str, ...] = ("sgd", "adagrad", "adam", "ftrl")
@@ -281,7 +138,7 @@ class TableTests:
         errors = []
         for t in reversed(made):
             try:
-                _close(t)
+                close_table(t)
             except Exception as exc:  # close them all, then report the first failure
                 errors.append(exc)
         if errors:
@@ -348,8 +205,8 @@ class TableTests:
         ``step=`` values for some steps (by index).
         """
         for i in range(steps):
-            keys = _rng_keys(rng, batch, high)
-            g = _grads(rng, keys.size, self.dim, scale)
+            keys = rng_keys(rng, batch, high)
+            g = grads_like(rng, keys.size, self.dim, scale)
             outs = [t.lookup(keys) for t in tables]
             for o in outs[1:]:
                 assert_bits_equal(o, outs[0], f"lookup at training step {i}", keys)
@@ -369,7 +226,7 @@ class TableTests:
             np.array([1, 2, 3], np.int32),  # a narrower int dtype
             [9, 9, 10],  # a list of Python ints
             np.empty(0, np.int64),  # an empty batch
-        ] + [_rng_keys(rng, 10, 60, 3) for _ in range(6)]
+        ] + [rng_keys(rng, 10, 60, 3) for _ in range(6)]
         for i, keys in enumerate(batches):
             assert_bits_equal(t.lookup(keys), ref.lookup(keys), f"lookup of batch {i}", keys)
             assert len(t) == len(ref)
@@ -393,7 +250,7 @@ class TableTests:
                 tab.lookup(np.arange(0, 20, 2))
             seq = ref.mutation_seq
             for _ in range(3):
-                keys = _rng_keys(rng, 12, 30, 2)  # half of them have no row
+                keys = rng_keys(rng, 12, 30, 2)  # half of them have no row
                 assert_bits_equal(t.lookup(keys, insert=False), ref.lookup(keys, insert=False),
                                   f"lookup(insert=False), default_value={default}", keys)
                 assert_bits_equal(t[keys], ref[keys], "table[keys]", keys)
@@ -414,7 +271,7 @@ class TableTests:
             if i % 2:
                 keys = [k.encode() for k in keys]  # bytes keys
             assert_bits_equal(t.lookup(keys), ref.lookup(keys), "lookup of str keys")
-            g = _grads(rng, len(keys), self.dim)
+            g = grads_like(rng, len(keys), self.dim)
             assert t.apply_gradients(keys, g) == ref.apply_gradients(keys, g)
             for name in ("contains", "frequency", "version", "__getitem__"):
                 assert_bits_equal(getattr(t, name)(words), getattr(ref, name)(words), name)
@@ -433,7 +290,7 @@ class TableTests:
         assert t.step == ref.step == 7  # the last step went back to 4, then counted on
         # keys never looked up are inserted by the update; duplicates sum
         keys = np.array([100, 101, 100, 100, 5], np.int64)
-        g = _grads(rng, keys.size, self.dim)
+        g = grads_like(rng, keys.size, self.dim)
         assert t.apply_gradients(keys, g) == ref.apply_gradients(keys, g) == 3
         assert t.apply_gradients(keys[:0], g[:0]) == ref.apply_gradients(keys[:0], g[:0]) == 0
         g64 = rng.standard_normal((3, self.dim))  # float64 gradients are rounded to float32
@@ -482,8 +339,8 @@ class TableTests:
         rng = np.random.default_rng(5)
         self.train([t, ref], rng, 3)
         for i in range(4):
-            keys = _rng_keys(rng, 10, 40, 3)
-            g = _grads(rng, keys.size, self.dim)
+            keys = rng_keys(rng, 10, 40, 3)
+            g = grads_like(rng, keys.size, self.dim)
             g[i, 1 % self.dim] = np.nan
             g[-1, 0] = np.inf  # a duplicate of keys[2]: its summed gradient is infinite
             g[5, :] = -np.inf
@@ -496,9 +353,9 @@ class TableTests:
         t, ref = pair(optimizer="adagrad")
         rng = np.random.default_rng(6)
         self.train([t, ref], rng, 4)
-        before = [_snapshot(x, self._export) for x in (t, ref)]
+        before = [snapshot(x, self._export) for x in (t, ref)]
         keys = np.array([1, 2, 999, 1000, 2], np.int64)  # 999, 1000 have no row
-        g = _grads(rng, keys.size, self.dim)
+        g = grads_like(rng, keys.size, self.dim)
         g[3, 2 % self.dim] = np.nan
         for tab in (t, ref):
             with pytest.raises(NonFiniteGradientError):
@@ -513,7 +370,7 @@ class TableTests:
         self.same(t, ref)
         # refused right after the lookup of its batch, then the batch's valid update
         looked = np.array([1, 2, 3, 2], np.int64)
-        g = _grads(rng, looked.size, self.dim)
+        g = grads_like(rng, looked.size, self.dim)
         bad = g.copy()
         bad[1, 0] = np.inf
         for tab in (t, ref):
@@ -531,7 +388,7 @@ class TableTests:
         self.train([t, ref], rng, 4)
         if "upsert" in self.supports:
             keys = np.array([1, 50, 1, 51, 3], np.int64)  # new and existing; a later 1 wins
-            vals = _grads(rng, keys.size, self.dim)
+            vals = grads_like(rng, keys.size, self.dim)
             vals[2, 0] = -0.0  # kept as -0.0
             for tab in (t, ref):
                 tab.upsert(keys, vals)
@@ -585,9 +442,9 @@ class TableTests:
             t, ref = pair(optimizer="adagrad", admission=adm, default_value=default)
             rng = np.random.default_rng(9)
             for i in range(8):
-                keys = _rng_keys(rng, 10, 40, 3)
+                keys = rng_keys(rng, 10, 40, 3)
                 assert_bits_equal(t.lookup(keys), ref.lookup(keys), f"lookup {i}", keys)
-                g = _grads(rng, keys.size, self.dim)
+                g = grads_like(rng, keys.size, self.dim)
                 # keys not admitted yet (and keys never looked up) drop their gradients
                 k2 = np.concatenate([keys, [900 + i]])
                 g2 = np.concatenate([g, g[:1]])
@@ -780,7 +637,7 @@ class TableTests:
         def op_apply() -> None:
             k = keys_()
             n = len(k)
-            g = _grads(rng, n, dim)
+            g = grads_like(rng, n, dim)
             if nan_skip and rng.random() < 0.2:
                 g[int(rng.integers(0, n)), int(rng.integers(0, dim))] = np.nan
             step = int(rng.integers(0, 40)) if rng.random() < 0.2 else None
@@ -790,7 +647,7 @@ class TableTests:
 
         def op_upsert() -> None:
             k = keys_()
-            v = _grads(rng, len(k), dim, 0.1)
+            v = grads_like(rng, len(k), dim, 0.1)
             t.upsert(k, v)
             ref.upsert(k, v)
 
@@ -830,7 +687,7 @@ class TableTests:
         def op_wide_batch() -> None:  # more distinct keys than a small tier 0 holds
             k = rng.integers(0, 120, 40).astype(np.int64)
             assert_bits_equal(t.lookup(k), ref.lookup(k), "lookup of a wide batch")
-            g = _grads(rng, k.size, dim)
+            g = grads_like(rng, k.size, dim)
             assert t.apply_gradients(k, g) == ref.apply_gradients(k, g)
 
         def op_set_step() -> None:
