@@ -1,9 +1,9 @@
 """Page hints: ``madvise``, early writeback of written files, a page policy for bulk fills.
 
-:func:`start_writeback` starts writing a file's dirty pages now. :class:`FreshPages` puts large
-arrays filled once in bulk (a restore's new arenas) on base pages, populates each range just
-before it is written, and asks for huge pages again on release. All of it is a hint. Why, with
-measurements: docs/internals.md ("Bulk loads and page hints").
+:func:`start_writeback` starts writing a file's dirty pages at once. :class:`FreshPages` puts
+large arrays filled once in bulk (a restore's new arenas) on base pages, populates each range
+just before it is written, and asks for huge pages again on release. All of it is a hint.
+Why, with measurements: docs/internals.md ("Bulk loads and page hints").
 """
 
 from __future__ import annotations
