@@ -1,7 +1,8 @@
 """Tensor records: a numpy array <-> bytes with a small header and a checksum.
 
-The layout is specified in ``docs/format.md``. Decoding is zero-copy: the returned array
-is a read-only view into the given buffer.
+:func:`encode` and :func:`decode` (zero-copy: the returned array is a read-only view into the
+given buffer), :func:`read_header` for the header alone. The layout is specified in
+docs/format.md.
 """
 
 from __future__ import annotations

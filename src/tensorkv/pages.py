@@ -1,26 +1,9 @@
 """Page hints: ``madvise``, early writeback of written files, a page policy for bulk fills.
 
-:func:`start_writeback` asks the kernel to start writing a file's dirty pages to disk now.
-
-The policy is for large arrays filled once, in bulk (a restore's new arrays and arenas).
-
-A restore writes gigabytes into memory it has just allocated. How fast the first touch of
-that memory runs depends on the pages behind it:
-
-- numpy asks for transparent huge pages on large arrays. On virtual machines that hand free
-  memory back to the host (free page reporting, which reports free blocks of 2 MiB and
-  more), a free huge page is exactly the memory the host took back: the first touch waits
-  for the host to supply and clear 2 MiB, and fills ran at 0.4-0.9 GB/s on the VMs we
-  measured, warm or cold.
-- Base pages come from the smaller free blocks the guest kept, and ``MADV_POPULATE_WRITE``
-  (Linux 5.14) maps a whole range of them in one call instead of one page fault per page:
-  2.2-2.6 GB/s on the same VMs (``np.copyto`` into fresh memory), about what ``read()``
-  into base pages reaches.
-
-So :class:`FreshPages` asks for base pages on the arrays it tracks and populates each range
-just before it is written; :meth:`FreshPages.release` asks for huge pages again, so what the
-arrays' owner touches later (and ``khugepaged``) may use them. All of it is a hint: where
-``madvise`` is missing or refused, the copies fault the pages in as usual.
+:func:`start_writeback` starts writing a file's dirty pages at once. :class:`FreshPages` puts
+large arrays filled once in bulk (a restore's new arenas) on base pages, populates each range
+just before it is written, and asks for huge pages again on release. All of it is a hint.
+Why, with measurements: docs/internals.md ("Bulk loads and page hints").
 """
 
 from __future__ import annotations

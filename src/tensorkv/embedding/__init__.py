@@ -1,10 +1,9 @@
 """Dynamic embedding tables.
 
-:class:`EmbeddingTable` is the public object (one class for every kind: DRAM-only, tiered,
-on a GPU); initializers, sparse optimizers, admission filters, eviction policies and storage
-options plug into it. Where the code lives: ``table.py`` (the table), ``arena.py`` (tier 0),
-``rows.py`` and ``chain/`` (where rows live: one arena or a tier chain), ``tiers/`` (the tier
-engines), ``optimizers.py``, ``initializers.py``, ``filters.py``.
+:class:`EmbeddingTable` (``table.py``) is the one table class: DRAM-only, tiered or on a GPU.
+Its rows live in a row arena (``arena.py``) or a tier chain (``chain/``, tier engines in
+``tiers/``); optimizers, initializers, admission filters, eviction rules and storage options
+plug into it. See docs/internals.md and docs/tiers.md.
 """
 
 from tensorkv.embedding.chain.specs import DRAM, HBM, KV, PMEM, SSDHash, StorageOption

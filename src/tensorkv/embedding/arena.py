@@ -1,28 +1,9 @@
-"""Row storage: a hash index plus a row arena as one object (tier 0 of a table).
+"""Row storage of tier 0: :class:`RowArena`, a hash index plus a row arena as one object.
 
-:class:`RowArena` maps int64 keys to rows of contiguous arrays -- the value (``dim`` columns),
-the optimizer slots (``slot_width`` columns), and per-row metadata (frequency, last-update
-step ``version``, change sequence ``seq``, the row's key, a live flag). It knows nothing of
-admission or eviction: :class:`~tensorkv.embedding.table.EmbeddingTable` holds that logic and
-uses this class's vectorised API (find / insert / remove / gather / scatter / iterate), plus the
-few operations whose arithmetic depends on where rows live (:meth:`RowArena.init_rows`,
-:meth:`RowArena.apply_optimizer`, record copies for the lower tiers), which an arena with rows
-on a device (:class:`~tensorkv.embedding.tiers.hbm.HBMArena`) overrides. The caller serialises
-mutations; reads of present keys may run concurrently with each other.
-
-Growth
-------
-The index doubles (full rehash, amortised O(1) per insert) when its load factor would pass
-``max_load``. Row arrays grow to hold the whole incoming batch, and by at least
-``ROW_GROWTH`` (1.0625x), in place with ``ndarray.resize`` -- ``realloc``, which on Linux
-remaps the pages of large blocks instead of copying them (measured: growing a 512 MB array
-by 6 % takes the time of zero-filling the new 32 MB) -- so allocated but unused rows stay
-under 6.25 % + one batch while growth stays cheap. Where ``realloc`` copies, growth is still
-amortised O(1) (16 copies per row at most). Removed rows are reused through a free list.
-
-Memory per key beyond value + slot bytes: 33 bytes of row metadata (freq 8, version 8, seq 8,
-key 8, live 1) plus 16 bytes per index slot (key and row side by side) times
-``slots / keys`` (2 to 4 at ``max_load = 0.5``), plus the unused share of the row capacity.
+Int64 keys map to rows of contiguous arrays: the value, the optimizer slots and per-row
+metadata (frequency, version, change sequence, key, live flag). :class:`HostRows` shapes rows
+held elsewhere like an arena for the eviction rules. Layout, growth, memory per key and the
+locking rule: docs/internals.md.
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """BulkImport: a table's new content built from rows at known positions (a restore's fast path).
 
-:meth:`EmbeddingTable.bulk_import <tensorkv.embedding.table.EmbeddingTable.bulk_import>`
-returns one. It fills a new :class:`~tensorkv.embedding.arena.RowArena` (made by
-:meth:`~tensorkv.embedding.arena.RowArena.for_bulk_load`) through the arena's public bulk API
-and hands it to the table with :meth:`~tensorkv.embedding.table.EmbeddingTable.adopt_rows`;
-the table is untouched until then.
+Returned by :meth:`EmbeddingTable.bulk_import
+<tensorkv.embedding.table.EmbeddingTable.bulk_import>`: rows are copied into a new
+:class:`~tensorkv.embedding.arena.RowArena`, which replaces the table's rows on commit. See
+docs/internals.md ("Bulk loads and page hints").
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""Exported rows of a table (:class:`ExportChunk`) and the one check every import applies."""
+"""Exported rows of a table (:class:`ExportChunk`) and the one check every import applies.
+
+Checkpoints store these rows as table blocks (docs/format.md, "Table blocks").
+"""
 
 from __future__ import annotations
 

@@ -1,29 +1,9 @@
 """Admission filters (which new keys get a row) and eviction policies (which rows go).
 
-Admission
----------
-A filter sees every sighting (lookup occurrence) of a key that has no row yet. The key gets its
-own row once it has been seen ``min_count`` times; before that, lookups return the initial (or
-default) value, nothing is inserted and its gradients are dropped.
-
-* :class:`CounterFilter` counts exactly, one entry per distinct waiting key (an open-addressing
-  int64 -> count map, 16 bytes per slot); entries are dropped when their key is admitted.
-* :class:`BloomFilter` is a counting Bloom filter with bounded memory: ``m`` saturating counters
-  of ``counter_bits`` bits (one byte each in memory) and ``k`` hash positions per key. Sized for
-  ``capacity`` distinct keys at false-positive rate ``p``: ``m = ceil(-capacity ln p / ln(2)^2)``,
-  ``k = max(1, round(m / capacity * ln 2))``. A key's estimated count is the minimum of its ``k``
-  counters; it never underestimates, so a key is never admitted late, but a key seen fewer than
-  ``min_count`` times may be admitted early. With ``n`` distinct keys counted so far, the chance
-  that an unseen key already looks admitted (all its counters non-zero, each distinct key having
-  been seen ``min_count`` times) is ``(1 - exp(-k n / m)) ** k`` -- :meth:`BloomFilter.fp_rate`.
-
-Eviction
---------
-:class:`Eviction` combines ``steps_to_live`` (rows not updated for more than that many steps),
-``l2_threshold`` (rows whose value norm is below it) and ``max_rows`` (keep the ``max_rows``
-most frequent rows -- ``policy="lfu"`` -- or most recently updated -- ``policy="lru"``; ties by
-the other score, then by key, so the choice does not depend on row layout). It runs on
-``table.evict()`` and, with ``every_n_steps=N``, after every ``N``-th ``apply_gradients`` step.
+:class:`CounterFilter` (exact counts) and :class:`BloomFilter` (a counting Bloom filter with
+bounded memory) admit a key after ``min_count`` sightings; :class:`Eviction` combines
+``steps_to_live``, ``l2_threshold`` and ``max_rows`` (LFU or LRU). Semantics, sizing and
+false-positive rate: docs/internals.md ("Admission filters and eviction rules").
 """
 
 from __future__ import annotations

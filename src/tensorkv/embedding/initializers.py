@@ -1,11 +1,9 @@
 """Per-key initializers: a new key's row is a pure function of (seed, key, column).
 
-The random ones use the counter-based generator of :mod:`tensorkv.kernels.initializers`, so a
-key gets bit-identical initial values whatever batch, order, shard or tier it first appears in.
-
->>> init = get_initializer("normal", std=0.01)
->>> init.config()
-{'name': 'normal', 'mean': 0.0, 'std': 0.01}
+:class:`Constant`, :class:`Zeros`, :class:`Uniform`, :class:`Normal` and
+:class:`TruncatedNormal`, resolved by :func:`get_initializer`. The counter-based generator
+(the same values whatever batch, order, shard or tier a key first appears in) is described in
+docs/internals.md ("Kernels", initial values).
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """Key normalisation for embedding tables: int64 arrays as they are, str/bytes hashed.
 
-Strings are hashed to int64 with the stable XXH64 of their UTF-8 bytes
-(:func:`tensorkv.kernels.hashing.hash_keys`), so the same string maps to the same row in every
-process and on every platform; ``"a"`` and ``b"a"`` are the same key.
+:func:`as_int64_keys` hashes strings with the stable XXH64 of their UTF-8 bytes, so a string
+maps to the same row in every process and on every platform (docs/internals.md, "Kernels").
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
-"""Locks of an embedding table: a writer-preferring readers-writer lock.
+"""Locks of an embedding table: :class:`RWLock`, a writer-preferring readers-writer lock.
 
-Lookups of present keys share the lock, so several threads gather rows in parallel (the numba
-kernels release the GIL); inserts, updates, removals, imports and evictions take it
-exclusively.
+Lookups of present keys share it; inserts, updates, removals, imports and evictions take it
+exclusively (docs/internals.md, "Concurrency").
 """
 
 from __future__ import annotations

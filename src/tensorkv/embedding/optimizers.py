@@ -1,36 +1,9 @@
 """Sparse optimizers for dynamic embedding tables.
 
-An optimizer updates only the rows a batch touched. The table gathers the batch's keys to
-unique row numbers, sums the gradients of duplicate keys and drops non-finite ones, then calls
-:meth:`Optimizer.apply` with the row arena, the slot arena and those unique rows; the update
-itself runs in a numba kernel (:mod:`tensorkv.kernels.optimizers`) with the GIL released.
-
-====================  ===========================================  ==============================
-Class                 Semantics                                    Slots (``dim`` columns each)
-====================  ===========================================  ==============================
-:class:`SGD`          ``torch.optim.SGD`` (no momentum)            none
-:class:`Adagrad`      ``torch.optim.Adagrad``                      accumulator
-:class:`Adam`         ``torch.optim.SparseAdam`` (lazy Adam)       exp_avg, exp_avg_sq
-:class:`AdamW`        ``torch.optim.AdamW``, on the given rows     exp_avg, exp_avg_sq
-:class:`FTRL`         TensorFlow ``ApplyFtrlV2`` (FTRL-Proximal)   accumulator, linear
-:class:`RMSProp`      ``torch.optim.RMSprop``, on the given rows   square_avg [, momentum_buffer]
-                                                                   [, grad_avg]
-====================  ===========================================  ==============================
-
-Arithmetic is float32 in torch's order of operations, so a table trained with these optimizers
-matches torch to float32 rounding. Optimizers that need a step count for bias correction
-(Adam, AdamW) or learning-rate decay (Adagrad) keep a *global* one, incremented once per
-:meth:`Optimizer.apply` call, as torch keeps one per parameter tensor; it is saved by
-:meth:`Optimizer.state`. The learning rate may be a number or a schedule ``lr(step) -> float``
-called with the table's step.
-
-Examples
---------
->>> opt = get_optimizer("adagrad", lr=0.05)
->>> opt.slot_names()
-('accumulator',)
->>> get_optimizer(opt.config()).config() == opt.config()
-True
+:class:`SGD`, :class:`Adagrad`, :class:`Adam`, :class:`AdamW`, :class:`FTRL` and
+:class:`RMSProp` (base class :class:`Optimizer`, built by :func:`get_optimizer`) update only
+the rows a batch touched, in numba kernels that follow torch's float32 arithmetic. Semantics,
+slots and the global step: docs/internals.md ("Sparse optimizers").
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """Where a table's rows live: :class:`ArenaRows`, every row resident in one arena.
 
-An :class:`~tensorkv.embedding.table.EmbeddingTable` runs its logic (insertion, admission,
-optimizer steps, eviction rules) on tier 0, an arena, and asks its *rows* object for
-everything that depends on what lies below tier 0: moving a batch's rows up before an
-operation and excess rows down after it, reading rows that are not resident, whole-table
-views, flushing and statistics. :class:`ArenaRows` is the DRAM-only case, where every hook is
-trivial; :class:`~tensorkv.embedding.chain.rows.ChainRows` is a tier chain. The table holds
-one of them and never branches on which.
+The table runs its logic on tier 0 and asks its *rows* object for everything that depends on
+what lies below: :class:`ArenaRows` (DRAM only, every hook trivial) or
+:class:`~tensorkv.embedding.chain.rows.ChainRows` (a tier chain); it never branches on which.
+See docs/tiers.md ("Tier chains").
 """
 
 from __future__ import annotations

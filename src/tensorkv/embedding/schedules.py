@@ -1,7 +1,8 @@
 """Learning-rate schedules for the sparse optimizers, and the validation helpers they share.
 
-A schedule is a callable ``lr(step) -> float`` with a ``config()`` so checkpoints can rebuild
-it; any plain callable works as a learning rate too.
+A schedule (:class:`ConstantLR`, :class:`ExponentialDecay`, :class:`WarmupCosine`) is a
+callable ``lr(step) -> float`` with a ``config()`` so checkpoints can rebuild it; any plain
+callable works as a learning rate too (docs/internals.md, "Sparse optimizers").
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""Per-thread scratch arrays reused across a table's updates (no allocation per batch)."""
+"""Per-thread scratch arrays reused across a table's updates (no allocation per batch).
+
+:class:`Scratch` holds them (docs/internals.md, "Concurrency").
+"""
 
 from __future__ import annotations
 

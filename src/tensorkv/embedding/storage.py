@@ -1,8 +1,8 @@
 """Deprecated location of the storage specs; import them from :mod:`tensorkv` instead.
 
-Kept for one release: ``from tensorkv.embedding.storage import DRAM, SSDHash, KVTier,
-StorageOption`` still works (``KVTier`` is now :class:`~tensorkv.embedding.chain.specs.KV`)
-and warns once.
+``from tensorkv.embedding.storage import DRAM, SSDHash, KVTier, StorageOption`` works until the
+next release and warns once; ``KVTier`` is :class:`~tensorkv.embedding.chain.specs.KV`. See
+docs/tiers.md ("StorageOption").
 """
 
 import warnings

@@ -1,18 +1,10 @@
 """EmbeddingTable: a dynamic embedding table, the reference semantics of every table kind.
 
-No fixed vocabulary: a row appears the first time its key is looked up (subject to an admission
-filter), trains with a sparse optimizer, and may be evicted. The table's logic (key
-normalisation, initialisation, optimizer calls, admission, eviction, statistics,
-export/import) runs on tier 0, a :class:`~tensorkv.embedding.arena.RowArena`; where the rest
-of the rows live is its *rows* object (:mod:`tensorkv.embedding.rows`: all in the arena, or a
-tier chain, :mod:`tensorkv.embedding.chain`), whose hooks the table calls around each
-operation. Tiered tables train bit-identically to DRAM-only ones (docs/tiers.md).
-
-Concurrency: lookups of keys that are all present run under a shared lock, so several threads
-gather in parallel (the numba kernels release the GIL); inserts, updates, removals, imports
-and evictions take it exclusively. Frequency counters and hit/miss statistics bumped by
-concurrent lookups are serialised by a small separate mutex, so they stay exact. Operations of
-a tiered table run one at a time.
+A row appears the first time its key is looked up (subject to an admission filter), trains
+with a sparse optimizer and may be evicted. The table's logic runs on tier 0, a
+:class:`~tensorkv.embedding.arena.RowArena`; its *rows* object (:mod:`tensorkv.embedding.rows`
+or a tier chain, :mod:`tensorkv.embedding.chain`) holds the rest, and tiered tables train
+bit-identically to DRAM-only ones. See docs/tiers.md and docs/internals.md ("Concurrency").
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """Export, import and metadata of an embedding table: :class:`TableIO`, a base of the table.
 
-:class:`~tensorkv.embedding.table.EmbeddingTable` inherits these methods; they live here to
-keep each module small. Rows leave a table in :class:`~tensorkv.embedding.chunks.ExportChunk`
-chunks (:meth:`TableIO.export`) or straight into caller buffers
-(:meth:`TableIO.export_into`), and come back exactly through :meth:`TableIO.import_` or, for
-a whole restore, :meth:`TableIO.bulk_import` (:mod:`tensorkv.embedding.bulk`).
+:class:`~tensorkv.embedding.table.EmbeddingTable` inherits :meth:`TableIO.export`,
+:meth:`TableIO.export_into`, :meth:`TableIO.import_` and :meth:`TableIO.bulk_import` (split
+out to keep ``table.py`` small). How checkpoints store a table: docs/format.md.
 """
 
 from __future__ import annotations

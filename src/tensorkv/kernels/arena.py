@@ -1,7 +1,7 @@
 """Row-arena kernels: gather, scatter, duplicate summing, per-row metadata updates.
 
-All kernels are ``@njit(nogil=True, cache=True)`` so threads run them in parallel. Row index
-``-1`` means "no row" and is skipped by every kernel that takes rows.
+Row index ``-1`` means "no row" and is skipped by every kernel that takes rows. See
+docs/internals.md ("The row arena").
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """Cache kernels of tiered tables: victim selection (LRU / LFU) and an offline LRU simulator.
 
-Tier 0 of a tiered table keeps a per-row *access tick* (the number of the batch that last
-touched the row). When tier 0 holds more rows than its budget, :func:`select_victims` picks the
-rows to move down: the least recently used (smallest tick) for ``"lru"``, the least frequently
-used (smallest access count, older tick first on ties) for ``"lfu"``; rows touched by the
-current batch (tick == current tick) are never chosen.
-
-:func:`lru_hit_ratio` replays a key trace through an exact per-key LRU cache of a given
-capacity (a doubly linked list over dense ids, O(1) per access); benchmarks compare a tiered
-table's tier-0 hit ratio with it.
+:func:`select_victims` and :class:`RecencyLog` pick the tier-0 rows to move down (never rows
+of the current batch); :func:`lru_hits` / :func:`lru_hit_ratio` replay a key trace through an
+exact per-key LRU cache. See docs/tiers.md ("Tier chains") and docs/internals.md ("Kernels").
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """Admission and eviction kernels: a counting Bloom filter and eviction scores.
 
-Counting Bloom filter: ``m`` saturating counters (uint8, capped at ``2**counter_bits - 1``) and
-``k`` positions per key by double hashing, ``pos_i = (h1 + i * h2) mod m`` with
-``h1 = mix64(key ^ S1)``, ``h2 = mix64(key ^ S2) | 1``. A sighting increments all ``k`` counters;
-the estimated count of a key is the minimum of its ``k`` counters (never below the true count,
-above it only through collisions).
+:func:`bloom_add` / :func:`bloom_query` count and estimate sightings; :func:`stale_rows` and
+:func:`small_norm_rows` find rows for the eviction rules. Hashing and estimates:
+docs/internals.md ("Admission filters and eviction rules").
 """
 
 from __future__ import annotations

@@ -1,24 +1,9 @@
 """Open-addressing hash index ``int64 key -> int64 row`` as numba kernels over numpy arrays.
 
-Layout
-------
-One int64 array ``index[2**b, 2]``: slot ``s`` holds its key in ``index[s, 0]`` and its row in
-``index[s, 1]`` side by side, so a probe touches one cache line, not two. A slot is empty when
-``index[s, 1] < 0`` (its key is then meaningless). Occupancy lives in the row field, so every
-int64 value -- negatives, ``INT64_MIN``, ``INT64_MAX`` -- is a valid key and no key value is
-reserved as a sentinel. That costs 16 bytes per slot and nothing else.
-
-Probing is linear from ``mix64(key) & mask`` where ``mix64`` is the splitmix64 finaliser (a
-bijection on 64 bits with full avalanche, so sequential ids spread evenly). Deletion uses
-backward-shift (no tombstones), so probe lengths never degrade after many removes.
-
-Rows are allocated by the insert kernel itself: a freed row goes on a free list threaded through
-``row_key`` of dead rows (``row_key[r]`` holds the next free row), so reusing rows costs no
-extra memory. Allocator state is one small int64 array ``state``:
-``[size, next_row, free_head, n_free]``.
-
-The kernels never allocate the index; callers grow it (double + :func:`index_rehash`) when an
-insert kernel returns early because the load factor or the row capacity would be exceeded.
+:func:`index_find`, :func:`index_insert` and :func:`index_remove` (and the detach, attach and
+hold of rows) work on an ``int64[2**b, 2]`` index with the row allocator built in; scratch
+maps (:func:`map_distinct`, :func:`map_find`) and counting maps serve batches and filters.
+Layout, probing, deletion and growth: docs/internals.md ("The hash index").
 """
 
 from __future__ import annotations

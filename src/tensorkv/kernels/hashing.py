@@ -1,13 +1,8 @@
 """Stable 64-bit hashing of str/bytes keys: XXH64, implemented in numba.
 
-Algorithm: XXH64 (Yann Collet's xxHash, 64-bit variant, public specification
-https://github.com/Cyan4973/xxHash/blob/dev/doc/xxhash_spec.md), with seed 0 by default. Bytes
-are read little-endian byte by byte, so the result is the same on every platform and in every
-process (unlike Python's salted ``hash``). A ``str`` key is hashed as its UTF-8 bytes. The
-unsigned 64-bit digest is reinterpreted as int64 (two's complement) to become a table key.
-
-Vectorised: a batch of keys is concatenated into one ``uint8`` buffer with ``offsets``
-(``key i`` is ``buf[offsets[i]:offsets[i+1]]``) and hashed by one kernel call.
+:func:`hash_keys` packs a batch (:func:`pack_keys`) and hashes it in one kernel call
+(:func:`xxh64_batch`); a key's hash is the same on every platform and in every process. See
+docs/internals.md ("Kernels").
 """
 
 from __future__ import annotations

@@ -1,26 +1,8 @@
 """Counter-based random initialisation: a row's value is a pure function of (seed, key, column).
 
-Generator
----------
-``kh = mix64(key ^ mix64(seed + GOLDEN))`` is the key's stream; the 64-bit random word for
-column ``c`` and attempt ``a`` is ``mix64(kh + (a * 2**32 + c + 1) * GOLDEN)`` -- the splitmix64
-sequence of the key's stream at counter ``a * 2**32 + c + 1`` (``mix64`` is the splitmix64
-finaliser, ``GOLDEN`` = 0x9E3779B97F4A7C15). No state is carried between keys or calls, so the
-value never depends on the batch, the order of keys, the shard or the tier, nor on ``dim``
-(column ``c`` of a key is the same in a table of any width).
-
-* uniform(lo, hi): 53 high bits -> ``u`` in [0, 1), ``lo + (hi - lo) * u`` (float64, then float32).
-* normal(mean, std): inverse CDF, ``z = PPF(u)`` with ``u = (bits53 + 0.5) / 2**53`` in
-  (0, 1) and PPF Wichura's AS 241 (relative error ~1e-16; the same algorithm as Python's
-  ``statistics.NormalDist.inv_cdf``). 85 % of draws need only a rational polynomial.
-* truncated normal (two sigma, as TensorFlow/PyTorch): the inverse CDF restricted to
-  ``[PHI(-2), PHI(2)]``: ``z = PPF(PHI(-2) + u * (PHI(2) - PHI(-2)))`` -- exact truncation
-  without rejection, so no attempt counter is needed.
-
-Integer hashing and the central branch are exact IEEE arithmetic (numba adds no fast-math), so
-values are bit-identical across processes and machines; only the tail branch calls libm's
-``log``, whose last float64 bit may differ between C libraries -- which then almost never
-changes the float32 result.
+:func:`init_uniform`, :func:`init_normal` (normal and two-sigma truncated normal by inverse
+CDF, :func:`norm_ppf`) and :func:`init_constant` fill arena rows. The generator and why its
+values are bit-identical across machines: docs/internals.md ("Kernels").
 """
 
 from __future__ import annotations

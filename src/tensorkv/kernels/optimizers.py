@@ -1,35 +1,10 @@
 """Numba kernels for the sparse optimizers of :mod:`tensorkv.embedding.optimizers`.
 
-Every kernel has the same shape of arguments::
-
-    kernel(values, slots, rows, grads, *scalars)
-
-``values``
-    float32 C-contiguous ``[N, dim]`` row arena, updated in place.
-``slots``
-    float32 C-contiguous ``[N, num_slots * dim]``; slot ``k`` occupies columns
-    ``k * dim : (k + 1) * dim`` and is updated in place.
-``rows``
-    int64 ``[m]`` *unique* row indices; rows not listed are never read or written.
-``grads``
-    float32 C-contiguous ``[m, dim]``; ``grads[i]`` is the (already summed) gradient of
-    ``values[rows[i]]``.
-``scalars``
-    float32 hyper-parameters, already resolved for this step (learning rate from the
-    schedule, bias corrections, ...). They are computed in Python double precision and
-    rounded to float32 once, as torch does with Python scalars, so that the float32
-    arithmetic here follows torch's order of operations step for step.
-
-The kernels do no argument checking: :class:`tensorkv.embedding.optimizers.Optimizer.apply`
-checks shapes, dtypes and row bounds before calling them.
-
-Each kernel is compiled twice: a serial loop and a ``prange`` loop over rows on numba's
-thread pool. Both use ``error_model="numpy"`` (a division by zero gives inf instead of raising),
-which lets LLVM vectorise the column loop; the row order does not change any result because
-rows are independent. :func:`get_kernel` picks the parallel variant for updates of at least
-:data:`tensorkv.config.OPTIMIZER_PARALLEL_MIN_ELEMENTS` values, when numba's threading layer
-is thread-safe (TBB or OpenMP), and never in a forked child process (GNU OpenMP is not
-fork-safe). ``TENSORKV_PARALLEL_KERNELS=0`` forces the serial loops.
+Every kernel is ``kernel(values, slots, rows, grads, *scalars)``: float32 ``[N, dim]`` values
+and ``[N, num_slots * dim]`` slots updated in place at the unique ``rows`` from the summed
+``grads[m, dim]``, with this step's float32 hyper-parameters. :func:`get_kernel` returns the
+serial or the parallel (``prange``) variant. Argument rules, torch's float32 order and the
+choice of variant: docs/internals.md ("Sparse optimizers").
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """Numba kernels that move embedding rows between a DRAM arena and fixed-size records.
 
-A record (see :mod:`tensorkv.embedding.tiers.base`) is ``key, freq, version, change_seq``
-(int64 each) followed by the values and the optimizer slots at fixed offsets. The kernels
-take the record buffers as C-contiguous 2-D arrays of unsigned words (``width`` words per
-row, possibly more than a record, e.g. an SSDHASH stored record with its trailer), an
-``int64`` view of the same memory for the header, and the arena's value and slot arrays
-viewed as the same word type, so every field is a plain word loop per row.
-:func:`word_views` picks the widest word that divides every offset and size.
+:func:`rows_to_records` packs arena rows into records and :func:`records_to_rows` copies
+records (straight out of a mapped SSDHASH segment, too) into rows, word by word in the type
+:func:`word_dtype` picks. See docs/internals.md ("Kernels").
 """
 
 from __future__ import annotations

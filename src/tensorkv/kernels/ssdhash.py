@@ -1,15 +1,8 @@
 """Numba kernels for the lower tiers: hash index, record checksums, mmap gathers.
 
-The index maps int64 keys to int64 values by open addressing with linear probing; records
-carry checksums; gathers copy rows out of memory-mapped record files.
-
-Index tables are two arrays of a power-of-two size: ``tkeys int64[cap]`` and
-``tvals int64[cap]``. A value >= 0 marks a live entry; ``EMPTY`` (-1) an unused slot and
-``DELETED`` (-2) a removed one (probing continues past it). Keys may be any int64.
-
-Stored records are ``uint64`` words: the record's words followed by one trailer word whose low
-32 bits hold flags (``FLAG_PUT`` or ``FLAG_TOMB``) and high 32 bits a checksum over everything
-before it and a seed (the SSDHASH segment id).
+:class:`HashIndex` (int64 key -> location, linear probing with ``DELETED`` markers), the
+checksummed trailer of stored records (:func:`seal`, :func:`first_invalid`) and gathers from
+memory-mapped record files. See docs/internals.md ("The hash index") and docs/tiers.md.
 """
 
 from __future__ import annotations

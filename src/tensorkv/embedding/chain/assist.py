@@ -1,19 +1,9 @@
 """A helper thread that shares row-parallel kernels with the training thread.
 
-On a machine with few cores the tier write-back thread occupies the second core for most of
-each step, so a multi-threaded kernel (numba ``prange``) waits for its slowest thread: the one
-queued behind the writer. :func:`run_split` instead cuts a kernel's rows into chunks that the
-calling thread and ONE shared helper thread claim one at a time. The caller starts on the
-first chunk at once and takes every chunk the helper has not claimed, so it never waits for
-a helper that has not started; it only waits for chunks the helper is already running.
-
-The kernels must release the GIL (``nogil=True``) and write disjoint rows per chunk, so the
-result is the same as one call over all rows, bit for bit. :func:`start` hands the helper one
-whole task instead (a tiered table's demotion after a lookup); its :meth:`Task.join` runs the
-task on the joining thread if the helper has not started it. Enabled by
-``TENSORKV_ASSIST_THREAD`` (:func:`tensorkv.config.assist_thread`, default on); tiered
-tables use it when their optimizer runs serially (see
-:func:`tensorkv.embedding.chain.build.open_rows`).
+:func:`run_split` cuts a kernel's rows into chunks that the caller and ONE process-wide helper
+thread (:class:`Helper`) claim one at a time; :func:`start` hands the helper a whole
+:class:`Task`. Enabled by ``TENSORKV_ASSIST_THREAD``. The rules (GIL-free kernels, disjoint
+rows per chunk) and when tiered tables use it: docs/tiers.md ("Helper thread").
 """
 
 from __future__ import annotations

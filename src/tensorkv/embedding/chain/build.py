@@ -1,10 +1,8 @@
 """Building a table's rows from its storage arguments: :func:`resolve_storage`, :func:`open_rows`.
 
 :func:`open_rows` opens every tier a :class:`~tensorkv.embedding.chain.specs.StorageOption`
-names (tier 0: a DRAM :class:`~tensorkv.embedding.arena.RowArena` or an
-:class:`~tensorkv.embedding.tiers.hbm.HBMArena`), wires them into a
-:class:`~tensorkv.embedding.chain.tierchain.TierChain` and returns the table's
-:class:`~tensorkv.embedding.chain.rows.ChainRows`.
+names and returns the table's :class:`~tensorkv.embedding.chain.rows.ChainRows`; see
+docs/tiers.md ("Tier chains").
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """Rows on their way between tiers (:class:`Pending`) and the scratch key maps that find them.
 
-A :class:`Pending` batch is a set of tier-0 rows no key maps to any more (detached) whose
-write to a lower tier has not landed yet, or rows a prefetch filled that no key maps to yet.
-The key maps are numba open-addressing tables built per batch (:func:`key_map`,
-:func:`find_keys`).
+A :class:`Pending` batch holds detached tier-0 rows whose write to a lower tier has not
+landed yet, or rows a prefetch filled that no key maps to yet; :func:`key_map` and
+:func:`find_keys` find keys in it. See docs/tiers.md ("Tier chains").
 """
 
 from __future__ import annotations

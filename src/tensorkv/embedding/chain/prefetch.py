@@ -1,25 +1,10 @@
 """Fetching the next batch's rows up from the lower tiers while the current batch trains.
 
-``TieredEmbeddingTable.prefetch(next_keys)`` hands the keys of the next batch to the table's
-background write-back queue (:mod:`tensorkv.embedding.chain.writeback`). The job moves the rows of
-those keys that live below tier 0 into *held* tier-0 rows -- rows of tier 0's arrays that no
-key maps to yet (:meth:`~tensorkv.embedding.arena.RowArena.hold_rows`), so the training
-thread's work on the other rows is undisturbed. The next
-:meth:`~tensorkv.embedding.chain.tierchain.TierChain.promote` maps the keys to those rows (an index
-insert, no copy), as it does for rows still waiting in the write-back buffer. Values never
-depend on whether or when a prefetch ran: a row is moved whole (value, slots, frequency,
-version, change sequence), exactly as a promotion moves it.
-
-What keeps this consistent with the other threads:
-
-* The training thread waits for the job (:meth:`TierChain.join_prefetch`) before it reads or
-  moves anything below tier 0, so the job is the only reader of the lower tiers' copies it
-  takes; it writes only its held rows and never touches tier 0's index or allocator.
-* The job runs on the table's write-back queue, whose jobs run one at a time: no landing,
-  cascade or delete of this table runs while it reads. It goes before queued writes.
-* It skips keys in the write-back buffer or whose lower copies are stale (their delete
-  still queued): a key found in a lower tier and in neither list is in no other place.
-* Records land in tier 0's arrays under ``pack_lock`` (the arrays cannot move then).
+A :class:`FetchJob` runs on the table's write-back queue and moves the rows of the announced
+keys into held tier-0 rows (:class:`Fetched`) through a :class:`GuardedSink`;
+:meth:`~tensorkv.embedding.chain.tierchain.TierChain.start_prefetch` starts it and
+:meth:`~tensorkv.embedding.chain.tierchain.TierChain.join_prefetch` takes it over. Why this
+stays consistent with the other threads: docs/tiers.md ("Prefetch").
 """
 
 from __future__ import annotations

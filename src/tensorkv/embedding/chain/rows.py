@@ -1,10 +1,9 @@
 """A table's rows in a tier chain: :class:`ChainRows`, the hooks a tiered table runs.
 
-Around every batch operation the table calls :meth:`ChainRows.promote_lookup` (or
-``promote_update`` / ``promote``) -- the batch's rows move up into tier 0 -- then runs its own
-logic on tier 0, then :meth:`ChainRows.after_batch` (or ``after``) -- tier 0's excess moves
-down in the background. Operations of one tiered table run one at a time (:attr:`ChainRows.op`,
-a per-table mutex spanning the three steps). See docs/tiers.md for the whole story.
+Around every batch operation the table promotes the batch's rows into tier 0, runs its own
+logic there, then moves tier 0's excess down (:meth:`ChainRows.after_batch`); operations of
+one tiered table run one at a time, and :class:`SettlingLock` is its lock. See docs/tiers.md
+("Tier chains").
 """
 
 from __future__ import annotations

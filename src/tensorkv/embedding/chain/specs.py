@@ -1,13 +1,9 @@
 """Storage options of an embedding table: which tiers hold its rows, how big each is.
 
-Two spellings describe the same chain of tiers, fastest first:
-
-- DeepRec's names: ``StorageOption("DRAM_SSDHASH", storage_path="/data/emb",
-  storage_size=["4GiB"])``;
-- explicit tier specs: ``StorageOption(tiers=[DRAM("4GiB"), SSDHash("/data/emb")])``.
-
-This module is configuration only: :meth:`StorageOption.tier_specs` returns validated specs,
-and each lower-tier spec can :meth:`~LowerTierSpec.open` its tier for a record layout.
+:class:`StorageOption` takes DeepRec's names (``"DRAM_SSDHASH"``) or explicit tier specs
+(:class:`DRAM`, :class:`HBM`, :class:`PMEM`, :class:`SSDHash`, :class:`KV`). Configuration
+only: :meth:`StorageOption.tier_specs` returns validated specs and a lower-tier spec's
+:meth:`~LowerTierSpec.open` opens its tier. See docs/tiers.md ("StorageOption").
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """The tier chain behind a tiered table: promotion, demotion, write-back, cascades.
 
-Tier 0 (a DRAM :class:`~tensorkv.embedding.arena.RowArena` or an HBM arena) is where every
-read and update happens; lower tiers (:class:`~tensorkv.embedding.tiers.base.LowerTier`:
-SSDHASH, PMEM, DRAM below HBM, KV stores) hold the rows that do not fit, as whole records,
-so a row that goes down and comes back up is bit-identical. Around each batch the table
-(through :class:`~tensorkv.embedding.chain.rows.ChainRows`) calls :meth:`TierChain.promote`,
-runs its operation on tier 0, then :meth:`TierChain.after`, which moves tier 0's excess down
-through the shared write-back pool (:mod:`tensorkv.embedding.chain.writeback`), possibly on
-the helper thread (:mod:`tensorkv.embedding.chain.assist`). docs/tiers.md tells the whole
-story: pending batches, cascades, prefetch, deferred demotion and memory bounds.
+:class:`TierChain` holds tier 0 (a DRAM or HBM arena, where every read and update happens)
+and the lower tiers (:class:`~tensorkv.embedding.tiers.base.LowerTier`), which keep rows as
+whole records: :meth:`TierChain.promote` runs before each batch, :meth:`TierChain.after`
+after it. docs/tiers.md ("Tier chains") tells the whole story.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """The shared background write-back pool of tiered embedding tables.
 
-Rows that leave tier 0 are written to the lower tiers in the background. Every table in the
-process shares ONE thread pool, created on first use and sized by
-``TENSORKV_EVICTION_THREADS`` (:func:`tensorkv.config.eviction_threads`, default 1).
-
-Each table owns a :class:`WriteQueue`: its jobs run in submission order, one at a time (a
-later write of a key must land after an earlier one), while queues of different tables run in
-parallel on the pool's threads. :meth:`WriteQueue.flush` waits for a queue to drain; an
-exception raised by a job is kept and re-raised by the next :meth:`WriteQueue.check` /
-:meth:`WriteQueue.flush` call of that queue (it is never silently lost).
+:func:`pool` is one thread pool for the process (``TENSORKV_EVICTION_THREADS`` threads); each
+table owns a :class:`WriteQueue`, whose jobs run in order, one at a time, and whose failures
+:meth:`WriteQueue.check` / :meth:`WriteQueue.flush` re-raise. See docs/tiers.md ("Write-back
+pool").
 """
 
 from __future__ import annotations

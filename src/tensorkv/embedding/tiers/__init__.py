@@ -1,14 +1,10 @@
 """Lower storage tiers below an embedding table's DRAM/HBM tier.
 
 Every tier implements :class:`~tensorkv.embedding.tiers.base.LowerTier` over fixed-size row
-records described by :class:`~tensorkv.embedding.tiers.base.RecordLayout`:
-
-- :class:`~tensorkv.embedding.tiers.ssdhash.SSDHashTier`: append-only segment files on local
-  disk with an in-memory hash index (DeepRec's SSDHASH),
-- :class:`~tensorkv.embedding.tiers.pmem.PMEMTier`: a memory-mapped slot file on a DAX mount,
-- :class:`~tensorkv.embedding.tiers.kv.KVTier`: any :class:`~tensorkv.stores.KVStore` URL.
-
-Tier modules are imported on first use of their class, so importing this package is cheap.
+records: :class:`~tensorkv.embedding.tiers.ssdhash.SSDHashTier` (SSDHASH, segment files on
+local disk), :class:`~tensorkv.embedding.tiers.pmem.PMEMTier` (a slot file on a DAX mount),
+:class:`~tensorkv.embedding.tiers.kv.KVTier` (any key-value store URL). Tier modules are
+imported on first use of their class, so importing this package is cheap. See docs/tiers.md.
 """
 
 from __future__ import annotations

@@ -1,22 +1,9 @@
 """The lower-tier contract: fixed-size row records and the :class:`LowerTier` ABC.
 
-An embedding table keeps its hot rows in tier 0 (DRAM or HBM) and writes cold rows down to
-lower tiers as fixed-size *records*. A record holds everything a row needs to come back
-bit-identical::
-
-    offset  size                 field
-    0       8                    key         int64
-    8       8                    freq        int64  (access count)
-    16      8                    version     int64  (step of the last update)
-    24      8                    change_seq  int64  (table mutation seq of the last change)
-    32      dim * itemsize       values      storage dtype (float32, float16 or bfloat16)
-    ...     padding to 8 bytes
-    ...     num_slots * dim * 4  slots       float32 optimizer state
-    ...     padding to 8 bytes
-
-All integers are little-endian. :class:`RecordLayout` computes the width and packs and unpacks
-whole batches with numpy views; every :class:`LowerTier` method takes and returns batches
-(``int64`` key arrays and ``uint8[n, record_bytes]`` record arrays).
+:class:`RecordLayout` describes the record that carries a whole row (key, freq, version,
+change sequence, values, slots) and packs batches of them; :class:`LowerTier` and
+:class:`IndexedTier` are the tier interface, :class:`RowSink` / :class:`RowSource` the copies
+into and out of tier 0. Record layout and interface: docs/tiers.md ("Records").
 """
 
 from __future__ import annotations

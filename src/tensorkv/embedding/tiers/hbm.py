@@ -1,30 +1,9 @@
 """HBM tier 0: embedding rows in torch tensors on a GPU, the hash index on the host.
 
-Also :class:`DRAMTier`, host memory as a lower tier below HBM (``HBM_DRAM*`` chains).
-
-:class:`HBMArena` has the API of :class:`~tensorkv.embedding.arena.RowArena` (find / insert /
-remove / gather / scatter / keys / iterate, the same per-row metadata arrays ``freq``,
-``version``, ``seq``, ``row_key``, ``live``) but keeps ``values`` ``[capacity, dim]`` and
-``slots`` ``[capacity, slot_width]`` as float32 torch tensors on ``device`` (``"cuda"`` by
-default; ``"cpu"`` works everywhere and is what the tests use). The index is the same numba
-open-addressing hash index as the DRAM arena, on the host: key -> row happens on the CPU and
-only row numbers travel to the device.
-
-Reads
------
-:meth:`HBMArena.lookup_torch` returns a device tensor (``index_select`` of the rows; absent keys
-read zeros or a given fill); :meth:`HBMArena.gather` returns a host numpy copy (export,
-demotion to lower tiers).
-
-Updates stay bit-identical to the DRAM table
--------------------------------------------
-:meth:`HBMArena.apply_optimizer` gathers the touched rows (values and slots) to host float32,
-runs the table's numba optimizer kernel on them (``rows = arange(m)``), and copies them back:
-exactly the arithmetic of the DRAM table, so values and slots are bit-identical. The cost is two
-transfers of ``m * (dim + slot_width) * 4`` bytes per step (device -> host -> device) plus the
-CPU kernel -- for 65,536 rows of dim 64 with one Adagrad slot, 32 MiB each way, a few ms over
-PCIe, in exchange for identical results. A device-side optimizer would be faster but would not
-round like the host kernels.
+:class:`HBMArena` has the API of :class:`~tensorkv.embedding.arena.RowArena` with ``values``
+and ``slots`` as float32 tensors on a torch device; optimizer steps run in the host kernels,
+so results are bit-identical to a DRAM table. :class:`DRAMTier` is host memory as a lower
+tier below HBM (``HBM_DRAM*`` chains). See docs/tiers.md ("HBM tier 0").
 """
 
 from __future__ import annotations

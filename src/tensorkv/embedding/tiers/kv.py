@@ -1,12 +1,7 @@
-r"""KV tier: any :class:`~tensorkv.stores.KVStore` (LevelDB, RocksDB, LMDB, Redis...) as a tier.
+"""KV tier: any :class:`~tensorkv.stores.KVStore` (LevelDB, RocksDB, LMDB, Redis...) as a tier.
 
-Rows are stored under ``prefix + 8 bytes``: the int64 key, big-endian, with its sign bit
-flipped, so byte order equals numeric order. Values are the fixed-width records. Keys and
-values are converted for a whole batch at once (numpy ``V`` views turned into ``bytes`` lists
-in C), and reads and writes go to the store in chunks of ``batch_rows`` records.
-
-The record layout is kept under the metadata key ``b"\\x00tensorkv-tier/" + prefix`` so
-reopening with another layout is refused.
+:class:`KVTier` stores the records under order-preserving 8-byte keys (:func:`encode_keys`),
+a batch at a time. Key encoding, layout metadata and batching: docs/tiers.md ("KV tier").
 """
 
 from __future__ import annotations

@@ -1,14 +1,7 @@
 """PMEM tier: a memory-mapped file of fixed-size record slots (a DAX mount in production).
 
-File layout: a 4096-byte header (magic ``b"TKVPMEM1"``, u64 header length, JSON with the
-record layout) followed by ``capacity`` slots. A slot is the row record, a u64 write sequence
-number, and a u64 trailer (flags in the low 32 bits: 0 free, 1 used; checksum in the high 32
-over record and sequence). An in-memory hash index maps keys to slots; freed slots go on a
-free list and are reused; the file grows by doubling (``ftruncate`` and remap).
-
-Updates are copy-on-write: a put writes the new record into a free slot and only then frees
-the old slot, so a crash leaves either version intact; on reopen the highest sequence number
-wins and torn slots (bad checksum) are dropped. :meth:`PMEMTier.flush` calls ``msync``.
+:class:`PMEMTier` indexes slots in memory, reuses freed slots, writes puts copy-on-write and
+recovers by write sequence and checksum. File layout and crash rules: docs/tiers.md ("PMEM").
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
 """SSDHASH: an append-only, hash-indexed record store on local disk (the SSD tier).
 
-Records are appended to segment files through a write buffer; an in-memory open-addressing
-index maps each key to its latest record's location ``(segment id << 40) | record index``.
-Reads gather rows from memory-mapped segments with a numba kernel (no system call per row).
-Overwrites and deletes leave dead records behind; once dead records are a
-``compaction_threshold`` share of all records, the deadest sealed segments have their live
-records copied to the head and their files freed (fully dead segments go at once).
+:class:`SSDHashTier` appends records to segment files, maps keys to them with an in-memory
+index, reads rows from memory-mapped segments, compacts the deadest segments and reopens from
+an index snapshot plus a replay. Design, durability and crash guarantees: docs/tiers.md
+("SSDHASH"); the on-disk pieces are in :mod:`tensorkv.embedding.tiers.ssdhash_files`.
 
-Durability: :meth:`flush` writes the buffer and fsyncs the head segment; everything flushed
-survives a crash. Reopening loads the last index snapshot and replays only the records after
-it, truncating a torn tail detected by checksum. Compaction deletes old segments only after
-the copies and a snapshot referencing them are on disk. See ``docs/tiers.md``.
+Size: one class; its write, read, compaction and recovery paths share locks and segment state.
 """
 
 from __future__ import annotations

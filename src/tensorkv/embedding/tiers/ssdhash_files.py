@@ -1,23 +1,9 @@
 """On-disk pieces of the SSDHASH tier: segment files, the index snapshot and the tier metadata.
 
-A directory holds::
-
-    TIER.json         format name, version and record layout (written once, atomically)
-    LOCK              flock'ed by the process that has the tier open
-    seg-00000001.dat  segments: a 64-byte header, then fixed-size stored records
-    free-00000001.dat compacted segment files kept for reuse (contents meaningless)
-    index.snap        the latest index snapshot (replaced atomically)
-
-Segment header (64 bytes, little-endian): magic ``b"TKVSEG01"``, u64 segment id, u64
-record_bytes, u64 stored_bytes, zero padding. A stored record is the row record followed by
-one u64 trailer: flags (1 put, 2 tombstone) in the low 32 bits, a checksum in the high 32.
-The checksum is seeded with the segment id, so when a free file becomes a new segment, the
-records of its earlier life never validate as records of the new one.
-
-Snapshot: magic ``b"TKVSNAP1"``, u64 header length, a JSON header (padded with spaces to a
-multiple of 8), ``int64 keys[rows]``, ``int64 locs[rows]``, then the xxh3-64 digest of all
-bytes before it. ``covered_seg``/``covered_rows`` in the header say which records it reflects:
-every record of segments below ``covered_seg`` and the first ``covered_rows`` of it.
+:class:`Segment` is one segment file (header, mapping, record counts);
+:func:`write_snapshot` / :func:`read_snapshot` write and verify the index snapshot;
+:func:`atomic_write` and :func:`fsync_dir` are the durable file steps. Directory layout,
+segment header, record trailer and snapshot format: docs/tiers.md ("SSDHASH").
 """
 
 from __future__ import annotations
