@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import itertools
 import os
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import servers  # noqa: E402
+import servers
 
 _counter = itertools.count()
 BACKENDS = ["memory", "lmdb", "rocksdb", "leveldb", "redis"]

@@ -10,8 +10,6 @@ dtype and the optimizer's slots), so nearly every batch moves rows down and back
 from __future__ import annotations
 
 import itertools
-import os
-import sys
 from typing import Any
 
 import pytest
@@ -19,10 +17,6 @@ import pytest
 import tensorkv
 from tensorkv.testing import TableTests
 from tensorkv.testing.tables import CHECKS
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import servers  # noqa: E402
 
 TIER0 = 640  # bytes of tier 0: 6 rows of dim 5 with Adam, 11 with SGD
 TIER1 = 1600  # a middle tier (PMEM below DRAM, DRAM below HBM): 16-28 rows
@@ -32,16 +26,6 @@ TIER1 = 1600  # a middle tier (PMEM below DRAM, DRAM below HBM): 16-28 rows
 CORE = frozenset({"reads", "training", "nan", "mutations", "eviction", "export", "dtypes",
                   "checkpoint", "randomized"})
 CORE_OPTIMIZERS = ("sgd", "ftrl")  # no slots, two slots; adam/adagrad run in the other tests
-
-
-@pytest.fixture(scope="session")
-def redis_server(request):
-    """A plain standalone redis-server for this module's DRAM_REDIS tables."""
-    if not servers.available():
-        pytest.skip("redis-server / redis-cli are not installed")
-    server = servers.RedisServer()
-    request.addfinalizer(server.stop)
-    return server.start()
 
 
 class TestDRAMTable(TableTests):

@@ -9,13 +9,10 @@ from __future__ import annotations
 
 import itertools
 import os
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import servers  # noqa: E402
+import servers
 
 _counter = itertools.count()
 
@@ -28,13 +25,6 @@ def _need_redis() -> None:
 def _session_server(request: pytest.FixtureRequest, server):  # type: ignore[no-untyped-def]
     request.addfinalizer(server.stop)
     return server.start()
-
-
-@pytest.fixture(scope="session")
-def redis_server(request):
-    """A plain standalone redis-server."""
-    _need_redis()
-    return _session_server(request, servers.RedisServer())
 
 
 @pytest.fixture(scope="session")
