@@ -103,7 +103,8 @@ def check_value(key: bytes, value: object, max_size: int | None) -> bytes | memo
     return value
 
 
-def _check_keys(keys: object) -> list[bytes]:
+def check_keys(keys: object) -> list[bytes]:
+    """Return ``keys`` (a sequence of keys, not one key) as a list of checked ``bytes`` keys."""
     if isinstance(keys, (bytes, bytearray, str)):
         raise KeyTypeError(
             f"expected a sequence of keys, got a single {type(keys).__name__} {keys!r}; "
@@ -157,7 +158,7 @@ class WriteBatch:
 
     def delete_many(self, keys: Iterable[bytes]) -> None:
         """Queue several deletes."""
-        for k in _check_keys(keys):
+        for k in check_keys(keys):
             self._ops[k] = None
 
     def __len__(self) -> int:
@@ -254,7 +255,7 @@ class KVStore(ABC):
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         """Return the value of each key (None where absent), in the order given."""
         self._check_open()
-        ks = _check_keys(keys)
+        ks = check_keys(keys)
         if not ks:
             return []
         return self._get_many(ks)
@@ -297,7 +298,7 @@ class KVStore(ABC):
     def delete_many(self, keys: Sequence[bytes]) -> None:
         """Delete several keys; absent keys are ignored."""
         self._check_writable()
-        ks = _check_keys(keys)
+        ks = check_keys(keys)
         if ks:
             self._write([(k, None) for k in ks], atomic=False)
 

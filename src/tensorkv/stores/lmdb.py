@@ -31,7 +31,7 @@ from tensorkv.errors import (
     StoreFullError,
     StoreLockedError,
 )
-from tensorkv.stores.base import Capabilities, KVStore, WriteOp, _check_keys
+from tensorkv.stores.base import Capabilities, KVStore, WriteOp, check_keys
 from tensorkv.stores.embedded import (
     as_bool,
     as_int,
@@ -424,7 +424,7 @@ class LMDBStore(KVStore):
         :meth:`_values`).
         """
         self._check_open()
-        ks = _check_keys(keys)
+        ks = check_keys(keys)
         limit = self._max_key
         while True:
             self._enter()
