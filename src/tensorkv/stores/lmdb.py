@@ -593,4 +593,3 @@ class LMDBStore(KVStore):
             "resizes": self.resizes,
             "sync": self.sync,
         }
-
