@@ -5,6 +5,11 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 TORCH_PIN := torch==2.13.0
 PYTEST_ARGS ?=
+# Total line coverage (%) below which `make test` fails: the figure measured when the floor
+# was set (94.14%, numba kernels omitted), rounded down. Raise it when coverage grows; never
+# lower it to make a change pass.
+COV_FLOOR ?= 94
+COV_ARGS := --cov=tensorkv --cov-report=term-missing:skip-covered --cov-fail-under=$(COV_FLOOR)
 
 .PHONY: demo test venv install install-test redis-server lint bench-quick bench-kv clean
 
@@ -32,14 +37,21 @@ redis-server:
 demo: install
 	$(VENV)/bin/tensorkv demo --path ./tensorkv-data
 
-# pytest exits 5 when it collects no tests; that is not a failure of the suite.
+# Static checks, then the suite with a coverage floor (see CONTRIBUTING.md). The project
+# runs `ruff check` (lint and import order) but not `ruff format` (see pyproject.toml).
+# pytest exits 5 when it collects no tests; that is not a failure of the suite. (With
+# coverage on, a run that collects nothing fails the floor instead; add --no-cov to
+# PYTEST_ARGS to run a subset, see CONTRIBUTING.md.)
 test: install-test redis-server
 	$(VENV)/bin/ruff check src tests
-	$(PY) -m pytest -q $(PYTEST_ARGS) || rc=$$?; \
+	$(VENV)/bin/mypy
+	$(PY) -m pytest -q $(COV_ARGS) $(PYTEST_ARGS) || rc=$$?; \
 	if [ "$${rc:-0}" = "5" ]; then echo "no tests collected"; exit 0; fi; exit $${rc:-0}
 
+# The static checks alone: ruff (lint and import order) and mypy (configured in pyproject.toml).
 lint: install-test
 	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/mypy
 
 bench-quick: install
 	$(VENV)/bin/tensorkv bench kv --quick
@@ -49,4 +61,5 @@ bench-kv: install
 	$(VENV)/bin/tensorkv bench kv --json bench-kv.json
 
 clean:
-	rm -rf $(VENV) tensorkv-data .pytest_cache .ruff_cache build dist src/*.egg-info
+	rm -rf $(VENV) tensorkv-data .pytest_cache .ruff_cache .mypy_cache .coverage htmlcov \
+		build dist src/*.egg-info

@@ -71,6 +71,8 @@ def dtype_from_code(code: int, key: bytes | str | None = None) -> np.dtype:
 
 def checksum(data: bytes | memoryview | np.ndarray) -> int:
     """64-bit xxh3 checksum used by records and checkpoints."""
+    if isinstance(data, np.ndarray):
+        data = data.data  # the array's buffer as a memoryview
     return xxhash.xxh3_64_intdigest(data)
 
 
@@ -96,7 +98,7 @@ def encode_parts(array: np.ndarray) -> tuple[bytes, memoryview]:
     if array.dtype.byteorder == ">":
         array = array.astype(array.dtype.newbyteorder("<"))
     arr = np.ascontiguousarray(array).reshape(array.shape)  # keeps 0-d arrays 0-d
-    payload = memoryview(arr.reshape(-1).view(np.uint8)) if arr.size else memoryview(b"")
+    payload = arr.reshape(-1).view(np.uint8).data if arr.size else memoryview(b"")
     head = _FIXED.pack(MAGIC, FORMAT_VERSION, code, arr.ndim, 0, checksum(payload))
     shape = struct.pack(f"<{arr.ndim}Q", *arr.shape)
     return head + shape, payload

@@ -35,6 +35,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -110,7 +111,7 @@ def _baselines(
     total = sum(a.nbytes for a in arrays.values())
     # raw sequential write + fsync, and read, of the same byte count
     raw = os.path.join(root, "raw.bin")
-    bufs = [memoryview(a.reshape(-1).view(np.uint8)) for a in arrays.values()]
+    bufs = [a.reshape(-1).view(np.uint8).data for a in arrays.values()]
 
     def raw_write() -> None:
         with open(raw, "wb", buffering=0) as f:
@@ -251,8 +252,11 @@ def run(
 
                 ts = _best(save, repeat, fresh)
                 full_times[b] = ts
-                tl = _best(lambda url_of=url_of: tensorkv.load(None, url_of(), "full",
-                                                               progress=False), max(repeat, 2))
+
+                def load(url_of: Callable[[], str] = url_of) -> None:
+                    tensorkv.load(None, url_of(), "full", progress=False)
+
+                tl = _best(load, max(repeat, 2))
                 for label, (bw, br) in base.items():
                     fsyncs = label.startswith("raw") or "fsync" in label
                     note = "" if fsyncs else "baseline does not fsync"
@@ -419,9 +423,9 @@ def _block_sizes(model: dict[str, Any], root: str, total: int, sizes: tuple[int,
             shutil.rmtree(path, ignore_errors=True)
 
         url = f"lmdb://{path}"
-        ts = _best(lambda rows=rows, url=url: tensorkv.save(
-            model, url, "b", block_rows=rows, progress=False), repeat, fresh)
-        tl = _best(lambda url=url: tensorkv.load(None, url, "b", progress=False), repeat)
+        ts = _best(partial(tensorkv.save, model, url, "b", block_rows=rows, progress=False),
+                   repeat, fresh)
+        tl = _best(partial(tensorkv.load, None, url, "b", progress=False), repeat)
         results[rows] = (ts, tl)
         shutil.rmtree(path, ignore_errors=True)
     ref = sizes[0]

@@ -27,7 +27,7 @@ import shutil
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from functools import cached_property
+from functools import cached_property, partial
 from typing import Any
 
 import numpy as np
@@ -524,7 +524,7 @@ def _run_case(
                 used = server.used_memory() / data.value_total
                 size_note = f"{used:.2f}x value bytes in server RAM"
                 get_note = "server RAM"
-            tr = measure(read, repeat=repeat, warmup=0, setup=lambda r=runner: r.reopen(cold))
+            tr = measure(read, repeat=repeat, warmup=0, setup=partial(runner.reopen, cold))
         finally:
             runner.close()
         if missing and missing[-1]:
@@ -557,9 +557,9 @@ def summary_table(results: Sequence[dict[str, Any]]) -> str:
     """
     fig: dict[tuple[str, str], dict[str, Any]] = {}
     pairs: list[tuple[str, str]] = []  # (value size, backend) in run order
-    for r in results:
-        fig[(r["case"], r["metric"])] = r
-        parts = r["case"].rsplit(" ", 2)
+    for row in results:
+        fig[(row["case"], row["metric"])] = row
+        parts = row["case"].rsplit(" ", 2)
         ok = len(parts) == 3 and parts[2] in {"put_many", "get_many"}
         if ok and (parts[1], parts[0]) not in pairs:
             pairs.append((parts[1], parts[0]))

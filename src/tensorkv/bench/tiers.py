@@ -269,6 +269,7 @@ def run(
                            model_s=model_s)
             dram = timed.size / t_ref / 1e6
             if hbm:  # the HBM cases' baseline: DRAM lookups copied to the device
+                assert to_device is not None
                 t_dev = _train(ref, batches, grads, warmup, passes=baseline_passes,
                                model_s=model_s, lookup=lambda b, r=ref: to_device(r.lookup(b)),
                                sync=sync)

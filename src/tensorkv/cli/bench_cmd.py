@@ -6,6 +6,7 @@ import importlib
 import inspect
 import pkgutil
 import time
+from collections.abc import Callable
 
 import click
 
@@ -28,9 +29,11 @@ def workloads() -> list[str]:
 
 
 
-def parse_params(pairs: tuple[str, ...], run_fn: object, name: str) -> dict[str, object]:
+def parse_params(
+    pairs: tuple[str, ...], run_fn: Callable[..., object], name: str
+) -> dict[str, object]:
     """Turn ``NAME=VALUE`` strings into keyword arguments accepted by ``run_fn``."""
-    sig = inspect.signature(run_fn)  # type: ignore[arg-type]
+    sig = inspect.signature(run_fn)
     accepted = [
         p.name
         for p in sig.parameters.values()

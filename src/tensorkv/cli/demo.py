@@ -139,8 +139,8 @@ def step_list(state: DemoState) -> str:
         shape = "(" + ", ".join(str(s) for s in head.shape) + ("," if len(head.shape) == 1 else "")
         rows.append((key[len(PREFIX) :].decode(), str(head.dtype), shape + ")", len(value)))
     widths = [max(len(h), *(len(str(r[i])) for r in rows)) for i, h in enumerate(_LIST_HEAD)]
-    head = [h.ljust(w) for h, w in zip(_LIST_HEAD[:3], widths, strict=False)]
-    lines = ["      " + "  ".join([*head, _LIST_HEAD[3].rjust(widths[3])])]
+    titles = [h.ljust(w) for h, w in zip(_LIST_HEAD[:3], widths, strict=False)]
+    lines = ["      " + "  ".join([*titles, _LIST_HEAD[3].rjust(widths[3])])]
     for r in rows:
         lines.append(
             "      "

@@ -12,7 +12,9 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, cast, overload
+
+import numpy as np
 
 from tensorkv.errors import (
     EmptyKeyError,
@@ -22,7 +24,13 @@ from tensorkv.errors import (
     ValueTooLargeError,
 )
 
-Buffer = bytes | bytearray | memoryview
+if TYPE_CHECKING:
+    from tensorkv.stores.registry import StoreURL
+
+#: A value handed to a store: any contiguous bytes-like object (numpy arrays included).
+Buffer = bytes | bytearray | memoryview | np.ndarray
+#: A value handed out by :meth:`KVStore.get_many_buffers`.
+ReadBuffer = bytes | memoryview
 WriteOp = tuple[bytes, "bytes | memoryview | None"]  # value None means delete
 
 
@@ -86,9 +94,9 @@ def check_value(key: bytes, value: object, max_size: int | None) -> bytes | memo
             "(or store tensors with tensorkv.codec.encode)"
         )
     else:
-        # numpy arrays and other buffer exporters
+        # numpy arrays and other buffer exporters; anything else raises TypeError
         try:
-            value = memoryview(value).cast("B")
+            value = memoryview(value).cast("B")  # type: ignore[arg-type]
         except TypeError:
             raise KeyTypeError(
                 f"value for key {key!r} has type {type(value).__name__}; values must be "
@@ -103,14 +111,16 @@ def check_value(key: bytes, value: object, max_size: int | None) -> bytes | memo
     return value
 
 
-def _check_keys(keys: object) -> list[bytes]:
+def check_keys(keys: object) -> list[bytes]:
+    """Return ``keys`` (a sequence of keys, not one key) as a list of checked ``bytes`` keys."""
     if isinstance(keys, (bytes, bytearray, str)):
         raise KeyTypeError(
             f"expected a sequence of keys, got a single {type(keys).__name__} {keys!r}; "
             "wrap it in a list"
         )
     try:
-        return [check_key(k) for k in keys]  # type: ignore[union-attr]
+        # a non-iterable raises TypeError, turned into KeyTypeError below
+        return [check_key(k) for k in cast("Iterable[object]", keys)]
     except TypeError as exc:
         if isinstance(exc, KeyTypeError):
             raise
@@ -157,7 +167,7 @@ class WriteBatch:
 
     def delete_many(self, keys: Iterable[bytes]) -> None:
         """Queue several deletes."""
-        for k in _check_keys(keys):
+        for k in check_keys(keys):
             self._ops[k] = None
 
     def __len__(self) -> int:
@@ -183,10 +193,11 @@ class KVStore(ABC):
         Refuse every write with :class:`~tensorkv.errors.ReadOnlyError`.
     """
 
-    #: URL scheme this backend serves.
-    scheme: ClassVar[str] = ""
-    #: What this backend guarantees.
-    capabilities: ClassVar[Capabilities]
+    #: URL scheme this backend serves (an instance may say which of several opened it).
+    scheme: str = ""
+    #: What this backend guarantees (set on the class; an instance may narrow it, e.g. an
+    #: LMDB store opened with ``sync=False`` is not ``durable_on_return``).
+    capabilities: Capabilities
     #: Largest value in bytes the backend accepts (None: no limit beyond memory).
     max_value_size: ClassVar[int | None] = None
     #: Whether :meth:`get_many_buffers` hands out views of the backend's own memory (no copy).
@@ -197,6 +208,15 @@ class KVStore(ABC):
         self.readonly = bool(readonly)
         self._closed = False
         self._close_lock = threading.Lock()
+
+    @classmethod
+    def from_url(cls, parsed: StoreURL, **options: Any) -> KVStore:
+        """Open the store a parsed URL names (what :func:`~tensorkv.stores.open_store` calls).
+
+        ``options`` are the URL's query options updated with the caller's keyword options.
+        Every backend implements it.
+        """
+        raise NotImplementedError(f"{cls.__name__} does not implement from_url")
 
     # ----------------------------------------------------------------- primitives
     @abstractmethod
@@ -254,13 +274,13 @@ class KVStore(ABC):
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         """Return the value of each key (None where absent), in the order given."""
         self._check_open()
-        ks = _check_keys(keys)
+        ks = check_keys(keys)
         if not ks:
             return []
         return self._get_many(ks)
 
     @contextmanager
-    def get_many_buffers(self, keys: Sequence[bytes]) -> Iterator[list[Buffer | None]]:
+    def get_many_buffers(self, keys: Sequence[bytes]) -> Iterator[Sequence[ReadBuffer | None]]:
         """Values of several keys as read-only buffers that are valid inside the ``with`` block.
 
         Backends with ``zero_copy_reads`` (LMDB) yield views of their own memory, read in one
@@ -297,7 +317,7 @@ class KVStore(ABC):
     def delete_many(self, keys: Sequence[bytes]) -> None:
         """Delete several keys; absent keys are ignored."""
         self._check_writable()
-        ks = _check_keys(keys)
+        ks = check_keys(keys)
         if ks:
             self._write([(k, None) for k in ks], atomic=False)
 
@@ -316,7 +336,7 @@ class KVStore(ABC):
         self.delete_many([key])
 
     def __contains__(self, key: object) -> bool:
-        return self.get_many([key])[0] is not None  # type: ignore[list-item]
+        return self.get_many([check_key(key)])[0] is not None
 
     def __getitem__(self, key: bytes) -> bytes:
         v = self.get_many([key])[0]
@@ -331,6 +351,39 @@ class KVStore(ABC):
         self.delete(key)
 
     # ----------------------------------------------------------------- scans
+    @overload
+    def scan(
+        self,
+        prefix: bytes = ...,
+        *,
+        start: bytes | None = ...,
+        stop: bytes | None = ...,
+        keys_only: Literal[False] = ...,
+        limit: int | None = ...,
+    ) -> Iterator[tuple[bytes, bytes]]: ...
+
+    @overload
+    def scan(
+        self,
+        prefix: bytes = ...,
+        *,
+        start: bytes | None = ...,
+        stop: bytes | None = ...,
+        keys_only: Literal[True],
+        limit: int | None = ...,
+    ) -> Iterator[bytes]: ...
+
+    @overload
+    def scan(
+        self,
+        prefix: bytes = ...,
+        *,
+        start: bytes | None = ...,
+        stop: bytes | None = ...,
+        keys_only: bool,
+        limit: int | None = ...,
+    ) -> Iterator[tuple[bytes, bytes]] | Iterator[bytes]: ...
+
     def scan(
         self,
         prefix: bytes = b"",
@@ -375,11 +428,11 @@ class KVStore(ABC):
         it = self._scan(lo, hi, keys_only, limit)
         if keys_only:
             return (k for k, _ in it)
-        return it  # type: ignore[return-value]
+        return cast("Iterator[tuple[bytes, bytes]]", it)  # values are None only if keys_only
 
     def keys(self, prefix: bytes = b"") -> Iterator[bytes]:
         """Iterate over the keys starting with ``prefix``."""
-        return self.scan(prefix, keys_only=True)  # type: ignore[return-value]
+        return self.scan(prefix, keys_only=True)
 
     def count(self, prefix: bytes = b"") -> int:
         """Number of keys starting with ``prefix``."""

@@ -9,8 +9,8 @@ import errno
 import os
 import threading
 import weakref
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 from tensorkv import config
 from tensorkv.errors import (
@@ -23,10 +23,13 @@ from tensorkv.errors import (
     StorePermissionError,
 )
 
+if TYPE_CHECKING:
+    from tensorkv.stores.registry import StoreURL
+
 # ----------------------------------------------------------------------------- URL paths
 
 
-def store_path(parsed: Any) -> str:
+def store_path(parsed: StoreURL) -> str:
     """Return the absolute filesystem path of an embedded store URL.
 
     ``lmdb:///data/db`` names ``/data/db``. ``lmdb://data/db`` (two slashes) would put
@@ -164,7 +167,7 @@ def as_int(name: str, value: Any, minimum: int = 1) -> int:
 
 
 def take_options(
-    scheme: str, options: dict[str, Any], spec: dict[str, tuple[Callable[[str, Any], Any], Any]]
+    scheme: str, options: dict[str, Any], spec: Mapping[str, tuple[Callable[[str, Any], Any], Any]]
 ) -> dict[str, Any]:
     """Validate backend options against ``spec`` (name -> (converter, default)).
 

@@ -12,7 +12,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import replace
 from itertools import islice, repeat
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import plyvel
 
@@ -34,6 +34,9 @@ from tensorkv.stores.embedded import (
     store_path,
     take_options,
 )
+
+if TYPE_CHECKING:
+    from tensorkv.stores.registry import StoreURL
 
 
 def _as_compression(name: str, value: Any) -> str:
@@ -134,7 +137,7 @@ class LevelDBStore(KVStore):
         return StoreError(f"cannot open the leveldb store {self.path!r}: {exc}")
 
     @classmethod
-    def from_url(cls, parsed: Any, **options: Any) -> LevelDBStore:
+    def from_url(cls, parsed: StoreURL, **options: Any) -> LevelDBStore:
         """Open from a parsed URL; see the class for the options."""
         path = store_path(parsed)
         opts = take_options("leveldb", options, _OPTIONS)

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 from itertools import groupby, islice, repeat
 from operator import itemgetter
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import lmdb
 
@@ -31,7 +31,7 @@ from tensorkv.errors import (
     StoreFullError,
     StoreLockedError,
 )
-from tensorkv.stores.base import Capabilities, KVStore, WriteOp, _check_keys
+from tensorkv.stores.base import Capabilities, KVStore, WriteOp, check_keys
 from tensorkv.stores.embedded import (
     as_bool,
     as_int,
@@ -42,6 +42,9 @@ from tensorkv.stores.embedded import (
     store_path,
     take_options,
 )
+
+if TYPE_CHECKING:
+    from tensorkv.stores.registry import StoreURL
 
 _OPTIONS = {
     "readonly": (as_bool, False),
@@ -283,7 +286,7 @@ class LMDBStore(KVStore):
         self._close_pending = False
 
     @classmethod
-    def from_url(cls, parsed: Any, **options: Any) -> LMDBStore:
+    def from_url(cls, parsed: StoreURL, **options: Any) -> LMDBStore:
         """Open from a parsed URL; see the class for the options."""
         path = store_path(parsed)
         opts = take_options("lmdb", options, _OPTIONS)
@@ -424,7 +427,7 @@ class LMDBStore(KVStore):
         :meth:`_values`).
         """
         self._check_open()
-        ks = _check_keys(keys)
+        ks = check_keys(keys)
         limit = self._max_key
         while True:
             self._enter()
@@ -465,7 +468,7 @@ class LMDBStore(KVStore):
     def _apply(txn: lmdb.Transaction, ops: list[WriteOp]) -> None:
         cursor = txn.cursor()
         if None not in map(_value, ops):  # only puts: one C call
-            cursor.putmulti(ops)
+            cursor.putmulti(cast("list[tuple[bytes, bytes | memoryview]]", ops))
             return
         delete = txn.delete
         for is_del, run in groupby(ops, key=_is_delete):
@@ -473,7 +476,7 @@ class LMDBStore(KVStore):
                 for k, _ in run:
                     delete(k)
             else:
-                cursor.putmulti(run)
+                cursor.putmulti(cast("Iterator[tuple[bytes, bytes | memoryview]]", run))
 
     def _write(self, ops: list[WriteOp], *, atomic: bool) -> None:
         with self._write_lock:
@@ -523,6 +526,7 @@ class LMDBStore(KVStore):
                         if stop is not None:
                             del keys[bisect.bisect_left(keys, stop) :]
                         return list(zip(keys, repeat(None)))
+                    items: list[tuple[bytes, bytes | None]]
                     items = list(islice(cur.iternext(keys=True, values=True), n))
                     if stop is not None:
                         del items[bisect.bisect_left(items, stop, key=_first) :]
@@ -589,4 +593,3 @@ class LMDBStore(KVStore):
             "resizes": self.resizes,
             "sync": self.sync,
         }
-

@@ -5,10 +5,13 @@ from __future__ import annotations
 import bisect
 import threading
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tensorkv.errors import InvalidURLError
 from tensorkv.stores.base import Capabilities, KVStore, WriteOp
+
+if TYPE_CHECKING:
+    from tensorkv.stores.registry import StoreURL
 
 
 class _Data:
@@ -59,7 +62,7 @@ class MemoryStore(KVStore):
         self._lock = threading.RLock()
 
     @classmethod
-    def from_url(cls, parsed: Any, **options: Any) -> MemoryStore:
+    def from_url(cls, parsed: StoreURL, **options: Any) -> MemoryStore:
         """Open from a parsed URL."""
         name = parsed.hosts[0][0] if parsed.hosts else None
         readonly = bool(options.pop("readonly", False))

@@ -15,7 +15,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from itertools import chain, repeat
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl, urlsplit
 
 import numpy as np
@@ -37,6 +37,9 @@ from tensorkv.errors import (
 )
 from tensorkv.stores.base import Capabilities, KVStore, WriteOp, prefix_upper_bound
 from tensorkv.stores.redis_config import RedisOptions, resolve_options
+
+if TYPE_CHECKING:
+    from tensorkv.stores.registry import StoreURL
 
 __all__ = ["RedisStore", "glob_escape", "key_slots", "redact_url"]
 
@@ -258,11 +261,11 @@ class RedisStore(KVStore):
         super().__init__(url, readonly=opts.readonly)
         if mode not in ("standalone", "cluster", "sentinel"):
             raise ConfigError(f"mode={mode!r}; use standalone, cluster or sentinel")
-        self.scheme = scheme  # type: ignore[misc]
+        self.scheme = scheme
         self.mode = mode
         self.options = opts
         self.config_file = config_file
-        self.capabilities = _CLUSTER_CAPS if mode == "cluster" else _STANDALONE_CAPS  # type: ignore[misc]
+        self.capabilities = _CLUSTER_CAPS if mode == "cluster" else _STANDALONE_CAPS
         self._hosts = [(h, int(p)) for h, p in hosts]
         self._db = db
         self._master_name = master_name
@@ -286,7 +289,7 @@ class RedisStore(KVStore):
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_url(cls, parsed: Any, **options: Any) -> RedisStore:
+    def from_url(cls, parsed: StoreURL, **options: Any) -> RedisStore:
         """Open from a parsed URL (see :func:`tensorkv.stores.registry.parse_url`)."""
         scheme = parsed.scheme
         url = redact_url(parsed.url)
@@ -606,16 +609,16 @@ class RedisStore(KVStore):
         for a, b in zip(runs[:-1], runs[1:], strict=True):
             rkeys = full[a:b]
             deleting = bool(is_del[a])
-            rvals = None if deleting else values[a:b]
+            rvals = [] if deleting else values[a:b]
             if slots is not None:
                 order = np.argsort(slots[a:b], kind="stable")
                 rkeys = _take(rkeys, order)
-                if rvals is not None:
+                if not deleting:
                     rvals = _take(rvals, order)
                 groups = slots[a:b][order]
             else:
                 groups = None
-            sizes = None if rvals is None else _value_sizes(rvals)
+            sizes = None if deleting else _value_sizes(rvals)
             cuts = _bounds(b - a, self._ks, sizes, config.REDIS_MAX_COMMAND_BYTES, groups)
             starts = cuts[:-1]
             cslots = [0] * len(starts) if groups is None else groups[starts].tolist()
@@ -625,7 +628,7 @@ class RedisStore(KVStore):
                 else:
                     args: list[Any] = [None] * (2 * (c1 - c0))
                     args[0::2] = rkeys[c0:c1]
-                    args[1::2] = rvals[c0:c1]  # type: ignore[index]
+                    args[1::2] = rvals[c0:c1]
                     cmds.append((slot, ("MSET", *args)))
         return cmds
 

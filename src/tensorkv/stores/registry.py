@@ -200,4 +200,4 @@ def open_store(url: str, **options: Any) -> KVStore:
     parsed = parse_url(url)
     cls = backend_class(parsed.scheme)
     merged = {**parsed.options, **options}
-    return cls.from_url(parsed, **merged)  # type: ignore[attr-defined]
+    return cls.from_url(parsed, **merged)

@@ -13,7 +13,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import replace
 from itertools import islice, repeat
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import rocksdict
 
@@ -35,6 +35,9 @@ from tensorkv.stores.embedded import (
     store_path,
     take_options,
 )
+
+if TYPE_CHECKING:
+    from tensorkv.stores.registry import StoreURL
 
 _COMPRESSION = {
     "none": rocksdict.DBCompressionType.none,
@@ -167,7 +170,7 @@ class RocksDBStore(KVStore):
         return StoreError(f"cannot open the rocksdb store {self.path!r}: {exc}")
 
     @classmethod
-    def from_url(cls, parsed: Any, **options: Any) -> RocksDBStore:
+    def from_url(cls, parsed: StoreURL, **options: Any) -> RocksDBStore:
         """Open from a parsed URL; see the class for the options."""
         path = store_path(parsed)
         opts = take_options("rocksdb", options, _OPTIONS)
