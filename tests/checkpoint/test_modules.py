@@ -1,4 +1,7 @@
-"""The modules of tensorkv.checkpoint import one another in one order, and no private names."""
+"""The modules of tensorkv.checkpoint import one another in one order.
+
+Private imports, cycles and layers of every package: tests/test_architecture.py.
+"""
 
 import ast
 import pathlib
@@ -64,13 +67,3 @@ def test_every_module_is_in_the_order():
 def test_modules_import_only_modules_below_them(name):
     below = set(ORDER[: ORDER.index(name)])
     assert _checkpoint_deps(ROOT / f"{name}.py") <= below
-
-
-def test_no_private_names_imported_from_checkpoint_modules():
-    files = [*SRC.rglob("*.py"), *TESTS.rglob("*.py")]
-    bad = []
-    for path in files:
-        for module, names, line in _imports(ast.parse(path.read_text())):
-            if module == PKG or module.startswith(PKG + "."):
-                bad += [f"{path}:{line}: {module}.{n}" for n in names if n.startswith("_")]
-    assert not bad

@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 import struct
 import time
-from collections.abc import Callable, Iterator
-from typing import Any, cast
+from collections.abc import Callable
+from typing import Any
 
 from tensorkv.checkpoint import layout
 from tensorkv.codec import checksum
@@ -103,7 +103,7 @@ def scan_keys(store: KVStore, prefix: bytes) -> list[bytes]:
     page = 8
     while True:
         page_keys = store.scan(prefix, start=start, keys_only=True, limit=page)
-        got = [bytes(k) for k in cast("Iterator[bytes]", page_keys)]
+        got = [bytes(k) for k in page_keys]
         out += got
         if len(got) < page:
             return out

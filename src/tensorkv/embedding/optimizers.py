@@ -21,11 +21,11 @@ from tensorkv.embedding.schedules import (
     ExponentialDecay,
     Schedule,
     WarmupCosine,
-    _at_least,
-    _count,
-    _positive,
-    _real,
-    _unit,
+    check_at_least,
+    check_count,
+    check_positive,
+    check_real,
+    check_unit,
     constant,
     exponential_decay,
     schedule_from_config,
@@ -62,7 +62,7 @@ def _check_lr(owner: str, lr: Any) -> float | Callable[[int], float]:
         return lr
     if isinstance(lr, Mapping):
         return schedule_from_config(lr)
-    return _positive(owner, "lr", lr)
+    return check_positive(owner, "lr", lr)
 
 
 # --- the base class ----------------------------------------------------------------------------
@@ -169,7 +169,7 @@ class Optimizer:
         name = state.get("name", self.name)
         if name != self.name:
             raise ConfigError(f"optimizer state belongs to {name!r}, not {self.name!r}")
-        self._step = _count(type(self).__name__, "state step", state["step"], low=0)
+        self._step = check_count(type(self).__name__, "state step", state["step"], low=0)
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in {"lr": self._lr,
@@ -332,11 +332,11 @@ class Adagrad(Optimizer):
                  initial_accumulator_value: float = 0.0, eps: float = 1e-10,
                  lr_decay: float = 0.0, weight_decay: float = 0.0) -> None:
         super().__init__(lr)
-        self.initial_accumulator_value = _at_least(
+        self.initial_accumulator_value = check_at_least(
             "Adagrad", "initial_accumulator_value", initial_accumulator_value)
-        self.eps = _positive("Adagrad", "eps", eps)
-        self.lr_decay = _at_least("Adagrad", "lr_decay", lr_decay)
-        self.weight_decay = _at_least("Adagrad", "weight_decay", weight_decay)
+        self.eps = check_positive("Adagrad", "eps", eps)
+        self.lr_decay = check_at_least("Adagrad", "lr_decay", lr_decay)
+        self.weight_decay = check_at_least("Adagrad", "weight_decay", weight_decay)
 
     def slot_names(self) -> tuple[str, ...]:
         """``("accumulator",)``."""
@@ -361,7 +361,7 @@ def _betas(owner: str, betas: Any) -> tuple[float, float]:
         b1, b2 = betas
     except (TypeError, ValueError):
         raise ConfigError(f"{owner} betas={betas!r} must be a pair (beta1, beta2)") from None
-    return _unit(owner, "betas[0]", b1), _unit(owner, "betas[1]", b2)
+    return check_unit(owner, "betas[0]", b1), check_unit(owner, "betas[1]", b2)
 
 
 class Adam(Optimizer):
@@ -389,7 +389,7 @@ class Adam(Optimizer):
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8) -> None:
         super().__init__(lr)
         self.betas = _betas(type(self).__name__, betas)
-        self.eps = _positive(type(self).__name__, "eps", eps)
+        self.eps = check_positive(type(self).__name__, "eps", eps)
 
     def slot_names(self) -> tuple[str, ...]:
         """``("exp_avg", "exp_avg_sq")``."""
@@ -430,7 +430,7 @@ class AdamW(Adam):
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2) -> None:
         super().__init__(lr, betas, eps)
-        self.weight_decay = _at_least("AdamW", "weight_decay", weight_decay)
+        self.weight_decay = check_at_least("AdamW", "weight_decay", weight_decay)
 
     def hyperparameters(self) -> dict:
         """Return the constructor arguments other than ``lr``."""
@@ -478,16 +478,16 @@ class FTRL(Optimizer):
                  l1: float = 0.0, l2: float = 0.0, initial_accumulator_value: float = 0.1,
                  l2_shrinkage: float = 0.0, beta: float = 0.0) -> None:
         super().__init__(lr)
-        self.lr_power = _real("FTRL", "lr_power", lr_power)
+        self.lr_power = check_real("FTRL", "lr_power", lr_power)
         if self.lr_power > 0:
             raise ConfigError(f"FTRL lr_power={self.lr_power!r} is out of range; it must be <= 0 "
                               "(e.g. -0.5)")
-        self.l1 = _at_least("FTRL", "l1", l1)
-        self.l2 = _at_least("FTRL", "l2", l2)
-        self.initial_accumulator_value = _at_least(
+        self.l1 = check_at_least("FTRL", "l1", l1)
+        self.l2 = check_at_least("FTRL", "l2", l2)
+        self.initial_accumulator_value = check_at_least(
             "FTRL", "initial_accumulator_value", initial_accumulator_value)
-        self.l2_shrinkage = _at_least("FTRL", "l2_shrinkage", l2_shrinkage)
-        self.beta = _at_least("FTRL", "beta", beta)
+        self.l2_shrinkage = check_at_least("FTRL", "l2_shrinkage", l2_shrinkage)
+        self.beta = check_at_least("FTRL", "beta", beta)
 
     def slot_names(self) -> tuple[str, ...]:
         """``("accumulator", "linear")``."""
@@ -543,13 +543,13 @@ class RMSProp(Optimizer):
                  eps: float = 1e-8, momentum: float = 0.0, centered: bool = False,
                  weight_decay: float = 0.0) -> None:
         super().__init__(lr)
-        self.alpha = _unit("RMSProp", "alpha", alpha, closed=True)
-        self.eps = _positive("RMSProp", "eps", eps)
-        self.momentum = _unit("RMSProp", "momentum", momentum)
+        self.alpha = check_unit("RMSProp", "alpha", alpha, closed=True)
+        self.eps = check_positive("RMSProp", "eps", eps)
+        self.momentum = check_unit("RMSProp", "momentum", momentum)
         if not isinstance(centered, bool | np.bool_):
             raise ConfigError(f"RMSProp centered={centered!r} must be True or False")
         self.centered = bool(centered)
-        self.weight_decay = _at_least("RMSProp", "weight_decay", weight_decay)
+        self.weight_decay = check_at_least("RMSProp", "weight_decay", weight_decay)
 
     def slot_names(self) -> tuple[str, ...]:
         """``("square_avg",)`` + ``("momentum_buffer",)`` + ``("grad_avg",)`` as configured."""

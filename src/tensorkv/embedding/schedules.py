@@ -16,7 +16,8 @@ from tensorkv.errors import ConfigError
 
 
 # --- validation helpers ------------------------------------------------------------------------
-def _real(owner: str, name: str, value: Any) -> float:
+def check_real(owner: str, name: str, value: Any) -> float:
+    """A finite float setting ``name`` of ``owner``, else ConfigError."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ConfigError(f"{owner} {name}={value!r} is not a number; pass a float")
     value = float(value)
@@ -25,22 +26,25 @@ def _real(owner: str, name: str, value: Any) -> float:
     return value
 
 
-def _at_least(owner: str, name: str, value: Any, low: float = 0.0) -> float:
-    value = _real(owner, name, value)
+def check_at_least(owner: str, name: str, value: Any, low: float = 0.0) -> float:
+    """A finite float ``>= low``, else ConfigError."""
+    value = check_real(owner, name, value)
     if value < low:
         raise ConfigError(f"{owner} {name}={value!r} is out of range; it must be >= {low}")
     return value
 
 
-def _positive(owner: str, name: str, value: Any) -> float:
-    value = _real(owner, name, value)
+def check_positive(owner: str, name: str, value: Any) -> float:
+    """A finite float ``> 0``, else ConfigError."""
+    value = check_real(owner, name, value)
     if value <= 0.0:
         raise ConfigError(f"{owner} {name}={value!r} is out of range; it must be > 0")
     return value
 
 
-def _unit(owner: str, name: str, value: Any, *, closed: bool = False) -> float:
-    value = _real(owner, name, value)
+def check_unit(owner: str, name: str, value: Any, *, closed: bool = False) -> float:
+    """A float in ``[0, 1)`` (``closed``: ``[0, 1]``), else ConfigError."""
+    value = check_real(owner, name, value)
     ok = 0.0 <= value <= 1.0 if closed else 0.0 <= value < 1.0
     if not ok:
         rng = "[0, 1]" if closed else "[0, 1)"
@@ -48,7 +52,8 @@ def _unit(owner: str, name: str, value: Any, *, closed: bool = False) -> float:
     return value
 
 
-def _count(owner: str, name: str, value: Any, low: int = 1) -> int:
+def check_count(owner: str, name: str, value: Any, low: int = 1) -> int:
+    """An integer ``>= low``, else ConfigError."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
         raise ConfigError(f"{owner} {name}={value!r} is invalid; pass an integer >= {low}")
     return int(value)
@@ -92,7 +97,7 @@ class ConstantLR(Schedule):
     kind = "constant"
 
     def __init__(self, lr: float) -> None:
-        self.lr = _positive("constant schedule", "lr", lr)
+        self.lr = check_positive("constant schedule", "lr", lr)
 
     def __call__(self, step: int) -> float:
         """Return ``lr``."""
@@ -110,9 +115,9 @@ class ExponentialDecay(Schedule):
     def __init__(self, lr: float, decay_rate: float, decay_steps: int,
                  staircase: bool = False) -> None:
         owner = "exponential_decay schedule"
-        self.lr = _positive(owner, "lr", lr)
-        self.decay_rate = _positive(owner, "decay_rate", decay_rate)
-        self.decay_steps = _count(owner, "decay_steps", decay_steps)
+        self.lr = check_positive(owner, "lr", lr)
+        self.decay_rate = check_positive(owner, "decay_rate", decay_rate)
+        self.decay_steps = check_count(owner, "decay_steps", decay_steps)
         self.staircase = bool(staircase)
 
     def __call__(self, step: int) -> float:
@@ -140,14 +145,14 @@ class WarmupCosine(Schedule):
     def __init__(self, lr: float, warmup_steps: int, total_steps: int,
                  min_lr: float = 0.0) -> None:
         owner = "warmup_cosine schedule"
-        self.lr = _positive(owner, "lr", lr)
-        self.warmup_steps = _count(owner, "warmup_steps", warmup_steps, low=0)
-        self.total_steps = _count(owner, "total_steps", total_steps)
+        self.lr = check_positive(owner, "lr", lr)
+        self.warmup_steps = check_count(owner, "warmup_steps", warmup_steps, low=0)
+        self.total_steps = check_count(owner, "total_steps", total_steps)
         if self.total_steps <= self.warmup_steps:
             raise ConfigError(
                 f"{owner} total_steps={self.total_steps} must exceed "
                 f"warmup_steps={self.warmup_steps}")
-        self.min_lr = _at_least(owner, "min_lr", min_lr)
+        self.min_lr = check_at_least(owner, "min_lr", min_lr)
         if self.min_lr > self.lr:
             raise ConfigError(f"{owner} min_lr={self.min_lr} must not exceed lr={self.lr}")
 

@@ -463,7 +463,7 @@ class TableTests:
     # ----------------------------------------------------------------- export / import
     def test_export_import_round_trip(self, pair, new_table) -> None:
         self.need("export", check="export")
-        kw = {"optimizer": "adam", "seed": 12}
+        kw: dict[str, Any] = {"optimizer": "adam", "seed": 12}
         t, ref = pair(**kw)
         rng = np.random.default_rng(10)
         self.train([t, ref], rng, 6, high=60)
