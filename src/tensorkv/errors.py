@@ -57,6 +57,10 @@ class StoreUnavailableError(StoreError, ConnectionError):
     """The store's server could not be reached within its timeout."""
 
 
+class KeyNotFoundError(StoreError, KeyError):
+    """``store[key]`` of a key the store does not hold (``get_many`` returns None instead)."""
+
+
 class KeyTypeError(TensorKVError, TypeError):
     """A key or value has the wrong type."""
 
@@ -146,3 +150,8 @@ class KeyTooLargeError(StoreError, ValueError):
 # --- network stores ------------------------------------------------------------------------
 class StoreAuthError(StoreError, PermissionError):
     """A server refused the credentials (wrong user or password, or missing ACL rights)."""
+
+
+# --- benchmarks ----------------------------------------------------------------------------
+class BenchmarkError(TensorKVError, RuntimeError):
+    """A benchmark's own check of what it measured failed (data read back wrong or missing)."""

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from tensorkv.bench.common import Report, measure
-from tensorkv.errors import MissingDependencyError
+from tensorkv.errors import BenchmarkError, ConfigError, MissingDependencyError
 from tensorkv.stores import KVStore, open_store
 from tensorkv.stores.registry import backend_class
 
@@ -120,7 +120,7 @@ def available_backends(names: Sequence[str]) -> tuple[list[str], dict[str, str]]
     skipped: dict[str, str] = {}
     for name in names:
         if name not in BACKENDS:
-            raise ValueError(f"unknown backend {name!r}; choose from {', '.join(BACKENDS)}")
+            raise ConfigError(f"unknown backend {name!r}; choose from {', '.join(BACKENDS)}")
         scheme = BACKENDS[name][0]
         try:
             backend_class(scheme)
@@ -356,14 +356,14 @@ def run(
         backends = [b.strip() for b in backends.split(",") if b.strip()]
     frac = float(scale) if scale is not None else (0.1 if quick else 1.0)
     if not 0 < frac <= 10:
-        raise ValueError(f"scale={scale!r} must be in (0, 10], e.g. 0.1")
+        raise ConfigError(f"scale={scale!r} must be in (0, 10], e.g. 0.1")
     if repeat < 1:
-        raise ValueError(f"repeat={repeat!r} must be at least 1")
+        raise ConfigError(f"repeat={repeat!r} must be at least 1")
     by_label = {c.label: c for c in SIZE_CASES}
     chosen = list(sizes) if sizes else list(by_label)
     for s in chosen:
         if s not in by_label:
-            raise ValueError(f"unknown size {s!r}; choose from {', '.join(by_label)}")
+            raise ConfigError(f"unknown size {s!r}; choose from {', '.join(by_label)}")
     names, skipped = available_backends(list(backends) if backends else list(BACKENDS))
     root_parent = bench_root(directory)
     root = tempfile.mkdtemp(prefix="tensorkv-bench-kv-", dir=root_parent)
@@ -455,9 +455,9 @@ def _run_case(
         setup=lambda: _maybe_drop(cold),
     )
     if got[-1] != data.value_total:
-        raise RuntimeError(f"sequential baseline read {got[-1]} of {data.value_total} bytes")
+        raise BenchmarkError(f"sequential baseline read {got[-1]} of {data.value_total} bytes")
     if bytes(buf[: data.case.value_bytes]) != data.values[0]:
-        raise RuntimeError("sequential baseline read back different bytes")
+        raise BenchmarkError("sequential baseline read back different bytes")
     seq_r = mb / t.best
     buf[:] = b""  # free it
     os.unlink(seq_path)
@@ -480,7 +480,7 @@ def _run_case(
         setup=lambda: _maybe_drop(cold),
     )
     if got[-1] != data.value_total:
-        raise RuntimeError(f"files baseline read {got[-1]} of {data.value_total} bytes")
+        raise BenchmarkError(f"files baseline read {got[-1]} of {data.value_total} bytes")
     files_r_mb = mb / t.best
     files_r_ops = n / t.best
     shutil.rmtree(fdir, ignore_errors=True)
@@ -528,7 +528,7 @@ def _run_case(
         finally:
             runner.close()
         if missing and missing[-1]:
-            raise RuntimeError(f"{name}: {missing[-1]} of {n} keys missing on read")
+            raise BenchmarkError(f"{name}: {missing[-1]} of {n} keys missing on read")
         case = f"{name} {label}"
         report.add(f"{case} put_many", "MB/s", mb / tw.best, w_seq, seq_w, note=size_note)
         report.add(f"{case} put_many", "ops/s", n / tw.best, w_files, files_w_ops)
@@ -545,7 +545,7 @@ def _verify(store: KVStore | None, data: Data) -> None:
     got = store.get_many(keys)
     want = data.values[: len(keys)]
     if [None if g is None else bytes(g) for g in got] != want:
-        raise RuntimeError(f"{store!r} returned different bytes than were written")
+        raise BenchmarkError(f"{store!r} returned different bytes than were written")
 
 
 def summary_table(results: Sequence[dict[str, Any]]) -> str:

@@ -56,7 +56,7 @@ import numpy as np
 from tensorkv.bench.common import Report
 from tensorkv.embedding.table import EmbeddingTable
 from tensorkv.embedding.tiers.base import RecordLayout
-from tensorkv.errors import MissingDependencyError
+from tensorkv.errors import ConfigError, MissingDependencyError
 from tensorkv.kernels.cache import lru_hits
 
 DIM = 64
@@ -160,10 +160,10 @@ def _device_io(device: str) -> tuple[Callable[[np.ndarray], Any], Callable[[], N
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError):
-        raise ValueError(f"device={device!r} is not a torch device; use 'cuda' or 'cpu'"
+        raise ConfigError(f"device={device!r} is not a torch device; use 'cuda' or 'cpu'"
                          ) from None
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device={device!r}: the HBM backends need a CUDA device, which this "
+        raise ConfigError(f"device={device!r}: the HBM backends need a CUDA device, which this "
                          "machine lacks; run them on a GPU machine, or with -p device=cpu")
 
     def to_device(a: np.ndarray) -> Any:
@@ -231,7 +231,7 @@ def run(
     """
     model_s = float(model_ms) / 1000.0
     if model_s < 0:
-        raise ValueError(f"model_ms={model_ms!r} must be >= 0")
+        raise ConfigError(f"model_ms={model_ms!r} must be >= 0")
     fractions = _as_tuple(fractions, float)
     zipfs = _as_tuple(zipfs, float)
     backends = _as_tuple(backends, lambda b: str(b).upper())

@@ -17,7 +17,9 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, cast, overload
 import numpy as np
 
 from tensorkv.errors import (
+    ConfigError,
     EmptyKeyError,
+    KeyNotFoundError,
     KeyTypeError,
     ReadOnlyError,
     StoreClosedError,
@@ -341,7 +343,7 @@ class KVStore(ABC):
     def __getitem__(self, key: bytes) -> bytes:
         v = self.get_many([key])[0]
         if v is None:
-            raise KeyError(key)
+            raise KeyNotFoundError(key)
         return v
 
     def __setitem__(self, key: bytes, value: Buffer) -> None:
@@ -414,7 +416,7 @@ class KVStore(ABC):
         if not isinstance(prefix, (bytes, bytearray)):
             raise KeyTypeError(f"prefix {prefix!r} must be bytes")
         if limit is not None and (not isinstance(limit, int) or limit < 0):
-            raise ValueError(f"limit={limit!r} must be a non-negative integer or None")
+            raise ConfigError(f"limit={limit!r} must be a non-negative integer or None")
         lo: bytes | None = bytes(prefix) or None
         hi = prefix_upper_bound(bytes(prefix)) if prefix else None
         if start is not None:

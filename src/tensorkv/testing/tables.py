@@ -36,7 +36,7 @@ import numpy as np
 import pytest
 
 import tensorkv
-from tensorkv.errors import NonFiniteGradientError
+from tensorkv.errors import ConfigError, NonFiniteGradientError
 from tensorkv.testing.tablecheck import (
     ROW_FIELDS,
     assert_bits_equal,
@@ -170,7 +170,7 @@ class TableTests:
         """
         unknown = set(features) - FEATURES
         if unknown:
-            raise ValueError(f"unknown features {sorted(unknown)}; known: {sorted(FEATURES)}")
+            raise ConfigError(f"unknown features {sorted(unknown)}; known: {sorted(FEATURES)}")
         if check is not None:
             assert check in CHECKS, check
             if check not in self.checks:
