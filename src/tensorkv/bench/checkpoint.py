@@ -1,30 +1,12 @@
 """``tensorkv bench checkpoint``: save and restore a model with a large embedding table.
 
-The model: one EmbeddingTable of ``rows x dim`` float32 with Adagrad slots (plus freq and
-version per row) and ``dense_mb`` MB of dense float32 tensors (full: 5M x 64 and 100 MB;
-``--quick``: 200k x 64 and 10 MB). Measured in the same run, on the same bytes:
-
-- ``tensorkv.save`` / ``tensorkv.load`` into LMDB, RocksDB, LevelDB and Redis (a private
-  redis-server on a free port, when ``redis-server`` is on PATH); a save flushes the store
-  before and after writing its manifest (LMDB: an fsync each), so it is durable on return;
-- ``torch.save`` / ``torch.load``, safetensors ``save_file`` / ``load_file`` and
-  ``np.save`` / ``np.load`` of the same arrays (the table exported to arrays beforehand;
-  these write into the page cache without fsync), and ``torch.save`` followed by an fsync;
-- a raw sequential write + fsync and a sequential read of the same byte count;
-- an incremental save after 1% of the rows changed vs a full save (LMDB), by the process that
-  saved the parent (the parent's key set kept in memory) and by one that restored the chain
-  first (the key set rebuilt from the store's key lists);
-- the same model with its table in DRAM_SSDHASH tiers (tier 0 a tenth of the rows, the rest in
-  SSDHASH files) saved into LMDB and restored into a tiered table (``tiered=False`` skips it);
-- table block sizes (rows per block) on LMDB.
-
-Throughput is model bytes / seconds (MB/s, higher is better); each figure, baselines
-included, is the best of ``repeat`` runs (default 2; the incremental saves: one run each).
-``-p`` options: ``rows``, ``dim``, ``dense_mb``, ``backends=lmdb,redis``,
-``block_sizes=1024,16384`` (empty: none), ``repeat``, ``root``, ``tiered``. On VMs that hand
-free memory back to the host, the first touch of fresh memory (new page-cache pages, new
-buffers) varies from run to run, so single runs move by tens of percent; compare ratios
-from the same run.
+The model (an Adagrad EmbeddingTable of ``rows x dim`` plus ``dense_mb`` MB of dense tensors)
+goes through ``tensorkv.save`` / ``load`` on LMDB, RocksDB, LevelDB and Redis, and through
+``torch.save``, safetensors and ``np.save`` of the same arrays and a raw sequential write and
+read, in the same run; also incremental against full saves, a tiered table's save and
+restore, and table block sizes. MB/s of model bytes, best of ``repeat`` runs. ``-p`` options:
+``rows``, ``dim``, ``dense_mb``, ``backends``, ``block_sizes``, ``repeat``, ``root``,
+``tiered``. What it measures and the current figures: docs/benchmarks.md.
 """
 
 from __future__ import annotations

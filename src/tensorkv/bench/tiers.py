@@ -1,44 +1,12 @@
 """``tensorkv bench tiers``: a tiered EmbeddingTable against the DRAM-only table.
 
-A table of ``N`` keys (full: 5M -- see below; quick: 200k), dim 64, Adagrad (one slot), filled
-with every key first (``import_``). Then training steps: ``lookup`` + ``apply_gradients`` of
-batches of 65,536 keys drawn Zipf(1.05) or Zipf(1.2) over the keys (ranks scattered by a fixed
-permutation). Tier 0 holds 5%, 10%, 25% or 50% of the rows (``storage_size``), the rest live in
-SSDHASH, LevelDB, RocksDB or LMDB, cache strategy LRU.
-
-Figures per case:
-
-* ``Mkeys/s``: keys per second of the timed steps (lookup + apply, and a final
-  ``wait_writes()`` so every background write has landed; no fsync) vs the DRAM-only table on
-  the same trace in the same run.
-* ``tier0 hit %``: share of looked-up keys found in tier 0 (a key missing twice in one batch is
-  one miss) vs an exact per-key LRU simulation of the same trace with capacity = tier-0 rows
-  (:func:`tensorkv.kernels.cache.lru_hits`); ratio 1.0 = same as the simulation.
-* ``SSDHASH vs LEVELDB``: ``DRAM_SSDHASH`` throughput vs ``DRAM_LEVELDB`` at each setting.
-
-Options: ``prefetch=true`` trains the tiered tables as a pipelined loop (``prefetch`` of
-batch ``i + 1`` between the lookup and the apply of batch ``i``; the DRAM-only table's
-``prefetch`` does nothing). ``model_ms=N`` makes every step of every table wait ``N`` ms
-between lookup and apply, standing for the dense model's forward and backward pass on an
-accelerator, during which a prefetch runs.
-
-HBM chains (``-p backends=HBM,HBM_SSDHASH,HBM_DRAM_SSDHASH -p device=cuda``, a GPU machine):
-tier 0 holds its rows in device memory and the training loop uses ``lookup_torch`` (the rows
-as a tensor on the device, what a GPU model consumes); the baseline of these cases is the
-DRAM-only table whose ``lookup`` result is copied to the device (``torch.from_numpy(...)
-.to(device)``), timed in the same run. ``HBM`` alone holds every row on the device (one case,
-tier0=100%); a middle tier (``HBM_DRAM_SSDHASH``, ``DRAM_PMEM_SSDHASH``) holds 4x tier 0's
-rows.
-
-Timing: 40 timed steps after 3 warm-up steps (quick: 8); the DRAM-only baseline is the best of
-3 passes over the same timed batches, the tiered table one pass (its cost depends on its
-cache state). Runs long enough to roll SSDHASH segments include compaction, as they would in
-training.
-
-Size: the issue's size is 20M keys (``-p n_keys=20000000``): the DRAM-only table (~12 GB) is
-freed before the tiered cases, whose records (11 GB per copy) live in files. Filling the LSM
-tiers at that size takes minutes per case, so the default full run uses 5M keys
-(``report.params["n_keys"]``) and the 20M run is made for chosen cases.
+A table of ``n_keys`` keys (dim 64, Adagrad) is filled, then trained with ``lookup`` +
+``apply_gradients`` on Zipf-distributed batches of 65,536 keys, with tier 0 at a share of the
+rows and the rest in SSDHASH, LevelDB, RocksDB, LMDB (or HBM chains on a GPU). Per case:
+keys/s against the DRAM-only table on the same trace (best of 3 passes), the tier-0 hit rate
+against an exact LRU simulation, and SSDHASH against LevelDB. ``-p`` options: ``n_keys``,
+``steps``, ``fractions``, ``zipfs``, ``backends``, ``device``, ``prefetch``, ``model_ms``,
+``data_dir``. What it measures and the current figures: docs/benchmarks.md.
 """
 
 from __future__ import annotations
