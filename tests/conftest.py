@@ -15,8 +15,4 @@ import servers  # noqa: E402
 @pytest.fixture(scope="session")
 def redis_server(request):
     """A plain standalone redis-server for the session (skips if none is installed)."""
-    if not servers.available():
-        pytest.skip("redis-server / redis-cli are not installed")
-    server = servers.RedisServer()
-    request.addfinalizer(server.stop)
-    return server.start()
+    return servers.session_server(request, servers.RedisServer)

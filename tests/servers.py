@@ -49,6 +49,17 @@ def available() -> bool:
     return os.path.exists(REDIS_SERVER) and os.path.exists(REDIS_CLI)
 
 
+def session_server(request, kind, **options):
+    """Start ``kind(**options)`` for the test session (stopped at its end); skip without redis."""
+    import pytest
+
+    if not available():
+        pytest.skip("redis-server / redis-cli are not installed")
+    server = kind(**options)
+    request.addfinalizer(server.stop)
+    return server.start()
+
+
 def _port_free(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         try:

@@ -25,11 +25,7 @@ def _importable(mod: str) -> bool:
 @pytest.fixture(scope="session")
 def ckpt_redis(request):
     """A standalone redis-server for the checkpoint tests (started once, on demand)."""
-    if not servers.available():
-        pytest.skip("redis-server is not installed")
-    server = servers.RedisServer()
-    request.addfinalizer(server.stop)
-    return server.start()
+    return servers.session_server(request, servers.RedisServer)
 
 
 def make_url(backend: str, tmp_path, request) -> str:

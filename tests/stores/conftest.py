@@ -17,42 +17,28 @@ import servers
 _counter = itertools.count()
 
 
-def _need_redis() -> None:
-    if not servers.available():
-        pytest.skip("redis-server / redis-cli are not installed")
-
-
-def _session_server(request: pytest.FixtureRequest, server):  # type: ignore[no-untyped-def]
-    request.addfinalizer(server.stop)
-    return server.start()
-
-
 @pytest.fixture(scope="session")
 def redis_tls_server(request):
     """A TLS-only redis-server that requires client certificates."""
-    _need_redis()
-    return _session_server(request, servers.RedisServer(tls=True))
+    return servers.session_server(request, servers.RedisServer, tls=True)
 
 
 @pytest.fixture(scope="session")
 def redis_acl_server(request):
     """A redis-server whose default user is disabled; user ``app`` / password ``s3cret``."""
-    _need_redis()
-    return _session_server(request, servers.RedisServer(username="app", password="s3cret"))
+    return servers.session_server(request, servers.RedisServer, username="app", password="s3cret")
 
 
 @pytest.fixture(scope="session")
 def redis_cluster(request):
     """A Redis Cluster of 3 masters with one replica each."""
-    _need_redis()
-    return _session_server(request, servers.RedisCluster(replicas=1))
+    return servers.session_server(request, servers.RedisCluster, replicas=1)
 
 
 @pytest.fixture(scope="session")
 def redis_sentinel(request):
     """A master, a replica and three sentinels (quorum 2) for service ``mymaster``."""
-    _need_redis()
-    return _session_server(request, servers.RedisSentinel())
+    return servers.session_server(request, servers.RedisSentinel)
 
 
 @pytest.fixture
