@@ -369,3 +369,18 @@ def test_reserve_beyond_fixed_capacity_is_refused():
     with pytest.raises(CapacityError, match="100"):
         t.reserve(1000)
     assert len(t) == 10
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_lookup_torch_of_a_dram_table_equals_lookup(dtype):
+    torch = pytest.importorskip("torch")
+    a = EmbeddingTable(4, dtype=dtype, seed=3)
+    b = EmbeddingTable(4, dtype=dtype, seed=3)
+    keys = np.array([5, 9, 5, 11], np.int64)
+    got = a.lookup_torch(keys)
+    assert isinstance(got, torch.Tensor) and got.dtype == torch.float32
+    np.testing.assert_array_equal(got.numpy(), b.lookup(keys))
+    np.testing.assert_array_equal(a.frequency(keys), b.frequency(keys))
+    np.testing.assert_array_equal(a.lookup_torch(np.array([77]), insert=False).numpy(),
+                                  b.lookup(np.array([77]), insert=False))
+    assert len(a) == len(b) == 3

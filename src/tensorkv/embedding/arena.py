@@ -477,20 +477,13 @@ class RowArena:
             optimizer.apply(self.values, self.slots, rows, grads, step, parallel=parallel,
                             split=split)
 
-    def lookup_torch(self, keys: np.ndarray, fill: Any = None) -> Any:
-        """Values of ``keys`` as a float32 ``[n, dim]`` CPU torch tensor.
+    def torch_rows(self, keys: np.ndarray, values: np.ndarray, torch: Any) -> Any:
+        """A lookup's result as a torch tensor: ``values`` (float32 ``[n, dim]``) shared.
 
-        Absent keys read zeros, or the rows of ``fill`` (``[n, dim]``) at their positions.
-        A device arena gathers on its device instead.
+        ``values`` hold every key's row already; a device arena gathers the rows of present
+        keys on its device instead and takes only the others from ``values``.
         """
-        import torch
-
-        rows = self.find(np.ascontiguousarray(keys, dtype=np.int64))
-        out = self.gather_f32(rows)  # a new array
-        if fill is not None:
-            miss = rows < 0
-            out[miss] = np.asarray(fill, dtype=np.float32)[miss]
-        return torch.from_numpy(out)
+        return torch.from_numpy(values)
 
     def host_view(self) -> Any:
         """The arena as :meth:`~tensorkv.embedding.filters.Eviction.select` reads it (itself)."""

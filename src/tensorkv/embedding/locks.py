@@ -36,8 +36,8 @@ class RWLock:
                     self._cond.notify_all()
 
     @contextmanager
-    def write(self, settle: bool = True) -> Iterator[None]:
-        """Exclusive section (``settle`` is accepted for the tier chain's lock; unused here)."""
+    def write(self) -> Iterator[None]:
+        """Exclusive section."""
         with self._cond:
             self._waiting_writers += 1
             while self._writer or self._readers:

@@ -206,8 +206,6 @@ class EmbeddingTable(TableIO):
                 self._stats["collisions"] += collisions
         return k
 
-    _as_keys = as_keys
-
     def _as_grads(self, grads: Any, n: int) -> np.ndarray:
         g = np.asarray(grads)
         if g.dtype.kind != "f":
@@ -252,7 +250,7 @@ class EmbeddingTable(TableIO):
             Optional float32 C-contiguous ``[n, dim]`` array to write the rows into (reusing
             one buffer across calls saves allocating, and page-faulting, a new result).
         """
-        k = self._as_keys(keys)
+        k = self.as_keys(keys)
         raw = self._lookup_buffer(k.shape[0], out)  # a bad ``out`` fails before anything moves
         rows_ = self._rows
         with rows_.op:
@@ -269,26 +267,24 @@ class EmbeddingTable(TableIO):
         admission, frequency counts) and the rows are gathered on the device
         (``index_select``): only keys without a row (not admitted, or ``insert=False``) have
         their initial/default value made on the host and copied up; the batch's values never
-        travel to the host. Otherwise it is ``torch.from_numpy(lookup(keys))``.
+        travel to the host. With a host tier 0 it is ``torch.from_numpy(lookup(keys))``.
         """
         try:
             import torch
         except ImportError as e:  # pragma: no cover - torch is an extra
             raise MissingDependencyError(
                 "lookup_torch needs torch: pip install \"tensorkv[torch]\"") from e
-        k = self._as_keys(keys)
-        if not self.arena.on_device:
-            return torch.from_numpy(self.lookup(k, insert))
-        rows_ = self._rows
-        host = np.empty((k.shape[0], self.dim), np.float32)
+        k = self.as_keys(keys)
+        a, rows_ = self.arena, self._rows
+        buf = self._lookup_buffer(k.shape[0], None)
         with rows_.op:
             rows = rows_.promote_lookup(k)
-            # ``gathered``: _lookup writes only the rows of keys it inserts or leaves out; the
-            # device gather reads every row that exists
+            # a device arena gathers the rows itself (``gathered``: _lookup then writes only
+            # the rows of keys it inserts or leaves out); a host arena's are gathered here
             with rows_.holding_meta():
-                self._lookup(k, insert, None, host, rows, gathered=True)
+                host = self._lookup(k, insert, None, buf, rows, gathered=a.on_device)
             with self._lock.read():
-                res = self.arena.lookup_torch(k, fill=host)
+                res = a.torch_rows(k, host, torch)
             rows_.after_batch(k)
         return res
 
@@ -319,7 +315,7 @@ class EmbeddingTable(TableIO):
         ...     n = t.apply_gradients(keys, np.ones_like(rows))
         >>> t.close()
         """
-        k = self._as_keys(keys)
+        k = self.as_keys(keys)
         with self._rows.op:
             self._rows.start_prefetch(k)
 
@@ -434,7 +430,7 @@ class EmbeddingTable(TableIO):
 
     def contains(self, keys: Any) -> np.ndarray:
         """Boolean array saying whether each key has a row (in any tier)."""
-        k = self._as_keys(keys)
+        k = self.as_keys(keys)
         with self._rows.op, self._lock.read():
             out = self.arena.find(k) >= 0
             miss = np.flatnonzero(~out)
@@ -467,7 +463,7 @@ class EmbeddingTable(TableIO):
         return self._meta_of(keys, "version", -1)
 
     def _meta_of(self, keys: Any, name: str, missing: int) -> np.ndarray:
-        k = self._as_keys(keys)
+        k = self.as_keys(keys)
         with self._rows.op, self._lock.read():
             rows = self.arena.find(k)
             out = getattr(self.arena, name)[np.maximum(rows, 0)].copy()
@@ -532,7 +528,7 @@ class EmbeddingTable(TableIO):
         int
             Number of rows updated.
         """
-        k = self._as_keys(keys)
+        k = self.as_keys(keys)
         g = self._as_grads(grads, k.shape[0])
         if step is not None and not is_int(step):
             raise ConfigError(f"step={step!r} must be an integer or None")
@@ -608,7 +604,7 @@ class EmbeddingTable(TableIO):
 
         New rows get initial optimizer slots; existing rows keep theirs.
         """
-        k = self._as_keys(keys)
+        k = self.as_keys(keys)
         v = np.asarray(values)
         if v.dtype.kind != "f" or v.shape != (k.shape[0], self.dim):
             raise ShapeError(
@@ -634,7 +630,7 @@ class EmbeddingTable(TableIO):
 
     def remove(self, keys: Any) -> int:
         """Remove keys (absent ones ignored); returns how many rows were removed."""
-        k = self._as_keys(keys)
+        k = self.as_keys(keys)
         with self._rows.op:
             self._rows.promote(k)
             with self._lock.write():

@@ -214,6 +214,10 @@ class HBMArena(RowArena):
             out[self._rows_t(miss)] = f.to(self.device)
         return out
 
+    def torch_rows(self, keys: np.ndarray, values: np.ndarray, torch: Any) -> Any:
+        """The rows of ``keys`` gathered on the device; absent keys from host ``values``."""
+        return self.lookup_torch(keys, fill=values)
+
     def init_rows(self, initializer, rows: np.ndarray, keys: np.ndarray, seed: int,
                   slot_init: np.ndarray) -> None:
         """Write initial values (computed on the host, as the DRAM table does) and slots."""
