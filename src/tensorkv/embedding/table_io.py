@@ -16,6 +16,7 @@ import numpy as np
 from tensorkv.embedding.arena import RowArena
 from tensorkv.embedding.chunks import ChunkArrays, ExportChunk, check_chunk, is_single_chunk
 from tensorkv.embedding.rows import ArenaRows, Place
+from tensorkv.embedding.tiers.base import check_chunk_rows
 from tensorkv.errors import ConfigError, UnsupportedOperationError
 
 if TYPE_CHECKING:
@@ -29,13 +30,6 @@ META_FORMAT = 1
 def is_int(value: object) -> bool:
     """Whether ``value`` is an integer (numpy integers included, bools not)."""
     return not isinstance(value, bool) and isinstance(value, (int, np.integer))
-
-
-def check_chunk_rows(chunk_rows: object) -> int:
-    """Validate a chunk size (a positive integer)."""
-    if not is_int(chunk_rows) or int(chunk_rows) < 1:  # type: ignore[call-overload]
-        raise ConfigError(f"chunk_rows={chunk_rows!r} must be a positive integer")
-    return int(chunk_rows)  # type: ignore[call-overload]
 
 
 class TableIO:
@@ -248,4 +242,4 @@ class TableIO:
         return meta
 
 
-__all__ = ["META_FORMAT", "TableIO", "check_chunk_rows", "is_int"]
+__all__ = ["META_FORMAT", "TableIO", "is_int"]

@@ -39,6 +39,7 @@ import pytest
 from tensorkv.config import STORE_SCAN_CHUNK
 from tensorkv.errors import (
     EmptyKeyError,
+    KeyNotFoundError,
     KeyTypeError,
     ReadOnlyError,
     StoreClosedError,
@@ -107,7 +108,7 @@ class StoreTests:
         assert store.get(b"missing", b"dflt") == b"dflt"
         assert b"a" in store and b"missing" not in store
         assert store[b"a"] == b"1"
-        with pytest.raises(KeyError):
+        with pytest.raises(KeyNotFoundError):  # a KeyError, as for a dict
             store[b"missing"]
 
     def test_overwrite_and_delete(self, store: KVStore) -> None:
