@@ -49,6 +49,7 @@ REDIS_CONNECT_TIMEOUT = 5.0  # seconds
 REDIS_SOCKET_TIMEOUT = 30.0  # seconds
 REDIS_RETRIES = 3  # attempts after the first on connection errors
 REDIS_RETRY_BACKOFF = 0.05  # seconds, doubled after each retry
+REDIS_WAIT_TIMEOUT = 10.0  # seconds flush() waits for wait_replicas acknowledgements
 REDIS_STATS_COUNT_LIMIT = 1_000_000  # stats() counts namespace keys only below this db size
 ENV_REDIS_CONFIG_PATH = "TENSORKV_REDIS_CONFIG_PATH"
 

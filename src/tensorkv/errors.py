@@ -57,6 +57,21 @@ class StoreUnavailableError(StoreError, ConnectionError):
     """The store's server could not be reached within its timeout."""
 
 
+class StoreRestartedError(StoreUnavailableError):
+    """The server restarted, failed over or lost writes during an operation; retry it.
+
+    Raised before a checkpoint becomes visible, so nothing half-written is published.
+    """
+
+    retryable = True
+
+
+class ReplicationError(StoreUnavailableError):
+    """Fewer replicas than asked acknowledged the writes within the timeout; retry it."""
+
+    retryable = True
+
+
 class KeyNotFoundError(StoreError, KeyError):
     """``store[key]`` of a key the store does not hold (``get_many`` returns None instead)."""
 
@@ -117,6 +132,10 @@ class CheckpointError(TensorKVError):
 
 class BadIndexError(CheckpointError, IndexError):
     """An index into a stored tensor is out of bounds or not a basic index."""
+
+
+class TagExistsError(CheckpointError, FileExistsError):
+    """A tag of that name exists already, or another process is saving it right now."""
 
 
 class TagNotFoundError(CheckpointError, KeyError):

@@ -23,6 +23,7 @@ from tensorkv.errors import (
     KeyTypeError,
     ReadOnlyError,
     StoreClosedError,
+    UnsupportedOperationError,
     ValueTooLargeError,
 )
 
@@ -322,6 +323,66 @@ class KVStore(ABC):
         ks = check_keys(keys)
         if ks:
             self._write([(k, None) for k in ks], atomic=False)
+
+    # ----------------------------------------------------------------- atomic updates
+    def compare_and_set(self, key: bytes, expected: bytes | None, value: Buffer | None) -> bool:
+        """Set ``key`` to ``value`` only if it holds ``expected``; return whether it did.
+
+        ``expected=None`` means the key must be absent; ``value=None`` deletes it. The
+        comparison and the write are one atomic step against every other write to the key,
+        from any thread and, on multi-process backends, any process (Redis runs it as one
+        server-side script; LMDB inside one write transaction).
+
+        Examples
+        --------
+        >>> store.compare_and_set(b"lock", None, b"me")  # doctest: +SKIP
+        True
+        """
+        self._check_writable()
+        k = check_key(key)
+        old = None if expected is None else bytes(check_value(k, expected, None))
+        new = None if value is None else check_value(k, value, self.max_value_size)
+        return self._compare_and_set(k, old, new)
+
+    def put_if_absent(self, key: bytes, value: Buffer) -> bool:
+        """Store ``key`` only if it does not exist yet; return whether it was stored."""
+        return self.compare_and_set(key, None, value)
+
+    def _compare_and_set(
+        self, key: bytes, expected: bytes | None, value: bytes | memoryview | None
+    ) -> bool:
+        raise UnsupportedOperationError(
+            f"{type(self).__name__} does not implement compare_and_set; checkpoints need it "
+            "to create tags atomically: implement _compare_and_set in the backend"
+        )
+
+    def value_sizes(self, keys: Sequence[bytes]) -> np.ndarray:
+        """Size in bytes of each key's value, -1 where the key is absent (int64 array).
+
+        Cheaper than :meth:`get_many` where the backend can tell sizes without sending values
+        (Redis ``STRLEN``; LMDB reads them in place).
+        """
+        self._check_open()
+        ks = check_keys(keys)
+        if not ks:
+            return np.empty(0, np.int64)
+        return self._value_sizes(ks)
+
+    def _value_sizes(self, keys: list[bytes]) -> np.ndarray:
+        with self.get_many_buffers(keys) as bufs:
+            return np.fromiter(
+                (-1 if b is None else memoryview(b).nbytes for b in bufs),
+                dtype=np.int64, count=len(keys),
+            )
+
+    def identity(self) -> str | None:
+        """A token naming the server process that holds the data; None for local stores.
+
+        It changes when a server restarts or a replica takes over, so a writer that reads
+        the same token before and after its writes knows one server received and kept them.
+        """
+        self._check_open()
+        return None
 
     # ----------------------------------------------------------------- conveniences
     def get(self, key: bytes, default: bytes | None = None) -> bytes | None:

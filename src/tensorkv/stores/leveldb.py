@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
 from collections.abc import Iterator
 from dataclasses import replace
 from itertools import islice, repeat
@@ -127,6 +128,7 @@ class LevelDBStore(KVStore):
             raise self._open_error(exc) from exc
         self._finalizer = close_on_collect(self, self._db.close, self._claim)
         self._pid = os.getpid()
+        self._cas_lock = threading.RLock()
 
     def _open_error(self, exc: BaseException) -> Exception:
         text = str(exc)
@@ -162,6 +164,21 @@ class LevelDBStore(KVStore):
             snap.close()
 
     def _write(self, ops: list[WriteOp], *, atomic: bool) -> None:
+        with self._cas_lock:  # a compare_and_set reads and writes under this lock
+            self._write_batch(ops)
+
+    def _compare_and_set(
+        self, key: bytes, expected: bytes | None, value: bytes | memoryview | None
+    ) -> bool:
+        # one process holds the database (its LOCK file), so a lock in this object orders
+        # the read and the write against every other write
+        with self._cas_lock:
+            if self._get_many([key])[0] != expected:
+                return False
+            self._write_batch([(key, value)])
+            return True
+
+    def _write_batch(self, ops: list[WriteOp]) -> None:
         check_same_process(self._pid, self.url)
         try:
             wb = self._db.write_batch(transaction=True, sync=self.sync)

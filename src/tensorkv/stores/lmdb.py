@@ -479,13 +479,32 @@ class LMDBStore(KVStore):
                 cursor.putmulti(cast("Iterator[tuple[bytes, bytes | memoryview]]", run))
 
     def _write(self, ops: list[WriteOp], *, atomic: bool) -> None:
+        self._in_write_txn(lambda txn: self._apply(txn, ops), ops)
+
+    def _compare_and_set(
+        self, key: bytes, expected: bytes | None, value: bytes | memoryview | None
+    ) -> bool:
+        def step(txn: lmdb.Transaction) -> bool:
+            # LMDB allows one write transaction at a time over all processes
+            cur = txn.get(key)
+            if (None if cur is None else bytes(cur)) != expected:
+                return False
+            if value is None:
+                txn.delete(key)
+            else:
+                txn.put(key, value)
+            return True
+
+        return bool(self._in_write_txn(step, [(key, value)]))
+
+    def _in_write_txn(self, fn: Any, ops: list[WriteOp]) -> Any:
+        """Run ``fn(txn)`` in one write transaction, growing the map and replaying as needed."""
         with self._write_lock:
             while True:
                 self._enter()
                 try:
                     with self._env.begin(write=True) as txn:
-                        self._apply(txn, ops)
-                    return
+                        return fn(txn)
                 except (lmdb.MapFullError, lmdb.MapResizedError) as exc:
                     retry: BaseException = exc
                 except lmdb.BadValsizeError as exc:

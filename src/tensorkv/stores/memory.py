@@ -25,6 +25,7 @@ class _Data:
         self.items: dict[bytes, bytes] = {}
         self._sorted: list[bytes] = []
         self._dirty = False
+        self.lock = threading.RLock()  # shared by every store object of a named store
 
     def sorted_keys(self) -> list[bytes]:
         if self._dirty:
@@ -59,7 +60,7 @@ class MemoryStore(KVStore):
         else:
             self._store = _Data()
         self._data = self._store.items
-        self._lock = threading.RLock()
+        self._lock = self._store.lock
 
     @classmethod
     def from_url(cls, parsed: StoreURL, **options: Any) -> MemoryStore:
@@ -91,6 +92,15 @@ class MemoryStore(KVStore):
                     d[k] = v
             if changed:
                 self._store._dirty = True
+
+    def _compare_and_set(
+        self, key: bytes, expected: bytes | None, value: bytes | memoryview | None
+    ) -> bool:
+        with self._lock:
+            if self._data.get(key) != expected:
+                return False
+            self._write([(key, value)], atomic=True)
+            return True
 
     def _scan(
         self, start: bytes | None, stop: bytes | None, keys_only: bool, limit: int | None

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import operator
-import re
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -29,6 +28,7 @@ from tensorkv.errors import (
     ConfigError,
     InvalidURLError,
     KeyTypeError,
+    ReplicationError,
     StoreAuthError,
     StoreError,
     StoreFullError,
@@ -37,6 +37,15 @@ from tensorkv.errors import (
 )
 from tensorkv.stores.base import Capabilities, KVStore, WriteOp, prefix_upper_bound
 from tensorkv.stores.redis_config import RedisOptions, resolve_options
+from tensorkv.stores.redis_keys import (
+    bounds,
+    glob_escape,
+    key_slots,
+    range_prefix,
+    redact_url,
+    take,
+    value_sizes,
+)
 
 if TYPE_CHECKING:
     from tensorkv.stores.registry import StoreURL
@@ -53,152 +62,19 @@ _CLUSTER_CAPS = Capabilities(
     multi_process=True,
     distributed=True,
 )
+# Compare-and-set of one key in one server-side step. ARGV: expect-absent flag, expected
+# value, set flag (0 deletes), new value.
+_CAS_SCRIPT = """
+local cur = redis.call('GET', KEYS[1])
+if ARGV[1] == '1' then
+  if cur then return 0 end
+elseif cur ~= ARGV[2] then
+  return 0
+end
+if ARGV[3] == '1' then redis.call('SET', KEYS[1], ARGV[4]) else redis.call('DEL', KEYS[1]) end
+return 1
+"""
 _MODES = {"redis": "standalone", "redis+cluster": "cluster", "redis+sentinel": "sentinel"}
-_GLOB_SPECIAL = frozenset(b"\\*?[]")
-
-
-# ---------------------------------------------------------------------------- hash slots
-def _crc16_table() -> np.ndarray:
-    table = np.zeros(256, dtype=np.int64)
-    for i in range(256):
-        crc = i << 8
-        for _ in range(8):
-            crc = ((crc << 1) ^ 0x1021) if crc & 0x8000 else (crc << 1)
-        table[i] = crc & 0xFFFF
-    return table
-
-
-_CRC16_TABLE = _crc16_table()
-
-
-def _slots_py(buf: np.ndarray, offsets: np.ndarray, table: np.ndarray) -> np.ndarray:
-    """Redis Cluster hash slot (CRC16/XMODEM of the key or its hash tag, mod 16384)."""
-    n = offsets.shape[0] - 1
-    out = np.empty(n, dtype=np.int64)
-    for i in range(n):
-        a = offsets[i]
-        b = offsets[i + 1]
-        j = a
-        while j < b and buf[j] != 123:  # '{'
-            j += 1
-        if j < b:
-            k = j + 1
-            while k < b and buf[k] != 125:  # '}'
-                k += 1
-            if k < b and k != j + 1:
-                a = j + 1
-                b = k
-        crc = 0
-        for p in range(a, b):
-            crc = ((crc << 8) & 0xFFFF) ^ table[((crc >> 8) ^ buf[p]) & 0xFF]
-        out[i] = crc & 16383
-    return out
-
-
-_slots_kernel: Any = None
-_kernel_lock = threading.Lock()
-
-
-def key_slots(keys: Sequence[bytes]) -> np.ndarray:
-    """Redis Cluster hash slot of each key, as an int64 array (numba kernel).
-
-    Parameters
-    ----------
-    keys
-        Full Redis keys (namespace included). A key holding ``{tag}`` with a non-empty tag
-        hashes the tag alone, so keys sharing a tag share a slot.
-
-    Returns
-    -------
-    numpy.ndarray
-        Slots in ``[0, 16384)``, one per key.
-    """
-    global _slots_kernel
-    if _slots_kernel is None:
-        with _kernel_lock:
-            if _slots_kernel is None:
-                from numba import njit
-
-                _slots_kernel = njit(nogil=True, cache=True)(_slots_py)
-    n = len(keys)
-    offsets = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(np.fromiter(map(len, keys), dtype=np.int64, count=n), out=offsets[1:])
-    buf = np.frombuffer(b"".join(keys), dtype=np.uint8)
-    return _slots_kernel(buf, offsets, _CRC16_TABLE)
-
-
-# ---------------------------------------------------------------------------- helpers
-def glob_escape(prefix: bytes) -> bytes:
-    r"""Escape Redis glob characters (``\\ * ? [ ]``) so ``prefix`` matches literally."""
-    if not _GLOB_SPECIAL.intersection(prefix):
-        return prefix
-    out = bytearray()
-    for c in prefix:
-        if c in _GLOB_SPECIAL:
-            out.append(0x5C)
-        out.append(c)
-    return bytes(out)
-
-
-_PASSWORD_IN_NETLOC = re.compile(r"(://[^/@?]*?:)[^/@?]*@")
-_PASSWORD_IN_QUERY = re.compile(r"([?&]password=)[^&]*")
-
-
-def redact_url(url: str) -> str:
-    """``url`` with any password replaced by ``***`` (for messages, ``repr`` and stats)."""
-    return _PASSWORD_IN_QUERY.sub(r"\1***", _PASSWORD_IN_NETLOC.sub(r"\1***@", url))
-
-
-def _range_prefix(lo: bytes | None, hi: bytes | None) -> bytes:
-    """Longest P such that every key in ``[lo, hi)`` starts with P."""
-    if lo is None:
-        return b""
-    for n in range(len(lo), 0, -1):
-        p = lo[:n]
-        ub = prefix_upper_bound(p)
-        if ub is None or (hi is not None and hi <= ub):
-            return p
-    return b""
-
-
-def _take(seq: Sequence[Any], idx: np.ndarray) -> list[Any]:
-    """``[seq[i] for i in idx]`` without a Python-level loop."""
-    if len(idx) == 0:
-        return []
-    if len(idx) == 1:
-        return [seq[int(idx[0])]]
-    return list(operator.itemgetter(*idx.tolist())(seq))
-
-
-def _bounds(n: int, max_keys: int, sizes: np.ndarray | None = None,
-            max_bytes: int = 0, groups: np.ndarray | None = None) -> np.ndarray:
-    """Chunk boundaries over ``n`` items.
-
-    At most ``max_keys`` items per chunk, a new chunk wherever ``groups`` changes, and a split
-    whenever the running byte total of ``sizes`` crosses a multiple of ``max_bytes``.
-    """
-    if groups is not None and n:
-        change = np.empty(n, dtype=bool)
-        change[0] = True
-        np.not_equal(groups[1:], groups[:-1], out=change[1:])
-        starts = np.flatnonzero(change)
-        start_of = starts[np.cumsum(change) - 1]
-        pos = np.arange(n) - start_of
-        cuts = np.flatnonzero(pos % max_keys == 0)
-    else:
-        cuts = np.arange(0, n, max_keys)
-    if sizes is not None and n and max_bytes:
-        total = np.cumsum(sizes)
-        marks = np.arange(max_bytes, int(total[-1]), max_bytes)
-        extra = np.searchsorted(total, marks, side="right")
-        extra = extra[(extra > 0) & (extra < n)]
-        cuts = np.union1d(cuts, extra)  # a split inside a slot group stays in that slot
-    return np.append(cuts, n).astype(np.int64)
-
-
-def _value_sizes(values: Sequence[Any]) -> np.ndarray:
-    # check_value hands over bytes or 1-D unsigned-byte memoryviews, so len() is bytes
-    return np.fromiter(map(len, values), dtype=np.int64, count=len(values))
 
 
 # ---------------------------------------------------------------------------- the store
@@ -261,6 +137,11 @@ class RedisStore(KVStore):
         super().__init__(url, readonly=opts.readonly)
         if mode not in ("standalone", "cluster", "sentinel"):
             raise ConfigError(f"mode={mode!r}; use standalone, cluster or sentinel")
+        if mode == "cluster" and opts.wait_replicas:
+            raise ConfigError(
+                f"wait_replicas={opts.wait_replicas} is not supported on a Redis Cluster "
+                "(WAIT covers one primary); drop it, or use a standalone or sentinel URL"
+            )
         self.scheme = scheme
         self.mode = mode
         self.options = opts
@@ -519,9 +400,9 @@ class RedisStore(KVStore):
         if self.mode == "cluster":
             slots = key_slots(full)
             order = np.argsort(slots, kind="stable")
-            sorted_keys = _take(full, order)
+            sorted_keys = take(full, order)
             sorted_slots = slots[order]
-            cuts = _bounds(n, ks, groups=sorted_slots).tolist()
+            cuts = bounds(n, ks, groups=sorted_slots).tolist()
             cmds = [
                 (slot, ("MGET", *sorted_keys[a:b]))
                 for slot, a, b in zip(sorted_slots[cuts[:-1]].tolist(), cuts[:-1], cuts[1:],
@@ -612,14 +493,14 @@ class RedisStore(KVStore):
             rvals = [] if deleting else values[a:b]
             if slots is not None:
                 order = np.argsort(slots[a:b], kind="stable")
-                rkeys = _take(rkeys, order)
+                rkeys = take(rkeys, order)
                 if not deleting:
-                    rvals = _take(rvals, order)
+                    rvals = take(rvals, order)
                 groups = slots[a:b][order]
             else:
                 groups = None
-            sizes = None if deleting else _value_sizes(rvals)
-            cuts = _bounds(b - a, self._ks, sizes, config.REDIS_MAX_COMMAND_BYTES, groups)
+            sizes = None if deleting else value_sizes(rvals)
+            cuts = bounds(b - a, self._ks, sizes, config.REDIS_MAX_COMMAND_BYTES, groups)
             starts = cuts[:-1]
             cslots = [0] * len(starts) if groups is None else groups[starts].tolist()
             for slot, c0, c1 in zip(cslots, starts.tolist(), cuts[1:].tolist(), strict=True):
@@ -653,6 +534,62 @@ class RedisStore(KVStore):
         res = self._apply(full, [None] * len(full), np.ones(len(full), dtype=bool), atomic=False)
         return int(sum(res))
 
+    # ------------------------------------------------------------------ atomic updates
+    def _compare_and_set(
+        self, key: bytes, expected: bytes | None, value: bytes | memoryview | None
+    ) -> bool:
+        args = (
+            b"1" if expected is None else b"0", expected or b"",
+            b"0" if value is None else b"1", b"" if value is None else bytes(value),
+        )
+        with self._errors():
+            return bool(self._client.eval(_CAS_SCRIPT, 1, self._ns + key, *args))
+
+    def _value_sizes(self, keys: list[bytes]) -> np.ndarray:
+        # read on the primaries: a replica may not have the latest writes yet
+        full = self._full(keys)
+        with self._errors():
+            if self.mode == "cluster":
+                slots = key_slots(full).tolist()
+                cmds = [(sl, (c, k)) for sl, k in zip(slots, full, strict=True)
+                        for c in ("EXISTS", "STRLEN")]
+                res = self._cluster_run(cmds, read=False)
+            else:
+                res = []
+                for i in range(0, len(full), self._ks):
+                    pipe = self._client.pipeline(transaction=False)
+                    for k in full[i : i + self._ks]:
+                        pipe.execute_command("EXISTS", k)
+                        pipe.execute_command("STRLEN", k)
+                    res += pipe.execute()
+        r = np.asarray(res, dtype=np.int64).reshape(-1, 2)
+        return np.where(r[:, 0] > 0, r[:, 1], -1)
+
+    def identity(self) -> str | None:
+        """The run ids of the primaries serving the data (they change on restart or failover)."""
+        self._check_open()
+        with self._errors():
+            clients = self._scan_clients() if self.mode == "cluster" else [self._client]
+            return ",".join(sorted(str(c.info("server")["run_id"]) for c in clients))
+
+    def _flush(self) -> None:
+        n, timeout = self.options.wait_replicas, self.options.wait_timeout
+        if not n:
+            return
+        with self._errors():
+            # WAIT covers the writes of its own connection: a write on that connection first
+            # takes its replication offset past every earlier write of every connection
+            pipe = self._client.pipeline(transaction=False)
+            pipe.execute_command("SET", self._ns + b"tensorkv:wait", b"1", "PX", 60000)
+            pipe.execute_command("WAIT", n, int(timeout * 1000))
+            acked = int(pipe.execute()[1])
+        if acked < n:
+            raise ReplicationError(
+                f"only {acked} of wait_replicas={n} replicas of {self._where()} acknowledged "
+                f"the writes within wait_timeout={timeout} s; nothing was published: check the "
+                "replicas (INFO replication) and retry, or lower wait_replicas"
+            )
+
     # ------------------------------------------------------------------ scans
     def _scan_clients(self) -> list[Any]:
         if self.mode == "cluster":
@@ -680,7 +617,7 @@ class RedisStore(KVStore):
     def _scan(
         self, start: bytes | None, stop: bytes | None, keys_only: bool, limit: int | None
     ) -> Iterator[tuple[bytes, bytes | None]]:
-        p = _range_prefix(start, stop)
+        p = range_prefix(start, stop)
         exact = (start is None or start == p) and stop == prefix_upper_bound(p)
         left = limit
         for full in self._scan_full(p):

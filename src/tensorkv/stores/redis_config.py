@@ -58,6 +58,12 @@ class RedisOptions:
         Redis ACL user and password (override those in the URL).
     readonly
         Refuse every write.
+    wait_replicas
+        ``flush()`` (called by checkpoints before a tag becomes visible) waits until this
+        many replicas acknowledged every write (Redis ``WAIT``); 0 (default) does not wait.
+    wait_timeout
+        Seconds ``flush()`` waits for ``wait_replicas`` acknowledgements before it raises
+        :class:`~tensorkv.errors.ReplicationError`.
     """
 
     prefix: bytes = b""
@@ -76,6 +82,8 @@ class RedisOptions:
     username: str | None = None
     password: str | None = None
     readonly: bool = False
+    wait_replicas: int = 0
+    wait_timeout: float = config.REDIS_WAIT_TIMEOUT
 
 
 #: Options naming where the JSON config file is; accepted by ``from_url`` but not in a file.
@@ -86,8 +94,8 @@ VALID_OPTIONS = tuple(sorted(OPTION_NAMES + CONFIG_OPTIONS))
 _STR_OPTIONS = {"ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs", "username",
                 "password", "config", "config_env"}
 _BOOL_OPTIONS = {"read_from_replicas", "ssl_check_hostname", "readonly"}
-_FLOAT_OPTIONS = {"connect_timeout", "socket_timeout", "retry_backoff"}
-_INT_OPTIONS = {"keys_sending_size", "max_connections", "retries"}
+_FLOAT_OPTIONS = {"connect_timeout", "socket_timeout", "retry_backoff", "wait_timeout"}
+_INT_OPTIONS = {"keys_sending_size", "max_connections", "retries", "wait_replicas"}
 
 
 def check_names(names: Any, where: str, *, allow_config: bool = True) -> None:
@@ -180,7 +188,7 @@ def convert_option(name: str, value: Any, where: str) -> Any:
         return v
     if name in _INT_OPTIONS:
         v = _to_number(name, value, where, int)
-        minimum = 0 if name == "retries" else 1
+        minimum = 0 if name in ("retries", "wait_replicas") else 1
         if v < minimum:
             raise ConfigError(f"Redis option {name}={v} ({where}) must be >= {minimum}")
         return v

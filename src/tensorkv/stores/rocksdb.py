@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
 from collections.abc import Iterator
 from dataclasses import replace
 from itertools import islice, repeat
@@ -157,6 +158,7 @@ class RocksDBStore(KVStore):
             raise self._open_error(exc) from exc
         self._finalizer = close_on_collect(self, self._db.close, self._claim)
         self._pid = os.getpid()
+        self._cas_lock = threading.RLock()
         self._wopt = rocksdict.WriteOptions()
         self._wopt.sync = self.sync
         self._db.set_write_options(self._wopt)
@@ -189,6 +191,21 @@ class RocksDBStore(KVStore):
         return self._call(self._db.get, keys)
 
     def _write(self, ops: list[WriteOp], *, atomic: bool) -> None:
+        with self._cas_lock:  # a compare_and_set reads and writes under this lock
+            self._write_batch(ops)
+
+    def _compare_and_set(
+        self, key: bytes, expected: bytes | None, value: bytes | memoryview | None
+    ) -> bool:
+        # one process holds the database (its LOCK file), so a lock in this object orders
+        # the read and the write against every other write
+        with self._cas_lock:
+            if self._get_many([key])[0] != expected:
+                return False
+            self._write_batch([(key, value)])
+            return True
+
+    def _write_batch(self, ops: list[WriteOp]) -> None:
         check_same_process(self._pid, self.url)
         wb = rocksdict.WriteBatch(raw_mode=True)
         put, delete = wb.put, wb.delete

@@ -391,6 +391,55 @@ class StoreTests:
         assert not errors, errors
         assert store.count(b"t") == 4 * 20 * 50
 
+    # ----------------------------------------------------------------- atomic updates
+    def test_compare_and_set(self, store: KVStore) -> None:
+        assert store.put_if_absent(b"cas", b"a") is True
+        assert store.put_if_absent(b"cas", b"b") is False
+        assert store.get(b"cas") == b"a"
+        assert store.compare_and_set(b"cas", b"x", b"c") is False  # wrong expectation
+        assert store.compare_and_set(b"cas", b"a", b"c") is True
+        assert store.get(b"cas") == b"c"
+        assert store.compare_and_set(b"cas", b"c", None) is True  # delete
+        assert store.get(b"cas") is None
+        assert store.compare_and_set(b"cas", b"c", None) is False
+        assert store.compare_and_set(b"cas-empty", None, b"") is True
+        assert store.compare_and_set(b"cas-empty", b"", b"e") is True
+        assert store.get(b"cas-empty") == b"e"
+        with pytest.raises(KeyTypeError):
+            store.compare_and_set("cas", None, b"a")  # type: ignore[arg-type]
+
+    def test_compare_and_set_threads(self, store: KVStore) -> None:
+        """Of many threads creating one key at once, exactly one succeeds."""
+        for rnd in range(5):
+            key = b"race/%d" % rnd
+            wins: list[int] = []
+            start = threading.Barrier(8)
+
+            def work(t: int, key: bytes = key, wins: list[int] = wins,
+                     start: threading.Barrier = start) -> None:
+                start.wait()
+                if store.put_if_absent(key, b"%d" % t):
+                    wins.append(t)
+
+            threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
+            for th in threads:
+                th.start()
+            for th in threads:
+                th.join()
+            assert len(wins) == 1, wins
+            assert store.get(key) == b"%d" % wins[0]
+
+    def test_value_sizes(self, store: KVStore) -> None:
+        store.put_many({b"vs/a": b"abc", b"vs/b": b"", b"vs/c": b"x" * 1000})
+        sizes = store.value_sizes([b"vs/a", b"vs/missing", b"vs/b", b"vs/c"])
+        assert sizes.tolist() == [3, -1, 0, 1000]
+        assert store.value_sizes([]).tolist() == []
+
+    def test_identity_is_stable(self, store: KVStore) -> None:
+        first = store.identity()
+        store.put(b"ident", b"1")
+        assert store.identity() == first
+
     # ----------------------------------------------------------------- processes
     def _run_child(self, code: str, timeout: float = 60) -> subprocess.CompletedProcess:
         return subprocess.run(
@@ -416,6 +465,32 @@ class StoreTests:
         )
         assert r.returncode == 0, r.stderr
         assert store.get(b"from-child") == b"2"
+
+    def test_compare_and_set_processes(self, store: KVStore, store_url: str) -> None:
+        """Of several processes creating one key at once, exactly one succeeds."""
+        if not (store.capabilities.multi_process and self.supports_subprocess):
+            pytest.skip("backend is not shared between processes")
+        store.delete(b"race/proc")
+        store.flush()
+        code = textwrap.dedent(f"""
+            import sys, time, tensorkv
+            s = tensorkv.open_store({store_url!r}, **{self.open_options!r})
+            go = float(sys.argv[1])
+            time.sleep(max(0.0, go - time.time()))
+            print(int(s.put_if_absent(b"race/proc", sys.argv[2].encode())))
+            s.close()
+        """)
+        go = time.time() + 2.0
+        procs = [
+            subprocess.Popen([sys.executable, "-c", code, str(go), str(i)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for i in range(4)
+        ]
+        outs = [p.communicate(timeout=60) for p in procs]
+        assert all(p.returncode == 0 for p in procs), [o[1] for o in outs]
+        won = [i for i, (out, _) in enumerate(outs) if out.strip() == "1"]
+        assert len(won) == 1, outs
+        assert store.get(b"race/proc") == str(won[0]).encode()
 
     def test_killed_mid_batch_is_all_or_nothing(self, store: KVStore, store_url: str) -> None:
         if not (store.capabilities.atomic_batches and self.supports_subprocess):
