@@ -16,7 +16,7 @@ SRC = ROOT.parent
 TESTS = pathlib.Path(__file__).parents[1]
 # Each module imports only modules listed before it (as the package docstring says).
 ORDER = [
-    "layout", "gather", "progress", "access",
+    "layout", "gather", "progress", "access", "claims",
     "manifest", "dense", "keylists",
     "objects", "shards", "tables",
     "refs", "bulk",

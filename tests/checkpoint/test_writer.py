@@ -66,8 +66,15 @@ def test_store_error_in_the_writer_thread_fails_the_save(small_batches):
         tensorkv.save({"emb": t}, store, "a", block_rows=32)
     assert tensorkv.list_tags(store) == []
     store.fail_after = None
+    # the store refused the cleanup too: what the save wrote is reported, as a dead save's
     rep = tensorkv.checkpoint.check(store)
-    assert rep.ok, rep.as_dict()  # the failed save removed what it wrote
+    assert not rep.ok and rep.orphan_keys and rep.orphan_bytes > 0
+    assert [p["owner"] for p in rep.pending] == ["dead"]
+    removed = tensorkv.checkpoint.gc(store)  # no grace needed: its owner is known to be gone
+    assert removed.removed_keys == len(rep.orphan_keys)
+    assert removed.removed_bytes == rep.orphan_bytes
+    rep = tensorkv.checkpoint.check(store)
+    assert rep.ok and not rep.pending, rep.as_dict()
     tensorkv.save({"emb": t}, store, "a", block_rows=32)
     assert_tables_equal(t, tensorkv.load(None, store, "a")["emb"])
 

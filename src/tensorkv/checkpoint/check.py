@@ -12,7 +12,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from tensorkv import config
 from tensorkv.checkpoint import dense, keylists, layout, manifest, refs
 from tensorkv.checkpoint.access import using_store
 from tensorkv.checkpoint.load import stage_table
@@ -32,13 +31,15 @@ class CheckReport:
     orphan_keys: list[bytes] = field(default_factory=list)
     orphan_bytes: int = 0
     corrupt: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)  # tags whose records are not all there
     removed_keys: int = 0
+    removed_bytes: int = 0
     removed_tags: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        """No corruption and no orphaned data."""
-        return not self.corrupt and not self.orphan_keys
+        """No corruption, no missing records and no orphaned data."""
+        return not self.corrupt and not self.missing and not self.orphan_keys
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-friendly form."""
@@ -51,7 +52,9 @@ class CheckReport:
             "orphan_keys": len(self.orphan_keys),
             "orphan_bytes": self.orphan_bytes,
             "corrupt": self.corrupt,
+            "missing": self.missing,
             "removed_keys": self.removed_keys,
+            "removed_bytes": self.removed_bytes,
             "removed_tags": self.removed_tags,
         }
 
@@ -69,10 +72,9 @@ def _scan_orphans(store: KVStore, grace: float | None) -> tuple[CheckReport, lis
         for k in store.keys(layout.SHARD_MANIFEST)
     }
     rep.incomplete = sorted(shard_tags - set(docs))
-    marks = refs.pending_markers(store)
-    g = config.CHECKPOINT_GC_GRACE_SECONDS if grace is None else grace
-    rep.pending = [{k: v for k, v in m.items() if k != "key"} for m in marks]
-    live_tags = {m["tag"] for m in marks if m["age"] < g}
+    marks = refs.pending_markers(store, grace)
+    rep.pending = [_public(m) for m in marks]
+    live_tags = {m["tag"] for m in marks if not m["stale"]}
     owned = {k for d in all_docs for k in refs.table_data_keys(d)}
     chunks = {d for doc in all_docs for e in doc["dense"].values() for d in e["chunks"]}
     protected: list[bytes] = []
@@ -117,6 +119,41 @@ def _still_orphaned(store: KVStore, candidates: list[bytes], grace: float | None
     return out
 
 
+def _public(marker: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in marker.items() if k not in ("key", "raw")}
+
+
+def _bytes_of(store: KVStore, keys: list[bytes]) -> int:
+    total = 0
+    for i in range(0, len(keys), 4096):
+        sizes = store.value_sizes(keys[i : i + 4096])
+        total += int(sizes[sizes > 0].sum())
+    return total
+
+
+def _missing_records(store: KVStore) -> list[str]:
+    """Every manifest whose referenced records are not all in the store, with a count.
+
+    One existence pass (:meth:`KVStore.value_sizes`, which reads no values where the backend
+    can avoid it) over the dense chunks and table records of every manifest, per-shard ones
+    and expired ones included.
+    """
+    out = []
+    for doc in refs.all_docs(store):
+        keys = refs.record_keys(doc)
+        lost: list[bytes] = []
+        for i in range(0, len(keys), 4096):
+            part = keys[i : i + 4096]
+            sizes = store.value_sizes(part)
+            lost += [k for k, n in zip(part, sizes.tolist(), strict=True) if n < 0]
+        if lost:
+            out.append(
+                f"{doc['tag']}: {len(lost)} of {len(keys)} records are missing (first: "
+                f"{lost[0]!r}); restore the store from a backup, or delete the tag"
+            )
+    return out
+
+
 def check(url: str | KVStore, *, verify: bool = False, grace: float | None = None) -> CheckReport:
     """Find orphaned data (records no manifest references), expired and incomplete tags.
 
@@ -131,8 +168,8 @@ def check(url: str | KVStore, *, verify: bool = False, grace: float | None = Non
     """
     with using_store(url) as store:
         rep, _ = _scan_orphans(store, grace)
-        sizes = store.get_many(rep.orphan_keys[:10000]) if rep.orphan_keys else []
-        rep.orphan_bytes = sum(len(v) for v in sizes if v is not None)
+        rep.orphan_bytes = _bytes_of(store, rep.orphan_keys)
+        rep.missing = _missing_records(store)
         if verify:
             for t in rep.tags:
                 doc = manifest.read(store, t)
@@ -151,11 +188,11 @@ def check(url: str | KVStore, *, verify: bool = False, grace: float | None = Non
 def gc(url: str | KVStore, *, grace: float | None = None, dry_run: bool = False) -> CheckReport:
     """Remove expired tags, orphaned data and stale pending markers.
 
-    Data of a save that started less than ``grace`` seconds ago (its pending marker says
-    when) is left alone, so gc is safe to run while other processes save. Candidates are
-    checked twice (before and after the data scan), and unreferenced dense chunks are kept
-    while any save is in progress, since a new save may reuse them. A save that runs longer
-    than ``grace`` is presumed dead.
+    Data of a save that is still running is left alone, so gc is safe to run while other
+    processes save: a save counts as running unless its process is provably gone (one of
+    this host) or, where that cannot be told, it started ``grace`` seconds ago or more.
+    Candidates are checked twice (before and after the data scan), and unreferenced dense
+    chunks are kept while any save is in progress, since a new save may reuse them.
     """
     with using_store(url) as store:
         rep, _ = _scan_orphans(store, grace)
@@ -175,12 +212,16 @@ def gc(url: str | KVStore, *, grace: float | None = None, dry_run: bool = False)
             batch = keys[i : i + 4096]
             if refs.live_pending(store, grace):  # a save started meanwhile: it may reuse chunks
                 batch = [k for k in batch if not k.startswith(layout.CHUNK)]
+            rep.removed_bytes += _bytes_of(store, batch)
             store.delete_many(batch)
             removed += len(batch)
         rep.removed_keys = removed
-        g = config.CHECKPOINT_GC_GRACE_SECONDS if grace is None else grace
-        stale = [m["key"] for m in refs.pending_markers(store) if m["age"] >= g]
-        if stale:
-            store.delete_many(stale)
+        for m in refs.pending_markers(store, grace):
+            if m["stale"]:  # only if unchanged: a new save may have claimed the tag since
+                store.compare_and_set(m["key"], m["raw"], None)
         rep.orphan_keys = keys
+        rep.orphan_bytes = rep.removed_bytes
+        rep.pending = [
+            _public(m) for m in refs.pending_markers(store, grace)
+        ]
         return rep

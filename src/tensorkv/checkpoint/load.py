@@ -310,10 +310,18 @@ def _restore_meta(table: Any, meta: dict[str, Any]) -> None:
 
 def _select(
     doc: dict[str, Any], kind: str | None, dense_t: dict[str, Any], tables_t: dict[str, Any],
-    variables: list[str] | None,
+    variables: list[str] | None, partial: bool = False,
 ) -> tuple[list[str], list[str]]:
     stored_dense, stored_tables = set(doc["dense"]), set(doc["tables"])
     avail = sorted(stored_dense | stored_tables)
+    if kind == "dict" and variables is None and not partial:
+        absent = [n for n in [*dense_t, *tables_t] if n not in stored_dense | stored_tables]
+        if absent:
+            raise CheckpointError(
+                f"the target dict has {absent}, which tag {doc['tag']!r} does not hold; it "
+                f"holds {avail}. Pass partial=True to load what the tag holds and leave "
+                "the rest of the dict as it is, or variables=[...] to choose names"
+            )
     if variables is not None:
         if isinstance(variables, str):
             variables = [variables]
@@ -340,6 +348,7 @@ def load(
     shard: int | None = None,
     num_shards: int | None = None,
     progress: bool | None = None,
+    partial: bool = False,
 ) -> Any:
     """Load a tag into ``obj`` (or return the stored objects when ``obj`` is None).
 
@@ -363,6 +372,10 @@ def load(
         Dense tensors are restored whole.
     progress
         Progress bar: None (auto), True or False.
+    partial
+        Loading into a dict refuses a dict that holds names the tag does not (they would be
+        left stale without a word); ``partial=True`` loads what the tag holds and leaves those
+        entries as they are.
 
     Returns
     -------
@@ -384,7 +397,7 @@ def load(
         doc = manifest.read(store, tag)
         if kind == "table" and SINGLE_TABLE_NAME not in doc["tables"] and len(doc["tables"]) == 1:
             tables_t = {next(iter(doc["tables"])): tables_t[SINGLE_TABLE_NAME]}
-        dnames, tnames = _select(doc, kind, dense_t, tables_t, variables)
+        dnames, tnames = _select(doc, kind, dense_t, tables_t, variables, partial)
         # --- checks that need no data
         for n in dnames:
             if n in tables_t:

@@ -9,36 +9,42 @@ section of ``docs/format.md``.
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any
 
-from tensorkv import config
-from tensorkv.checkpoint import layout, manifest, tables
+from tensorkv.checkpoint import claims, layout, manifest, tables
 from tensorkv.stores.base import KVStore
 
 
 # ----------------------------------------------------------------------------- pending saves
-def pending_markers(store: KVStore) -> list[dict[str, Any]]:
-    """Pending-save markers: tag, shard, start time, age in seconds."""
+def pending_markers(store: KVStore, grace: float | None = None) -> list[dict[str, Any]]:
+    """Pending-save markers: tag, shard, start time, age, owner, and whether it is stale.
+
+    A marker is stale when its owner is provably dead (a process of this host that is gone)
+    or, when that cannot be told, older than ``grace`` seconds (default
+    ``config.CHECKPOINT_GC_GRACE_SECONDS``); see :func:`tensorkv.checkpoint.claims.is_stale`.
+    """
     out = []
     now = time.time()
     for k, v in manifest.scan_items(store, layout.PENDING):
         rest = bytes(k[len(layout.PENDING) :]).decode()
         tag, _, shard = rest.rpartition("/")
-        try:
-            started = float(json.loads(bytes(v)).get("started", 0.0))
-        except (ValueError, AttributeError):
-            started = 0.0
-        out.append({"tag": tag, "shard": int(shard), "started": started, "age": now - started,
-                    "key": bytes(k)})
+        info = claims.parse_marker(v)
+        started = info.get("started")
+        started = float(started) if isinstance(started, (int, float)) else 0.0
+        alive = claims.owner_alive(info)
+        out.append({
+            "tag": tag, "shard": int(shard), "started": started, "age": now - started,
+            "pid": info.get("pid"), "host": info.get("host"),
+            "owner": {True: "running", False: "dead", None: "unknown"}[alive],
+            "stale": claims.is_stale(info, grace, now), "key": bytes(k), "raw": bytes(v),
+        })
     return out
 
 
 def live_pending(store: KVStore, grace: float | None = None) -> list[dict[str, Any]]:
-    """Markers of saves started less than ``grace`` seconds ago (presumed still running)."""
-    g = config.CHECKPOINT_GC_GRACE_SECONDS if grace is None else grace
-    return [p for p in pending_markers(store) if p["age"] < g]
+    """Markers of saves presumed still running (not stale, see :func:`pending_markers`)."""
+    return [p for p in pending_markers(store, grace) if not p["stale"]]
 
 
 # ----------------------------------------------------------------------------- references
@@ -93,6 +99,12 @@ def table_data_keys(doc: dict[str, Any]) -> list[bytes]:
             )
             out += tables.record_keys(prefix, info, ent.get("hash_tag"))
     return out
+
+
+def record_keys(doc: dict[str, Any]) -> list[bytes]:
+    """Every record a manifest references: its dense chunks, then the table records it owns."""
+    digests = dict.fromkeys(d for e in doc["dense"].values() for d in e["chunks"])
+    return [layout.chunk_key(d) for d in digests] + table_data_keys(doc)
 
 
 def key_tag(key: bytes) -> str:

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import socket
 import threading
 import time
 import warnings
@@ -21,12 +19,12 @@ from typing import Any
 import numpy as np
 
 from tensorkv import config
-from tensorkv.checkpoint import dense, keylists, layout, manifest, refs, tables
+from tensorkv.checkpoint import claims, dense, keylists, layout, manifest, refs, tables
 from tensorkv.checkpoint.access import using_store, writeback_starter
 from tensorkv.checkpoint.objects import collect
 from tensorkv.checkpoint.progress import OnBytes, bar
 from tensorkv.checkpoint.shards import merge_if_complete
-from tensorkv.errors import CheckpointError
+from tensorkv.errors import CheckpointError, TagExistsError
 from tensorkv.stores.base import KVStore
 
 
@@ -320,19 +318,24 @@ def save(
 
     with using_store(url) as store:
         opts["after_write"] = writeback_starter(store)
-        if store.get(layout.manifest_key(tag)) is not None:
-            raise CheckpointError(
-                f"tag {tag!r} already exists in {store.url!r}; choose another tag or delete it "
-                "first with tensorkv.delete_tag"
-            )
-        if nshards > 1 and store.get(layout.shard_manifest_key(tag, shard_i)) is not None:
-            raise CheckpointError(f"shard {shard_i} of tag {tag!r} is already saved")
-        # The pending marker goes first: the chunks referenced now (read below) are then safe
-        # from a concurrent delete_tag or gc, which keep unreferenced chunks while a save runs.
+        what = f"tag {tag!r}" + (f" (shard {shard_i} of {nshards})" if nshards > 1 else "")
+        # The pending marker goes first, created atomically: of two processes saving this
+        # tag one goes on, the other fails here. The chunks referenced now (read below) are
+        # then safe from a concurrent delete_tag or gc, which keep unreferenced chunks while
+        # a save runs.
         pkey = layout.pending_key(tag, shard_i)
-        store.put(pkey, json.dumps(
-            {"started": time.time(), "pid": os.getpid(), "host": socket.gethostname()}
-        ).encode())
+        mkey = layout.manifest_key(tag) if nshards == 1 else layout.shard_manifest_key(
+            tag, shard_i
+        )
+        c = claims.claim(store, pkey, what)
+        if store.get(layout.manifest_key(tag)) is not None or store.get(mkey) is not None:
+            claims.release(c)
+            raise TagExistsError(
+                f"{what} {'is already saved' if nshards > 1 else 'already exists'} in "
+                f"{store.url!r}; choose another tag or delete it first with tensorkv.delete_tag"
+            )
+        if c.took_over is not None:  # a dead process's save of this tag: drop its data
+            _drop_tables(store, tag, shard_i, list(tables_in), hash_tag)
         parent_doc = None
         try:
             docs = manifest.read_all(store, include_expired=True)  # once: parent and chunks
@@ -345,8 +348,7 @@ def save(
                     if live:
                         parent_doc = live[manifest.sorted_tags(live)[-1]]
         except BaseException:
-            with contextlib.suppress(Exception):
-                store.delete(pkey)
+            claims.release(c)
             raise
         doc = manifest.new_manifest(
             tag,
@@ -404,28 +406,23 @@ def save(
             doc["created"] = time.time()  # the tag's life starts when it becomes visible
             if ttl is not None:
                 doc["expires"] = doc["created"] + float(ttl)
-            if nshards == 1:
-                store.put(layout.manifest_key(tag), manifest.encode_manifest(doc))
-            else:
-                store.put(layout.shard_manifest_key(tag, shard_i), manifest.encode_manifest(doc))
-            store.flush()
+            claims.publish(c, what, mkey, manifest.encode_manifest(doc), refs.record_keys(doc))
         except BaseException:
-            _cleanup_failed(store, tag, shard_i, list(tables_in), hash_tag)
+            with contextlib.suppress(Exception):
+                _drop_tables(store, tag, shard_i, list(tables_in), hash_tag)
+            claims.release(c)
             raise
         finally:
             pbar.close()
-        with contextlib.suppress(Exception):
-            store.delete(pkey)
+        claims.release(c)
         if nshards > 1:
             merge_if_complete(store, tag, nshards)
     return tag
 
 
-def _cleanup_failed(
+def _drop_tables(
     store: KVStore, tag: str, shard: int, names: list[str], hash_tag: str | None
 ) -> None:
-    """Best effort: remove the table data of a failed save (shared chunks are left to gc)."""
-    with contextlib.suppress(Exception):
-        for name in names:
-            store.delete_prefix(layout.table_prefix(tag, name, shard, hash_tag))
-        store.delete(layout.pending_key(tag, shard))
+    """Remove the table data of a failed save (shared chunks are left to gc)."""
+    for name in names:
+        store.delete_prefix(layout.table_prefix(tag, name, shard, hash_tag))

@@ -68,7 +68,8 @@ def merge_if_complete(store: KVStore, tag: str, num_shards: int) -> bool:
     if len(parts) < num_shards:
         return False
     doc = combine(tag, parts)
-    store.put(layout.manifest_key(tag), manifest.encode_manifest(doc))
+    # created once: of shards finishing together, one writes it (the others find it there)
+    store.put_if_absent(layout.manifest_key(tag), manifest.encode_manifest(doc))
     with contextlib.suppress(Exception):
         store.flush()
     return True
@@ -109,6 +110,9 @@ def merge(url: str | KVStore, tag: str, *, allow_missing: bool = False) -> dict[
                 "pass allow_missing=True to publish the tag without them"
             )
         doc = combine(tag, parts)
-        store.put(layout.manifest_key(tag), manifest.encode_manifest(doc))
+        raw = manifest.encode_manifest(doc)
+        if not store.put_if_absent(layout.manifest_key(tag), raw):  # merged meanwhile
+            got = store.get(layout.manifest_key(tag))
+            return doc if got is None else manifest.decode_manifest(got, f"tag {tag!r}")
         store.flush()
         return doc

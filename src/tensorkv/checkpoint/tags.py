@@ -7,19 +7,20 @@ data tags and the dump file format are in ``docs/format.md``.
 
 from __future__ import annotations
 
-import json
+import contextlib
 import os
 import struct
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any, Literal, overload
 
-from tensorkv.checkpoint import layout, manifest, refs, tables
+from tensorkv.checkpoint import claims, layout, manifest, refs, tables
 from tensorkv.checkpoint.access import using_store
 from tensorkv.checkpoint.load import build_table, stage_table
 from tensorkv.checkpoint.save import save_table
 from tensorkv.codec import checksum
-from tensorkv.errors import CheckpointError, CorruptRecordError
+from tensorkv.errors import CheckpointError, CorruptRecordError, TagExistsError
 from tensorkv.stores.base import KVStore
 from tensorkv.stores.memory import MemoryStore
 
@@ -128,9 +129,14 @@ def delete_tag(url: str | KVStore, tag: str, *, force: bool = False) -> None:
 def expire_tag(url: str | KVStore, tag: str, ttl: float | None) -> None:
     """Set (seconds from now) or clear (None) the expiry of a tag."""
     with using_store(url) as store:
-        doc = manifest.read(store, tag)
-        doc["expires"] = None if ttl is None else time.time() + float(ttl)
-        store.put(layout.manifest_key(doc["tag"]), manifest.encode_manifest(doc))
+        mk = layout.manifest_key(tag)
+        for _ in range(8):  # compare-and-set: a concurrent compact or expire is not undone
+            doc = manifest.read(store, tag)
+            raw = store.get(mk)
+            doc["expires"] = None if ttl is None else time.time() + float(ttl)
+            if raw is not None and store.compare_and_set(mk, raw, manifest.encode_manifest(doc)):
+                return
+        raise CheckpointError(f"tag {tag!r} kept changing while its expiry was set; retry")
 
 
 def _copy_records(src: KVStore, dst: KVStore, pairs: list[tuple[bytes, bytes]], what: str) -> None:
@@ -242,12 +248,36 @@ def copy_tag(
 
 
 def _copy_into(src: KVStore, doc: dict[str, Any], dst: KVStore, dst_tag: str) -> None:
-    if dst.get(layout.manifest_key(dst_tag)) is not None:
-        raise CheckpointError(f"tag {dst_tag!r} already exists in {dst.url!r}; delete it first")
-    new = write_copy(src, doc, dst, dst_tag)
-    dst.flush()
-    dst.put(layout.manifest_key(dst_tag), manifest.encode_manifest(new))
-    dst.flush()
+    _write_new_tag(dst, dst_tag, lambda: write_copy(src, doc, dst, dst_tag))
+
+
+def _write_new_tag(
+    store: KVStore, tag: str, write: Callable[[], dict[str, Any]]
+) -> dict[str, Any]:
+    """Claim ``tag``, run ``write()`` (the data; it returns the manifest), then publish it.
+
+    The tag becomes visible only once its records are proven to be on the store (see
+    :mod:`tensorkv.checkpoint.claims`); on failure its table records are removed.
+    """
+    what = f"tag {tag!r}"
+    c = claims.claim(store, layout.pending_key(tag, 0), what)
+    if store.get(layout.manifest_key(tag)) is not None:
+        claims.release(c)
+        raise TagExistsError(f"{what} already exists in {store.url!r}; delete it first")
+    try:
+        new = write()
+        store.flush()
+        claims.publish(
+            c, what, layout.manifest_key(tag), manifest.encode_manifest(new),
+            refs.record_keys(new),
+        )
+    except BaseException:
+        with contextlib.suppress(Exception):
+            store.delete_prefix(layout.tag_table_prefix(tag))
+        claims.release(c)
+        raise
+    claims.release(c)
+    return new
 
 
 def compact(url: str | KVStore, tag: str) -> dict[str, Any]:
@@ -259,16 +289,32 @@ def compact(url: str | KVStore, tag: str) -> dict[str, Any]:
         doc = manifest.read(store, tag)
         if not doc.get("incremental"):
             return doc
+        mk = layout.manifest_key(doc["tag"])
+        old_raw = store.get(mk)
         data_tag = f"{doc['tag']}~{uuid.uuid4().hex[:8]}"
-        pkey = layout.pending_key(data_tag, 0)
-        store.put(pkey, json.dumps({"started": time.time(), "compact": doc["tag"]}).encode())
-        new = write_copy(store, doc, store, doc["tag"], data_tag=data_tag)
-        new["compacted_from"] = doc.get("parent")
-        new["created"] = doc["created"]  # keep its place in the tag order
-        store.flush()
-        store.put(layout.manifest_key(doc["tag"]), manifest.encode_manifest(new))
-        store.flush()
-        store.delete(pkey)
+        what = f"compaction of tag {doc['tag']!r}"
+        c = claims.claim(store, layout.pending_key(data_tag, 0), what)
+        try:
+            new = write_copy(store, doc, store, doc["tag"], data_tag=data_tag)
+            new["compacted_from"] = doc.get("parent")
+            new["created"] = doc["created"]  # keep its place in the tag order
+            store.flush()
+            claims.verify(c, what, refs.record_keys(new))
+            # replace the manifest only if nobody changed it meanwhile
+            if old_raw is None or not store.compare_and_set(
+                mk, old_raw, manifest.encode_manifest(new)
+            ):
+                raise CheckpointError(
+                    f"tag {doc['tag']!r} changed (deleted, expired or compacted) while it was "
+                    "compacted; nothing was replaced: retry"
+                )
+            store.flush()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                store.delete_prefix(layout.tag_table_prefix(data_tag))
+            claims.release(c)
+            raise
+        claims.release(c)
         keys = refs.table_data_keys(doc)
         for i in range(0, len(keys), 4096):
             store.delete_many(keys[i : i + 4096])
@@ -356,12 +402,12 @@ def restore_tag(path: str, url: str | KVStore, tag: str | None = None) -> str:
     new_tag = layout.check_tag(tag or doc["tag"])
     with MemoryStore() as data:  # the dump's records (the bytes read, not copies)
         data.put_many(records[:-1])
-        with using_store(url) as store:
-            if store.get(layout.manifest_key(new_tag)) is not None:
-                raise CheckpointError(f"tag {new_tag!r} already exists in {store.url!r}")
+
+        def write() -> dict[str, Any]:
             new = write_copy(data, doc, store, new_tag)
             new["restored_from"] = path
-            store.flush()
-            store.put(layout.manifest_key(new_tag), manifest.encode_manifest(new))
-            store.flush()
+            return new
+
+        with using_store(url) as store:
+            _write_new_tag(store, new_tag, write)
     return new_tag

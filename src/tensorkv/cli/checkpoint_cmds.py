@@ -51,13 +51,21 @@ def _print_report(rep: dict, removed: bool) -> None:
     click.echo(f"tags: {len(rep['tags'])}  expired: {len(rep['expired'])}  "
                f"incomplete sharded saves: {len(rep['incomplete'])}")
     for p in rep["pending"]:
+        owner = {"running": "running", "dead": "its process is gone",
+                 "unknown": "on another host"}[p["owner"]]
+        state = "stale: gc collects it" if p["stale"] else "presumed running"
         click.echo(f"pending save: tag {p['tag']!r} shard {p['shard']} started "
-                   f"{p['age']:.0f} s ago")
-    click.echo(f"orphaned records: {rep['orphan_keys']} ({rep['orphan_bytes'] / 1e6:.1f} MB)")
+                   f"{p['age']:.0f} s ago by pid {p['pid']} on {p['host']} ({owner}; {state})")
+    if removed:
+        click.echo(f"removed: {rep['removed_keys']} records ({rep['removed_bytes'] / 1e6:.1f} "
+                   f"MB), tags {rep['removed_tags']}")
+    else:
+        click.echo(f"orphaned records: {rep['orphan_keys']} "
+                   f"({rep['orphan_bytes'] / 1e6:.1f} MB)")
+    for c in rep["missing"]:
+        click.echo(f"MISSING: {c}")
     for c in rep["corrupt"]:
         click.echo(f"CORRUPT: {c}")
-    if removed:
-        click.echo(f"removed: {rep['removed_keys']} records, tags {rep['removed_tags']}")
 
 
 @click.command("check")
@@ -67,9 +75,11 @@ def _print_report(rep: dict, removed: bool) -> None:
               help="Seconds a pending save is presumed alive (default 3600).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def check_cmd(url: str, verify: bool, grace: float | None, as_json: bool) -> None:
-    """Check the checkpoints at URL: orphaned data, expired tags, corruption (--verify).
+    """Check the checkpoints at URL: missing records, orphans, pending saves, expired tags.
 
-    Exits with status 1 when orphaned or corrupted data is found.
+    With --verify, every tag is read in full and every checksum verified.
+
+    Exits with status 1 when records are missing or corrupt, or orphaned data is found.
     """
     from tensorkv.checkpoint import check
 
