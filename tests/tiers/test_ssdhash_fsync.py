@@ -167,7 +167,7 @@ def recorder(tmp_path, monkeypatch) -> SyncRecorder:
 
 
 def open_ssdhash(path: Any, **kw: Any) -> SSDHashTier:
-    kw.setdefault("segment_bytes", 8192)  # 90 records a segment: rolls and compactions
+    kw.setdefault("segment_bytes", 8192)  # 78 records a segment: rolls and compactions
     kw.setdefault("buffer_bytes", 2048)
     return SSDHashTier(path, LAY, **kw)
 
