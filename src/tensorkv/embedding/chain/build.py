@@ -18,6 +18,7 @@ from tensorkv.embedding.chain.specs import DRAM, HBM, KV, PMEM, StorageOption
 from tensorkv.embedding.chain.tierchain import DEFAULT_MAX_PENDING_BYTES, TierChain
 from tensorkv.embedding.tiers.base import LowerTier, RecordLayout
 from tensorkv.embedding.tiers.hbm import DRAMTier, HBMArena
+from tensorkv.embedding.tiers.ssdhash_files import make_dirs
 from tensorkv.errors import ConfigError
 
 
@@ -69,7 +70,7 @@ def _open_lowers(specs: list[Any], layout: RecordLayout) -> list[tuple[LowerTier
                 extra = {"sync": False}
             if isinstance(s, PMEM):  # the chain enforces the budget, by rows
                 extra = {"max_bytes": None}
-                os.makedirs(os.path.dirname(os.path.abspath(s.path)), exist_ok=True)
+                make_dirs(os.path.dirname(os.path.abspath(s.path)))
             tier = s.open(layout, **extra)
             lowers.append((tier, budget))
             if len(tier):

@@ -18,6 +18,7 @@ import numpy as np
 
 from tensorkv import config
 from tensorkv.embedding.tiers.base import IndexedTier, RecordLayout, as_keys, score_word
+from tensorkv.embedding.tiers.ssdhash_files import fsync_dir
 from tensorkv.errors import (
     CapacityError,
     CorruptRecordError,
@@ -114,6 +115,7 @@ class PMEMTier(IndexedTier):
             os.pwrite(self._fd, self._header(), 0)
             os.ftruncate(self._fd, HEADER_BYTES + capacity * self.slot_bytes)
             os.fsync(self._fd)
+            fsync_dir(os.path.dirname(self.path))  # the new file's entry
             self._map(capacity)
             self.index = K.HashIndex(capacity)
             self._free = np.arange(capacity - 1, -1, -1, dtype=np.int64)

@@ -172,7 +172,7 @@ class SSDHashTier(IndexedTier):
     # ================================================================= open / recovery
     def _open(self, repair: bool) -> None:
         try:
-            os.makedirs(self.path, exist_ok=True)
+            sf.make_dirs(self.path)
         except OSError as exc:
             raise StorePathError(f"cannot create SSDHASH directory {self.path!r}: {exc}") from exc
         if not os.path.isdir(self.path):

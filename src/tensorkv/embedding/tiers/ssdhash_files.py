@@ -2,8 +2,9 @@
 
 :class:`Segment` is one segment file (header, mapping, record counts);
 :func:`write_snapshot` / :func:`read_snapshot` write and verify the index snapshot;
-:func:`atomic_write` and :func:`fsync_dir` are the durable file steps. Directory layout,
-segment header, record trailer and snapshot format: docs/tiers.md ("SSDHASH").
+:func:`atomic_write`, :func:`fsync_dir` and :func:`make_dirs` are the durable file steps.
+Directory layout, segment header, record trailer and snapshot format: docs/tiers.md
+("SSDHASH").
 """
 
 from __future__ import annotations
@@ -68,6 +69,23 @@ def fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def make_dirs(path: str) -> None:
+    """``os.makedirs(path, exist_ok=True)``, then fsync the parent of each directory it made.
+
+    A new directory's entry is durable only once its parent is fsynced; without that, a
+    power loss can take a tier's directory, and every row flushed into it, away.
+    """
+    path = os.path.abspath(path)
+    missing = []
+    p = path
+    while not os.path.isdir(p) and os.path.dirname(p) != p:
+        missing.append(p)
+        p = os.path.dirname(p)
+    os.makedirs(path, exist_ok=True)
+    for d in reversed(missing):
+        fsync_dir(os.path.dirname(d))
 
 
 def write_all(fd: int, data: memoryview | bytes) -> None:
