@@ -95,6 +95,10 @@ class NonFiniteGradientError(TableError, FloatingPointError):
     """A gradient holds NaN or Inf values and the table is set to raise."""
 
 
+class KeyRangeError(TableError, ValueError):
+    """An integer key lies outside int64, the keys a table stores (uint64 keys >= 2**63...)."""
+
+
 class CapacityError(TableError, MemoryError):
     """The table (or a tier) has no room for the rows and may not grow."""
 

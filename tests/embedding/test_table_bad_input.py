@@ -3,7 +3,14 @@ import pytest
 
 from tensorkv.embedding.optimizers import Adagrad
 from tensorkv.embedding.table import EmbeddingTable
-from tensorkv.errors import CapacityError, ConfigError, NonFiniteGradientError, ShapeError
+from tensorkv.errors import (
+    CapacityError,
+    ConfigError,
+    KeyRangeError,
+    KeyTypeError,
+    NonFiniteGradientError,
+    ShapeError,
+)
 
 
 @pytest.fixture
@@ -27,24 +34,49 @@ def assert_unchanged(t, snap):
 
 
 @pytest.mark.parametrize(
-    "keys, match",
+    "keys, error, match",
     [
-        (np.array([1.0, 2.0]), "dtype float64"),
-        (np.array([[1, 2], [3, 4]]), r"shape \(2, 2\)"),
-        (np.array([1, "a"], dtype=object), "mixing types"),
-        (["a", 1], "neither str nor bytes"),
-        (np.array([True, False]), "dtype bool"),
-        (7, "single key"),
-        ("abc", "single key"),
+        (np.array([1.0, 2.0]), ShapeError, "dtype float64"),
+        (np.array([[1, 2], [3, 4]]), ShapeError, r"shape \(2, 2\)"),
+        (np.array([True, False]), ShapeError, "dtype bool"),
+        (7, ShapeError, "single key"),
+        ("abc", ShapeError, "single key"),
+        # a mix of int and str keys: refused, not hashed as the strings "1", "a"
+        ([1, "a"], KeyTypeError, r"mix types int and str .*key 'a' at position 1"),
+        (["a", 1], KeyTypeError, r"mix types int and str .*key 1 at position 1"),
+        ((b"x", 2), KeyTypeError, "mix types bytes and int"),
+        (np.array([1, "a"], dtype=object), KeyTypeError, "mix types int and str"),
+        (np.array([True, 1], dtype=object), KeyTypeError, "mix types bool and int"),
+        # keys outside int64: refused, not wrapped onto negative keys
+        (np.array([3, 2**63, 2**64 - 1], np.uint64), KeyRangeError,
+         r"key 9223372036854775808 \(position 1; 2 of 3 keys\).*view\(np.int64\)"),
+        ([2**63], KeyRangeError, r"key 9223372036854775808 \(position 0.*view\(np.int64\)"),
+        ([-1, 2**63], KeyRangeError, r"key 9223372036854775808 \(position 1; 1 of 2"),
+        ([5, 2**64], KeyRangeError, r"key 18446744073709551616 \(position 1.*remap"),
+        ([-(2**63) - 1], KeyRangeError, r"key -9223372036854775809 \(position 0"),
     ],
 )
-def test_bad_keys(table, keys, match):
+def test_bad_keys(table, keys, error, match):
     snap = snapshot(table)
+    n = 2 if isinstance(keys, (int, str)) else len(keys)
     for call in (lambda: table.lookup(keys), lambda: table.contains(keys),
-                 lambda: table.remove(keys), lambda: table.apply_gradients(keys, np.ones((2, 4)))):
-        with pytest.raises(ShapeError, match=match):
+                 lambda: table.remove(keys), lambda: table.apply_gradients(keys, np.ones((n, 4))),
+                 lambda: table.upsert(keys, np.ones((n, 4))), lambda: table.frequency(keys)):
+        with pytest.raises(error, match=match):
             call()
     assert_unchanged(table, snap)
+
+
+def test_good_keys_of_every_accepted_kind(table):
+    big = np.array([2**63 - 1, 5], np.uint64)  # uint64 below 2**63: the same int64 keys
+    np.testing.assert_array_equal(table.as_keys(big), [2**63 - 1, 5])
+    ids = np.array([2**63, 2**64 - 1], np.uint64)  # the documented bit-pattern rule
+    np.testing.assert_array_equal(table.as_keys(ids.view(np.int64)), [-(2**63), -1])
+    assert table.as_keys([-(2**63), 2**63 - 1]).tolist() == [-(2**63), 2**63 - 1]
+    s = table.as_keys(["a", b"a", np.str_("b")])
+    assert s[0] == s[1] != s[2]  # str/bytes keys still hash (UTF-8 bytes)
+    np.testing.assert_array_equal(table.as_keys(np.array(["a", "b"])), table.as_keys(["a", "b"]))
+    assert table.as_keys(["1"])[0] != 1  # a string key is never its integer
 
 
 @pytest.mark.parametrize(
