@@ -9,6 +9,7 @@ from tensorkv.errors import (
     KeyRangeError,
     KeyTypeError,
     NonFiniteGradientError,
+    NonFiniteValueError,
     ShapeError,
 )
 
@@ -105,6 +106,95 @@ def test_nonfinite_gradients_raise_and_change_nothing(table):
         table.apply_gradients([1, 2, 100], g)
     assert_unchanged(table, snap)
     assert 100 not in table  # the unseen key was not inserted either
+
+
+def test_nonfinite_upsert_raises_and_writes_nothing(table):
+    snap = snapshot(table)
+    v = np.ones((4, 4), np.float32)
+    v[1, 3] = np.nan
+    v[3, 0] = -np.inf
+    with pytest.raises(NonFiniteValueError,
+                       match=r"upsert: 2 of 4 rows hold NaN or Inf \(first: key 2, row 1\); "
+                             "nothing was written.*nan_policy='skip'"):
+        table.upsert([1, 2, 100, 3], v)
+    with pytest.raises(NonFiniteValueError, match="first: key 7, row 0"):
+        table.upsert([7], np.full((1, 4), 1e300))  # finite float64, Inf as float32
+    assert_unchanged(table, snap)
+    assert 100 not in table  # the unseen key of the batch was not inserted either
+
+
+def test_nonfinite_upsert_beyond_float16_range_raises():
+    t = EmbeddingTable(4, dtype="float16")
+    with pytest.raises(NonFiniteValueError, match="1 of 2 rows"):
+        t.upsert([1, 2], np.array([[1.0] * 4, [7e4] * 4]))  # 7e4 rounds to Inf in float16
+    assert len(t) == 0
+    assert t.upsert([1], np.full((1, 4), 6e4)) == 1  # still in range
+
+
+def test_nonfinite_upsert_skip_writes_the_other_rows():
+    t = EmbeddingTable(4, nan_policy="skip")
+    t.upsert([1, 2], np.zeros((2, 4)))
+    v = np.full((3, 4), 5.0)
+    v[1, 2] = np.inf
+    assert t.upsert([1, 2, 3], v) == 2
+    np.testing.assert_array_equal(t.lookup([1, 2, 3], insert=False), [[5] * 4, [0] * 4, [5] * 4])
+    assert t.stats()["nonfinite_skipped"] == 1
+    assert t.upsert([9], np.full((1, 4), np.nan)) == 0 and 9 not in t
+    assert t.stats()["nonfinite_skipped"] == 2
+
+
+def chunk_of(table, keys, value=1.0):
+    keys = np.asarray(keys, np.int64)
+    n, w = keys.size, table.num_slots * table.dim
+    return (keys, np.full((n, table.dim), value, np.float32), np.full((n, w), 0.5, np.float32),
+            np.arange(n, dtype=np.int64), np.full(n, 3, np.int64))
+
+
+@pytest.mark.parametrize("field", [1, 2])  # values, optimizer slots
+def test_nonfinite_import_raises_per_chunk(table, field):
+    good, bad = chunk_of(table, [20, 21]), chunk_of(table, [30, 31, 32])
+    bad[field][2, 1] = np.nan
+    with pytest.raises(NonFiniteValueError,
+                       match=r"import_: 1 of 3 rows.*first: key 32, row 2\); this chunk was "
+                             r"not written \(chunks before it were\)"):
+        table.import_([good, bad])
+    assert table.contains([20, 21, 30, 31, 32]).tolist() == [True, True, False, False, False]
+
+
+def test_nonfinite_import_skip():
+    t = EmbeddingTable(4, optimizer=Adagrad(), nan_policy="skip")
+    ch = chunk_of(t, [1, 2, 3])
+    ch[2][0, 0] = np.inf
+    assert t.import_([ch]) == 2
+    assert t.contains([1, 2, 3]).tolist() == [False, True, True]
+    assert t.stats()["nonfinite_skipped"] == 1
+
+
+def test_nonfinite_bulk_import():
+    t = EmbeddingTable(4, optimizer=Adagrad())
+    t.lookup([99])
+    imp = t.bulk_import(5)
+    ch = chunk_of(t, [1, 2, 3])
+    ch[1][1] = np.nan
+    with pytest.raises(NonFiniteValueError, match="bulk import: 1 of 3 rows.*first: key 2"):
+        imp.put(0, ch)
+    assert t.keys().tolist() == [99]  # the table is untouched
+
+    s = EmbeddingTable(4, optimizer=Adagrad(), nan_policy="skip")
+    imp = s.bulk_import(7)
+    first = chunk_of(s, [1, 2, 3], value=1.0)
+    later = chunk_of(s, [2, 4, 5, 6], value=2.0)
+    later[1][0, 0] = np.nan  # key 2's later row: skipped, its earlier row stays
+    later[2][2, 3] = -np.inf  # key 5: skipped
+    assert imp.put(0, first) == 3 and imp.put(3, later) == 4  # positions used
+    imp.index(0, 3)
+    imp.index(3, 7)
+    imp.commit()
+    assert sorted(s.keys().tolist()) == [1, 2, 3, 4, 6]  # no key 0 from the empty positions
+    np.testing.assert_array_equal(s.lookup([2, 4], insert=False), [[1.0] * 4, [2.0] * 4])
+    assert s.stats()["nonfinite_skipped"] == 2
+    s.lookup(np.arange(100, 110))  # the empty positions are free rows
+    assert len(s) == 15
 
 
 def test_import_dim_mismatch(table):
