@@ -82,8 +82,11 @@ class EmbeddingTable(TableIO):
         the pending background writes. Close the table (or use it as a context manager) to
         flush and release its tiers.
     storage_path, storage_size, cache_strategy
-        With a storage type name: the tiers' directory (or URL), their sizes in bytes (a
-        tier holds ``size // record_bytes`` rows), and ``"lfu"`` / ``"lru"``.
+        With a storage type name: the tiers' directory (or URL; relative paths resolve
+        against the working directory; none: a temporary directory removed on close), their
+        sizes in bytes (a tier holds ``size // record_bytes`` rows), and ``"lfu"`` /
+        ``"lru"``. A path holding an earlier table's rows is refused unless
+        ``storage=StorageOption(..., overwrite=True)`` (docs/tiers.md, "Spill directories").
     max_pending_bytes
         With storage: evicted bytes that may wait for their background write before the
         caller blocks (bytes or a size string such as ``"64MiB"``).
@@ -304,10 +307,10 @@ class EmbeddingTable(TableIO):
 
         Examples
         --------
-        >>> import numpy as np, tempfile
+        >>> import numpy as np
         >>> from tensorkv import EmbeddingTable
         >>> t = EmbeddingTable(8, optimizer="adagrad", storage="DRAM_SSDHASH",
-        ...                    storage_path=tempfile.mkdtemp(), storage_size=["64KiB"])
+        ...                    storage_size=["64KiB"])  # spills to a temporary directory
         >>> batches = [np.arange(i * 100, i * 100 + 100) for i in range(4)] * 2
         >>> for i, keys in enumerate(batches):
         ...     rows = t.lookup(keys)
@@ -783,8 +786,10 @@ class EmbeddingTable(TableIO):
         return out
 
     def __repr__(self) -> str:
+        spill = self._rows.spill_locations()
+        where = f", spill={spill}" if spill else ""
         return (f"EmbeddingTable(dim={self.dim}, rows={len(self)}, optimizer={self.optimizer!r}, "
-                f"initializer={self.initializer!r})")
+                f"initializer={self.initializer!r}{where})")
 
 
 __all__ = ["EmbeddingTable", "ExportChunk"]
