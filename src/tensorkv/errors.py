@@ -110,6 +110,18 @@ class NonFiniteGradientError(TableError, FloatingPointError):
     """A gradient holds NaN or Inf values and the table is set to raise."""
 
 
+class NonFiniteValueError(TableError, FloatingPointError):
+    """Rows given to ``upsert`` or imported hold NaN or Inf and the table is set to raise."""
+
+
+class KeyRangeError(TableError, ValueError):
+    """An integer key lies outside int64, the keys a table stores (uint64 keys >= 2**63...)."""
+
+
+class SpillDataExistsError(ConfigError, FileExistsError):
+    """A tiered table's spill path already holds tier data and ``overwrite=True`` was not given."""
+
+
 class CapacityError(TableError, MemoryError):
     """The table (or a tier) has no room for the rows and may not grow."""
 

@@ -202,7 +202,7 @@ def test_dram_storage_is_a_plain_table(tmp_path):
 
 @pytest.mark.parametrize(("kwargs", "match"), [
     ({"storage": "DRAM_FLOPPY", "storage_path": "/x"}, "unknown storage_type"),
-    ({"storage": "DRAM_SSDHASH"}, "needs storage_path"),
+    ({"storage": "DRAM_REDIS"}, "needs storage_path"),
     ({"storage": 3}, "must be a storage type name"),
     ({"storage_path": "/x"}, "need storage="),
     ({"storage": "HBM_SSDHASH", "storage_path": "/x", "device": "floppy"}, "torch device"),

@@ -83,10 +83,10 @@ def test_round_trip_through_json():
         ({"storage_type": "SSD"}, "valid names"),
         ({"storage_type": "DRAM_FOO"}, "DRAM_SSDHASH"),
         ({"storage_type": 3}, "valid names"),
-        ({"storage_type": "DRAM_SSDHASH"}, "storage_path"),
         ({"storage_type": "DRAM_REDIS"}, "Redis URL"),
         ({"storage_type": "DRAM_REDIS", "storage_path": "/x"}, "Redis URL"),
-        ({"storage_type": "DRAM_LEVELDB", "storage_path": "rel/path"}, "absolute"),
+        ({"storage_type": "DRAM_SSDHASH", "storage_path": 3}, "path or a URL"),
+        ({"storage_type": "DRAM_SSDHASH", "overwrite": "yes"}, "overwrite='yes'"),
         ({"storage_type": "DRAM", "storage_size": ["1GiB", "2GiB"]}, "at most one size"),
         ({"storage_type": "DRAM", "storage_size": ["lots"]}, "size"),
         ({"storage_type": "DRAM", "cache_strategy": "fifo"}, "lfu"),
@@ -106,10 +106,10 @@ def test_impossible_options(kwargs, match):
 
 
 def test_spec_argument_errors():
-    with pytest.raises(ConfigError, match="needs a path"):
+    with pytest.raises(ConfigError, match="takes a path"):
         SSDHash("")
-    with pytest.raises(ConfigError, match="needs a path"):
-        PMEM(None)
+    with pytest.raises(ConfigError, match="takes a path"):
+        PMEM(3)
     with pytest.raises(ConfigError, match="store URL"):
         KV("/no/scheme")
     with pytest.raises(ConfigError, match="size"):

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from tensorkv.embedding.arena import RowArena
+from tensorkv.embedding.chunks import nonfinite_rows
 from tensorkv.errors import CapacityError, ConfigError, ShapeError
 from tensorkv.pages import FreshPages
 
@@ -52,6 +53,13 @@ class BulkImport:
         self.pages.track(*a.row_arrays)
         #: Keys indexed so far that were indexed before (their later row won).
         self.duplicates = 0
+        # (start, stop) position ranges left empty by rows skipped for NaN/Inf
+        self._holes: list[tuple[int, int]] = []
+
+    @property
+    def skipped(self) -> int:
+        """Rows left out so far for NaN/Inf values or slots (``nan_policy="skip"``)."""
+        return sum(b - a for a, b in self._holes)
 
     def _check(self, start: int, chunk: Any) -> ChunkArrays:
         arrays = self.table.check_chunk(chunk, what="bulk import")
@@ -68,10 +76,20 @@ class BulkImport:
         ``chunk`` is an :class:`~tensorkv.embedding.chunks.ExportChunk` or a tuple ``(keys,
         values, slots, freq, version)``; values in the table's storage dtype are copied bit
         for bit, other float values are rounded to it. Raises :class:`ShapeError` for a chunk
-        that does not fit the table (nothing is written then).
+        that does not fit the table (nothing is written then). Rows holding NaN or Inf follow
+        the table's ``nan_policy``: ``"raise"`` raises
+        :class:`~tensorkv.errors.NonFiniteValueError` (nothing written), ``"skip"`` leaves
+        them out (their positions stay empty; :attr:`skipped` counts them).
         """
         keys, values, slots, freq, version = self._check(start, chunk)
         a = self._arena
+        m = keys.shape[0]
+        keep = self.table._keep_finite(keys, nonfinite_rows(values, slots, a.np_dtype),
+                                       "bulk import")
+        if keep is not None:  # the kept rows first, in order; the rest of the range stays empty
+            keys, values, slots = keys[keep], values[keep], slots[keep]
+            freq, version = freq[keep], version[keep]
+            self._holes.append((start + keys.shape[0], start + m))
         stop = start + keys.shape[0]
         a.row_key[start:stop] = keys
         self.pages.prepare(a.values[start:stop], a.slots[start:stop])
@@ -84,7 +102,7 @@ class BulkImport:
         a.freq[start:stop] = freq
         a.version[start:stop] = version
         a.seq[start:stop] = self._seq
-        return stop - start
+        return m
 
     def _ready_index(self) -> None:
         if self._index_ready:
@@ -106,9 +124,23 @@ class BulkImport:
         if not 0 <= start <= stop <= self.positions:
             raise ShapeError(f"rows {start}..{stop} lie outside the {self.positions} positions")
         self._ready_index()
-        dups = self._arena.index_rows(start, stop)
+        dups = 0
+        for lo, hi in self._filled(start, stop):
+            dups += self._arena.index_rows(lo, hi)
         self.duplicates += dups
         return dups
+
+    def _filled(self, start: int, stop: int) -> list[tuple[int, int]]:
+        """``[start, stop)`` less the empty ranges of skipped rows (one range per chunk)."""
+        out: list[tuple[int, int]] = []
+        lo = start
+        for a, b in sorted(h for h in self._holes if h[0] < stop and h[1] > start):
+            if a > lo:
+                out.append((lo, a))
+            lo = max(lo, b)
+        if lo < stop:
+            out.append((lo, stop))
+        return out
 
     def remove(self, keys: Any) -> int:
         """Remove keys indexed so far; returns how many were present."""
@@ -139,7 +171,7 @@ class BulkImport:
             )
         a.finish_bulk_load()
         self.pages.release()  # huge pages again for what the table touches from now on
-        self.table.adopt_rows(a, self._seq)
+        self.table.adopt_rows(a, self._seq, self.skipped)
         self._done = True
 
 

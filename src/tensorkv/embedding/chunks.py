@@ -1,4 +1,4 @@
-"""Exported rows of a table (:class:`ExportChunk`) and the one check every import applies.
+"""Exported rows of a table (:class:`ExportChunk`) and the checks every import applies.
 
 Checkpoints store these rows as table blocks (docs/format.md, "Table blocks").
 """
@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from tensorkv.errors import ShapeError
+from tensorkv.kernels import arena as ak
 
 
 class ExportChunk(NamedTuple):
@@ -114,4 +115,23 @@ def check_chunk(
                        freq.astype(np.int64, copy=False), version.astype(np.int64, copy=False))
 
 
-__all__ = ["ChunkArrays", "ExportChunk", "check_chunk", "is_single_chunk"]
+def nonfinite_rows(values: np.ndarray, slots: np.ndarray | None = None,
+                   storage_dtype: np.dtype | None = None) -> np.ndarray:
+    """``bool[n]``: the rows of ``values`` (or ``slots``) holding a NaN or an Inf.
+
+    ``values`` is ``[n, dim]`` of any float dtype; with a 16-bit ``storage_dtype`` other than
+    its own, values that round to Inf in it (beyond float16's range) count as well. One
+    kernel pass per array (the gradient check of ``apply_gradients``), no per-row Python.
+    """
+    with np.errstate(over="ignore", invalid="ignore"):  # what overflows is what we look for
+        f32 = np.ascontiguousarray(values, dtype=np.float32)
+        bad = ak.nonfinite_positions(f32)
+        if storage_dtype is not None and storage_dtype.itemsize == 2 and \
+                values.dtype != storage_dtype:
+            bad |= ak.nonfinite_positions(f32.astype(storage_dtype).astype(np.float32))
+    if slots is not None and slots.size:
+        bad |= ak.nonfinite_positions(np.ascontiguousarray(slots, dtype=np.float32))
+    return bad
+
+
+__all__ = ["ChunkArrays", "ExportChunk", "check_chunk", "is_single_chunk", "nonfinite_rows"]

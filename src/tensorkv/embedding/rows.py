@@ -231,6 +231,10 @@ class ArenaRows:
     def add_stats(self, stats: dict[str, Any]) -> None:
         """Add per-tier figures to the table's :meth:`stats` (none here)."""
 
+    def spill_locations(self) -> list[str]:
+        """Where the lower tiers keep rows (absolute paths or URLs); none here."""
+        return []
+
     def add_meta(self, meta: dict[str, Any]) -> None:
         """Add the storage description to the table's metadata (none here)."""
 

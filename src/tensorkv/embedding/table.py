@@ -18,7 +18,7 @@ import numpy as np
 from tensorkv.embedding.arena import STORAGE_DTYPES, RowArena
 from tensorkv.embedding.chain import open_rows, resolve_storage
 from tensorkv.embedding.chain.tierchain import DEFAULT_MAX_PENDING_BYTES
-from tensorkv.embedding.chunks import ExportChunk
+from tensorkv.embedding.chunks import ExportChunk, nonfinite_rows
 from tensorkv.embedding.filters import AdmissionFilter, Eviction, admission_from_config
 from tensorkv.embedding.initializers import Initializer, get_initializer
 from tensorkv.embedding.keys import as_int64_keys
@@ -68,8 +68,9 @@ class EmbeddingTable(TableIO):
         keys not yet admitted): ``None`` -> the key's initial value, a float, or a ``[dim]``
         vector.
     nan_policy
-        ``"raise"``: gradients with NaN/Inf raise :class:`NonFiniteGradientError` and change
-        nothing; ``"skip"``: the keys with non-finite gradients are left unchanged and counted.
+        ``"raise"``: gradients with NaN/Inf raise :class:`NonFiniteGradientError`, and rows
+        with NaN/Inf given to ``upsert``/``import_`` raise :class:`NonFiniteValueError`;
+        nothing changes. ``"skip"``: those keys (rows) are left unchanged (out) and counted.
     growth
         Whether the table may grow past ``capacity``.
     storage
@@ -81,8 +82,11 @@ class EmbeddingTable(TableIO):
         the pending background writes. Close the table (or use it as a context manager) to
         flush and release its tiers.
     storage_path, storage_size, cache_strategy
-        With a storage type name: the tiers' directory (or URL), their sizes in bytes (a
-        tier holds ``size // record_bytes`` rows), and ``"lfu"`` / ``"lru"``.
+        With a storage type name: the tiers' directory (or URL; relative paths resolve
+        against the working directory; none: a temporary directory removed on close), their
+        sizes in bytes (a tier holds ``size // record_bytes`` rows), and ``"lfu"`` /
+        ``"lru"``. A path holding an earlier table's rows is refused unless
+        ``storage=StorageOption(..., overwrite=True)`` (docs/tiers.md, "Spill directories").
     max_pending_bytes
         With storage: evicted bytes that may wait for their background write before the
         caller blocks (bytes or a size string such as ``"64MiB"``).
@@ -303,10 +307,10 @@ class EmbeddingTable(TableIO):
 
         Examples
         --------
-        >>> import numpy as np, tempfile
+        >>> import numpy as np
         >>> from tensorkv import EmbeddingTable
         >>> t = EmbeddingTable(8, optimizer="adagrad", storage="DRAM_SSDHASH",
-        ...                    storage_path=tempfile.mkdtemp(), storage_size=["64KiB"])
+        ...                    storage_size=["64KiB"])  # spills to a temporary directory
         >>> batches = [np.arange(i * 100, i * 100 + 100) for i in range(4)] * 2
         >>> for i, keys in enumerate(batches):
         ...     rows = t.lookup(keys)
@@ -599,10 +603,14 @@ class EmbeddingTable(TableIO):
                 self._evict_locked()
         return int(rows.size)
 
-    def upsert(self, keys: Any, values: Any) -> None:
+    def upsert(self, keys: Any, values: Any) -> int:
         """Set the values of ``keys`` (inserting absent ones; a later duplicate wins).
 
-        New rows get initial optimizer slots; existing rows keep theirs.
+        New rows get initial optimizer slots; existing rows keep theirs. Rows holding NaN or
+        Inf (or values beyond a 16-bit dtype's range) follow :attr:`nan_policy`: ``"raise"``
+        raises :class:`~tensorkv.errors.NonFiniteValueError` and writes nothing, ``"skip"``
+        leaves those rows out and counts them in ``stats()["nonfinite_skipped"]``. Returns
+        the number of rows written.
         """
         k = self.as_keys(keys)
         v = np.asarray(values)
@@ -611,15 +619,22 @@ class EmbeddingTable(TableIO):
                 f"values have shape {v.shape} and dtype {v.dtype}; {k.shape[0]} keys need a "
                 f"float array of shape ({k.shape[0]}, {self.dim})"
             )
+        keep = self._keep_finite(k, nonfinite_rows(v, None, self.arena.np_dtype), "upsert")
+        n_skip = 0
+        if keep is not None:
+            k, v, n_skip = k[keep], v[keep], k.shape[0] - int(keep.sum())
         v = np.ascontiguousarray(v, dtype=np.float32)
         if k.shape[0] == 0:
-            return
+            with self._meta_lock:
+                self._stats["nonfinite_skipped"] += n_skip
+            return 0
         with self._rows.op:
             self._rows.promote(k)
             a = self.arena
             with self._lock.write():
                 if not self.growth:
                     self._check_room(k)
+                self._stats["nonfinite_skipped"] += n_skip
                 rows, is_new = a.insert(k)
                 self._init_rows(rows[is_new], k[is_new])
                 self._stats["inserts"] += int(is_new.sum())
@@ -627,6 +642,7 @@ class EmbeddingTable(TableIO):
                 self._mseq += 1
                 ak.set_meta(a.version, a.seq, rows, self._step, self._mseq)
             self._rows.after(k)
+        return int(k.shape[0])
 
     def remove(self, keys: Any) -> int:
         """Remove keys (absent ones ignored); returns how many rows were removed."""
@@ -738,8 +754,9 @@ class EmbeddingTable(TableIO):
             created), ``collisions``, ``evictions``, ``admissions_rejected`` (lookup
             occurrences of keys not admitted yet), ``gradients_dropped`` (gradient keys
             without a row under admission), ``nonfinite_skipped`` (keys skipped for NaN/Inf
-            gradients), ``removed``. A tiered table adds ``tier0_rows`` and ``tiers`` (per
-            tier: rows, bytes, hits, misses, promotions, evictions, compactions), and
+            gradients, rows of ``upsert``/``import_`` skipped for NaN/Inf), ``removed``. A
+            tiered table adds ``tier0_rows`` and ``tiers`` (per tier: rows, bytes, hits,
+            misses, promotions, evictions, compactions, and ``path`` or ``url``), and
             ``rows`` counts every tier (the other sizes are tier 0's).
 
             ``collisions`` counts distinct str/bytes keys within one call that hashed to a
@@ -769,8 +786,10 @@ class EmbeddingTable(TableIO):
         return out
 
     def __repr__(self) -> str:
+        spill = self._rows.spill_locations()
+        where = f", spill={spill}" if spill else ""
         return (f"EmbeddingTable(dim={self.dim}, rows={len(self)}, optimizer={self.optimizer!r}, "
-                f"initializer={self.initializer!r})")
+                f"initializer={self.initializer!r}{where})")
 
 
 __all__ = ["EmbeddingTable", "ExportChunk"]

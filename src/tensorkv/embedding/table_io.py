@@ -14,10 +14,16 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 
 from tensorkv.embedding.arena import RowArena
-from tensorkv.embedding.chunks import ChunkArrays, ExportChunk, check_chunk, is_single_chunk
+from tensorkv.embedding.chunks import (
+    ChunkArrays,
+    ExportChunk,
+    check_chunk,
+    is_single_chunk,
+    nonfinite_rows,
+)
 from tensorkv.embedding.rows import ArenaRows, Place
 from tensorkv.embedding.tiers.base import check_chunk_rows
-from tensorkv.errors import ConfigError, UnsupportedOperationError
+from tensorkv.errors import ConfigError, NonFiniteValueError, UnsupportedOperationError
 
 if TYPE_CHECKING:
     from tensorkv.embedding.bulk import BulkImport
@@ -132,19 +138,53 @@ class TableIO:
                            storage_dtype=a.np_dtype, optimizer=self.optimizer.name,
                            as_keys=self.as_keys, what=what)
 
+    def _keep_finite(self, keys: np.ndarray, bad: np.ndarray, what: str,
+                    unchanged: str = "nothing was written") -> np.ndarray | None:
+        """Apply :attr:`nan_policy` to the rows ``bad`` flags (see :func:`nonfinite_rows`).
+
+        Returns None when every row is finite, else (``"skip"``) the mask of rows to keep;
+        the caller counts the others in ``stats()["nonfinite_skipped"]``.
+
+        Raises
+        ------
+        NonFiniteValueError
+            Under ``nan_policy="raise"``, naming the first bad key and how many rows.
+        """
+        if not bad.any():
+            return None
+        pos = np.flatnonzero(bad)
+        if self.nan_policy == "raise":
+            raise NonFiniteValueError(
+                f"{what}: {pos.size} of {bad.size} rows hold NaN or Inf (first: key "
+                f"{int(keys[pos[0]])}, row {int(pos[0])}); {unchanged}. Replace them (e.g. "
+                "np.nan_to_num) or create the table with nan_policy='skip' to skip such rows"
+            )
+        return ~bad
+
     def import_(self, chunks: Iterable[Any]) -> int:
         """Upsert exported rows exactly (values, slots, freq, version); returns rows written.
 
         ``chunks`` is an iterable of :class:`ExportChunk` or tuples
         ``(keys, values, slots, freq, version[, seq])``. Each chunk is checked before it is
         applied; a bad chunk raises :class:`ShapeError` and leaves the table as it was after
-        the previous chunk.
+        the previous chunk. Rows whose values or slots hold NaN or Inf follow
+        :attr:`nan_policy`: ``"raise"`` refuses their chunk with
+        :class:`~tensorkv.errors.NonFiniteValueError`, ``"skip"`` leaves them out (not
+        counted in the result; counted in ``stats()["nonfinite_skipped"]``).
         """
         total = 0
         if is_single_chunk(chunks):
             chunks = [chunks]
         for ch in chunks:
             keys, values, slots, freq, version = self.check_chunk(ch)
+            keep = self._keep_finite(
+                keys, nonfinite_rows(values, slots, self.arena.np_dtype), "import_",
+                "this chunk was not written (chunks before it were)")
+            n_skip = 0
+            if keep is not None:
+                n_skip = keys.shape[0] - int(keep.sum())
+                keys, values, slots = keys[keep], values[keep], slots[keep]
+                freq, version = freq[keep], version[keep]
             with self._rows.op:
                 self._rows.promote(keys)
                 a = self.arena
@@ -159,6 +199,7 @@ class TableIO:
                     a.version[rows] = version
                     self._mseq += 1
                     a.seq[rows] = self._mseq
+                    self._stats["nonfinite_skipped"] += n_skip
                 self._rows.after(keys, protect=False)
             total += keys.shape[0]
         return total
@@ -206,13 +247,14 @@ class TableIO:
             raise ConfigError(f"positions={positions!r} must be a non-negative integer")
         return BulkImport(cast("EmbeddingTable", self), int(positions))
 
-    def adopt_rows(self, arena: RowArena, seq: int) -> None:
+    def adopt_rows(self, arena: RowArena, seq: int, skipped: int = 0) -> None:
         """Replace every row with those of ``arena`` (one mutation); for :class:`BulkImport`.
 
         ``seq`` is the change sequence the new rows carry; if the table changed since it was
-        read, the rows are stamped with the new one.
+        read, the rows are stamped with the new one. ``skipped``: rows left out for NaN/Inf.
         """
         with self._lock.write():
+            self._stats["nonfinite_skipped"] += skipped
             self._mseq += 1
             if self._mseq != seq:  # the table changed while the rows were copied
                 arena.seq[: arena.high_water] = self._mseq

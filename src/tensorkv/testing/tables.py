@@ -36,7 +36,7 @@ import numpy as np
 import pytest
 
 import tensorkv
-from tensorkv.errors import ConfigError, NonFiniteGradientError
+from tensorkv.errors import ConfigError, NonFiniteGradientError, NonFiniteValueError
 from tensorkv.testing.tablecheck import (
     ROW_FIELDS,
     assert_bits_equal,
@@ -519,12 +519,13 @@ class TableTests:
         t, ref = pair(**copy.deepcopy(kw))
         rng = np.random.default_rng(13)
         self.train([t, ref], rng, 8, high=50, scale=0.3)
-        if "upsert" in self.supports:  # values that round in 16 bits, and beyond their range
-            vals = np.array([[1 / 3, -1e-8, 7e4, -0.0, 1e39][i % 5] for i in range(
+        if "upsert" in self.supports:  # values that round in 16 bits; beyond range: refused
+            vals = np.array([[1 / 3, -1e-8, 6e4, -0.0, 1e-30][i % 5] for i in range(
                 self.dim * 2)], np.float64).reshape(2, self.dim)
-            with np.errstate(over="ignore"):  # 1e39 is inf in float32, 7e4 in float16
-                for tab in (t, ref):
-                    tab.upsert([5, 6], vals)
+            for tab in (t, ref):
+                tab.upsert([5, 6], vals)
+                with pytest.raises(NonFiniteValueError):  # 1e39 is inf in float32
+                    tab.upsert([7], np.full((1, self.dim), 1e39))
         self.same(t, ref)
         self.check_exercised(t)
         if self._export:

@@ -19,7 +19,7 @@ from tensorkv.embedding.chain.tierchain import DEFAULT_MAX_PENDING_BYTES, TierCh
 from tensorkv.embedding.tiers.base import LowerTier, RecordLayout
 from tensorkv.embedding.tiers.hbm import DRAMTier, HBMArena
 from tensorkv.embedding.tiers.ssdhash_files import make_dirs
-from tensorkv.errors import ConfigError
+from tensorkv.errors import ConfigError, ShapeError, SpillDataExistsError
 
 
 def resolve_storage(storage: Any, storage_path: Any = None, storage_size: Any = None,
@@ -55,7 +55,8 @@ def _budget_rows(size: int | str | None, record_bytes: int) -> int | None:
     return None if size is None else max(1, int(size) // record_bytes)
 
 
-def _open_lowers(specs: list[Any], layout: RecordLayout) -> list[tuple[LowerTier, int | None]]:
+def _open_lowers(specs: list[Any], layout: RecordLayout,
+                 storage: StorageOption) -> list[tuple[LowerTier, int | None]]:
     """Open the tiers below tier 0, each empty, with its budget in rows."""
     lowers: list[tuple[LowerTier, int | None]] = []
     try:
@@ -64,26 +65,40 @@ def _open_lowers(specs: list[Any], layout: RecordLayout) -> list[tuple[LowerTier
             if isinstance(s, DRAM):  # host memory below HBM
                 lowers.append((DRAMTier(layout), budget))
                 continue
-            extra: dict[str, Any] = {}
+            extra: dict[str, Any] = {"overwrite": storage.overwrite}
             if isinstance(s, KV) and s.url.startswith("lmdb://") and "sync" not in s.options:
                 # like the LevelDB/RocksDB stores: no fsync per commit; flush() syncs
-                extra = {"sync": False}
+                extra["sync"] = False
             if isinstance(s, PMEM):  # the chain enforces the budget, by rows
-                extra = {"max_bytes": None}
-                make_dirs(os.path.dirname(os.path.abspath(s.path)))
-            tier = s.open(layout, **extra)
+                extra["max_bytes"] = None
+                if s.path is not None:
+                    make_dirs(os.path.dirname(s.path))
+            try:
+                tier = s.open(layout, **extra)
+            except ShapeError as e:  # data of another layout
+                raise _in_use(s.kind, s.location, f"rows of another layout ({e})",
+                              storage) from None
             lowers.append((tier, budget))
             if len(tier):
-                raise ConfigError(
-                    f"tier {tier!r} already holds {len(tier)} rows; a table's lower tiers are "
-                    "its spill space and must start empty. Use an empty storage_path, or "
-                    "delete the old tier data (restore tables from checkpoints)"
-                )
+                raise _in_use(s.kind, tier.location, f"{len(tier)} rows", storage)
     except BaseException:
         for t, _ in lowers:
             t.close()
         raise
     return lowers
+
+
+def _in_use(kind: str, where: str | None, what: str,
+            storage: StorageOption) -> SpillDataExistsError:
+    name = f"{storage.storage_type!r}, storage_path=..." if storage.storage_type else "tiers=[...]"
+    return SpillDataExistsError(
+        f"the {kind} tier at {where!r} already holds {what}, left by an earlier table. A "
+        "table's lower tiers are its spill space, not a checkpoint, and are not reopened: "
+        "the rows held in memory at close, the step and the optimizer state are not in "
+        "them (tensorkv.save/load keep a table). To wipe it and start empty pass "
+        f"overwrite=True: storage=StorageOption({name}, overwrite=True); or give a new or "
+        "empty path, or no path for a temporary directory removed on close"
+    )
 
 
 def open_rows(
@@ -124,7 +139,7 @@ def open_rows(
         arena = HBMArena(dim, num_slots * dim, device=device)
     else:
         arena = RowArena(dim, num_slots * dim, capacity=capacity, dtype=dtype)
-    lowers = _open_lowers(specs[1:], layout)
+    lowers = _open_lowers(specs[1:], layout, storage)
     # The write-back pool keeps cores busy while the table trains: a multi-threaded
     # optimizer kernel would wait for its slowest thread (the one sharing a core with a
     # writer), so it runs serially unless cores outnumber the training plus writer threads.

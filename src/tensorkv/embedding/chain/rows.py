@@ -228,7 +228,14 @@ class ChainRows(ArenaRows):
         self.chain.sync()
         stats["tier0_rows"] = stats["rows"]
         stats["tiers"] = self.chain.stats()
+        for st, (tier, _) in zip(stats["tiers"][1:], self.chain.lowers, strict=True):
+            st["temporary"] = tier.temporary  # a temporary directory, removed on close
         stats["rows"] = sum(int(t["rows"]) for t in stats["tiers"])
+
+    def spill_locations(self) -> list[str]:
+        """Where the lower tiers keep rows: absolute paths or URLs, ``(temporary)`` marked."""
+        return [f"{t.location}{' (temporary)' if t.temporary else ''}"
+                for t, _ in self.chain.lowers if t.location is not None]
 
     def add_meta(self, meta: dict[str, Any]) -> None:  # noqa: D102
         meta["storage"] = None if self.storage is None else self.storage.to_dict()

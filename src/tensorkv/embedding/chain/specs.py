@@ -3,12 +3,17 @@
 :class:`StorageOption` takes DeepRec's names (``"DRAM_SSDHASH"``) or explicit tier specs
 (:class:`DRAM`, :class:`HBM`, :class:`PMEM`, :class:`SSDHash`, :class:`KV`). Configuration
 only: :meth:`StorageOption.tier_specs` returns validated specs and a lower-tier spec's
-:meth:`~LowerTierSpec.open` opens its tier. See docs/tiers.md ("StorageOption").
+:meth:`~LowerTierSpec.open` opens its tier. Spill paths: a relative path is resolved against
+the working directory when the spec is made; no path means a fresh temporary directory,
+removed when the tier closes. See docs/tiers.md ("StorageOption", "Spill directories").
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -61,67 +66,120 @@ class DRAM(TierSpec):
 class LowerTierSpec(TierSpec):
     """A tier below memory; it can open its :class:`~tensorkv.embedding.tiers.LowerTier`."""
 
+    @property
+    def location(self) -> str | None:  # pragma: no cover - defined by the tiers
+        """The absolute path or URL of the tier's data (None: a temporary directory)."""
+        raise NotImplementedError
+
     def open(self, layout: RecordLayout, **overrides: Any) -> LowerTier:  # pragma: no cover
-        """Open (or create) this tier for records of ``layout``."""
+        """Open (or create) this tier for records of ``layout``.
+
+        ``overwrite=True`` (an override every lower tier takes) wipes the tier data already
+        at its location first.
+        """
         raise NotImplementedError
 
 
-def _need_path(kind: str, path: object) -> str:
+#: Embedded stores a KV tier may put in a temporary directory (``KV("lmdb://")``).
+TEMP_SCHEMES = ("leveldb", "lmdb", "rocksdb")
+
+
+def _spill_path(kind: str, path: object) -> str | None:
+    """``path`` resolved against the working directory (None: a temporary directory)."""
+    if path is None:
+        return None
     if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
         raise ConfigError(
-            f"{kind} tier needs a path (a directory or file on the device), got {path!r}; "
-            f"e.g. {kind}('/data/emb')"
+            f"{kind} tier takes a path (a directory or file on the device) or None for a "
+            f"temporary directory, got {path!r}; e.g. {kind}('/data/emb')"
         )
-    return os.fspath(path)
+    return os.path.abspath(os.fspath(path))
+
+
+def _open_spill(path: str | None, opener: Callable[[str], LowerTier],
+                leaf: str | None = None) -> LowerTier:
+    """``opener(path)``, or the tier in a new temporary directory removed when it closes."""
+    if path is not None:
+        return opener(path)
+    tmp = tempfile.mkdtemp(prefix="tensorkv-spill-")
+    try:
+        tier = opener(os.path.join(tmp, leaf) if leaf else tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    tier.remove_on_close(tmp)
+    return tier
 
 
 @dataclass(frozen=True, init=False)
 class PMEM(LowerTierSpec):
-    """Persistent memory: a memory-mapped slot file on a DAX mount."""
+    """Persistent memory: a memory-mapped slot file on a DAX mount (None: a temporary file)."""
 
-    path: str = ""
+    path: str | None = None
     kind: ClassVar[str] = "PMEM"
     rank: ClassVar[int] = 2
 
-    def __init__(self, path: str | os.PathLike[str], size: int | str | None = None) -> None:
-        object.__setattr__(self, "path", _need_path("PMEM", path))
+    def __init__(self, path: str | os.PathLike[str] | None = None,
+                 size: int | str | None = None) -> None:
+        object.__setattr__(self, "path", _spill_path("PMEM", path))
         object.__setattr__(self, "size", size)
         self.__post_init__()
+
+    @property
+    def location(self) -> str | None:
+        """The slot file's absolute path (None: a temporary file)."""
+        return self.path
 
     def open(self, layout: RecordLayout, **overrides: Any) -> LowerTier:
         """Open a :class:`~tensorkv.embedding.tiers.pmem.PMEMTier` at ``path``."""
         from tensorkv.embedding.tiers.pmem import PMEMTier
 
-        return PMEMTier(self.path, layout, **{"max_bytes": self.size, **overrides})
+        return _open_spill(
+            self.path, lambda p: PMEMTier(p, layout, **{"max_bytes": self.size, **overrides}),
+            leaf="pmem.tier")
 
 
 @dataclass(frozen=True, init=False)
 class SSDHash(LowerTierSpec):
-    """The SSDHASH tier: append-only segments with an in-memory index in a directory."""
+    """The SSDHASH tier: append-only segments with an in-memory index in a directory.
 
-    path: str = ""
+    ``path=None``: a temporary directory, removed when the tier closes.
+    """
+
+    path: str | None = None
     options: dict[str, Any] = field(default_factory=dict)
     kind: ClassVar[str] = "SSDHASH"
     rank: ClassVar[int] = 3
 
     def __init__(
-        self, path: str | os.PathLike[str], size: int | str | None = None, **options: Any
+        self, path: str | os.PathLike[str] | None = None, size: int | str | None = None,
+        **options: Any,
     ) -> None:
-        object.__setattr__(self, "path", _need_path("SSDHash", path))
+        object.__setattr__(self, "path", _spill_path("SSDHash", path))
         object.__setattr__(self, "size", size)
         object.__setattr__(self, "options", dict(options))
         self.__post_init__()
+
+    @property
+    def location(self) -> str | None:
+        """The directory's absolute path (None: a temporary directory)."""
+        return self.path
 
     def open(self, layout: RecordLayout, **overrides: Any) -> LowerTier:
         """Open a :class:`~tensorkv.embedding.tiers.ssdhash.SSDHashTier` at ``path``."""
         from tensorkv.embedding.tiers.ssdhash import SSDHashTier
 
-        return SSDHashTier(self.path, layout, **{**self.options, **overrides})
+        return _open_spill(
+            self.path, lambda p: SSDHashTier(p, layout, **{**self.options, **overrides}))
 
 
 @dataclass(frozen=True, init=False)
 class KV(LowerTierSpec):
-    """Any key-value store URL as a tier (``rocksdb:///data/emb``, ``redis://host:6379/0``)."""
+    """Any key-value store URL as a tier (``rocksdb:///data/emb``, ``redis://host:6379/0``).
+
+    An embedded store's URL without a path (``"lmdb://"``, ``"rocksdb://"``,
+    ``"leveldb://"``) names a store in a temporary directory, removed when the tier closes.
+    """
 
     url: str = ""
     options: dict[str, Any] = field(default_factory=dict)
@@ -139,11 +197,20 @@ class KV(LowerTierSpec):
         object.__setattr__(self, "options", dict(options))
         self.__post_init__()
 
+    @property
+    def location(self) -> str | None:
+        """The store URL (None: a store in a temporary directory)."""
+        return None if self.url[:-3] in TEMP_SCHEMES and self.url.endswith("://") else self.url
+
     def open(self, layout: RecordLayout, **overrides: Any) -> LowerTier:
         """Open a :class:`~tensorkv.embedding.tiers.kv.KVTier` over ``url``."""
         from tensorkv.embedding.tiers.kv import KVTier
 
-        return KVTier(self.url, layout, **{**self.options, **overrides})
+        scheme = self.url.split("://", 1)[0]
+        return _open_spill(
+            None if self.location is None else self.url,
+            lambda p: KVTier(p if "://" in p else f"{scheme}://{p}", layout,
+                             **{**self.options, **overrides}))
 
 
 _SPEC_CLASSES: dict[str, type[TierSpec]] = {c.kind: c for c in (HBM, DRAM, PMEM, SSDHash, KV)}
@@ -175,6 +242,11 @@ def _names() -> str:
     return ", ".join(STORAGE_TYPES)
 
 
+def _inside(path: Any, leaf: str, n_device: int) -> Any:
+    """A device tier's path: ``path`` itself, or ``path/leaf`` when two tiers share it."""
+    return os.path.join(os.fspath(path), leaf) if path is not None and n_device > 1 else path
+
+
 class StorageOption:
     """Where an embedding table keeps its rows: a chain of tiers, fastest first.
 
@@ -186,7 +258,9 @@ class StorageOption:
         ``"DRAM_LMDB"``, ``"DRAM_REDIS"`` (case-insensitive). Ignored when ``tiers`` is given.
     storage_path
         Directory of the on-device tier(s) (for two such tiers, ``pmem.tier`` and ``ssdhash/``
-        inside it); for ``*_REDIS`` the Redis URL.
+        inside it), or a store URL; for ``*_REDIS`` the Redis URL. A relative path is
+        resolved against the working directory now (``stats()`` and errors give the absolute
+        one); None (not for ``*_REDIS``): a fresh temporary directory, removed on close.
     storage_size
         Capacity of each tier in order, in bytes or strings like ``"4GiB"``; tiers without an
         entry are unbounded.
@@ -194,6 +268,12 @@ class StorageOption:
         How tier 0 picks rows to move down: ``"lfu"`` (frequency) or ``"lru"`` (recency).
     tiers
         Explicit specs, e.g. ``[DRAM("4GiB"), SSDHash("/data/emb"), KV("rocksdb:///db")]``.
+    overwrite
+        Wipe the tier data already at the lower tiers' paths (an earlier table's spill
+        space) and start empty. Without it, a table refuses a path holding rows
+        (:class:`~tensorkv.errors.SpillDataExistsError`); spill data is never reopened as a
+        table, since the rows held in memory at close, the step and the optimizer state
+        are not in it (checkpoints keep a table).
 
     Examples
     --------
@@ -209,12 +289,16 @@ class StorageOption:
         storage_size: list[int | str] | tuple[int | str, ...] | int | str | None = None,
         cache_strategy: str = "lfu",
         tiers: list[TierSpec] | None = None,
+        overwrite: bool = False,
     ) -> None:
         if not isinstance(cache_strategy, str) or cache_strategy.lower() not in CACHE_STRATEGIES:
             raise ConfigError(
                 f"cache_strategy={cache_strategy!r} is not one of {', '.join(CACHE_STRATEGIES)}"
             )
         self.cache_strategy = cache_strategy.lower()
+        if not isinstance(overwrite, bool):
+            raise ConfigError(f"overwrite={overwrite!r} must be True or False")
+        self.overwrite = overwrite
         if tiers is not None:
             if storage_path is not None or storage_size is not None:
                 raise ConfigError(
@@ -225,6 +309,10 @@ class StorageOption:
             self._specs = list(tiers)
         else:
             self.storage_type = self._check_name(storage_type)
+            if storage_path is not None and not isinstance(storage_path, (str, os.PathLike)):
+                raise ConfigError(f"storage_path={storage_path!r} must be a path or a URL")
+            if storage_path is not None and "://" not in os.fspath(storage_path):
+                storage_path = _spill_path("storage_path", storage_path)
             self._specs = self._from_name(self.storage_type, storage_path, storage_size)
         self.storage_path = None if storage_path is None else os.fspath(storage_path)
         validate_chain(self._specs)
@@ -250,12 +338,9 @@ class StorageOption:
             )
         sizes += [None] * (len(kinds) - len(sizes))
         device = [k for k in kinds if k not in ("HBM", "DRAM")]
-        if device and path is None:
-            raise ConfigError(
-                f"storage_type {name} keeps rows in {'/'.join(device)} and needs storage_path "
-                + ("(the Redis URL, e.g. 'redis://localhost:6379/0')" if "REDIS" in device
-                   else "(a directory on that device, e.g. '/data/emb')")
-            )  # fmt: skip
+        if "REDIS" in device and path is None:
+            raise ConfigError(f"storage_type {name} keeps rows in Redis and needs storage_path "
+                              "(the Redis URL, e.g. 'redis://localhost:6379/0')")
         specs: list[TierSpec] = []
         for kind, size in zip(kinds, sizes, strict=True):
             if kind == "HBM":
@@ -263,11 +348,9 @@ class StorageOption:
             elif kind == "DRAM":
                 specs.append(DRAM(size))
             elif kind == "PMEM":
-                p = os.path.join(os.fspath(path), "pmem.tier") if len(device) > 1 else path
-                specs.append(PMEM(p, size))
+                specs.append(PMEM(_inside(path, "pmem.tier", len(device)), size))
             elif kind == "SSDHASH":
-                p = os.path.join(os.fspath(path), "ssdhash") if len(device) > 1 else path
-                specs.append(SSDHash(p, size))
+                specs.append(SSDHash(_inside(path, "ssdhash", len(device)), size))
             elif kind == "REDIS":
                 if not isinstance(path, str) or not path.startswith(("redis", "rediss")):
                     raise ConfigError(
@@ -275,16 +358,10 @@ class StorageOption:
                         " e.g. 'redis://localhost:6379/0'"
                     )
                 specs.append(KV(path, size))
-            else:
-                p = os.fspath(path)
-                if "://" in p:
-                    specs.append(KV(p, size))
-                else:
-                    if not os.path.isabs(p):
-                        raise ConfigError(
-                            f"storage_path {p!r} for {name} must be an absolute directory path"
-                        )
-                    specs.append(KV(f"{_KV_SCHEMES[kind]}://{p}", size))
+            elif path is not None and "://" in os.fspath(path):
+                specs.append(KV(os.fspath(path), size))
+            else:  # a directory (absolute by now), or None: a temporary one
+                specs.append(KV(f"{_KV_SCHEMES[kind]}://{path or ''}", size))
         return specs
 
     def tier_specs(self) -> list[TierSpec]:
@@ -297,18 +374,21 @@ class StorageOption:
             "storage_type": self.storage_type,
             "cache_strategy": self.cache_strategy,
             "tiers": [s.to_dict() for s in self._specs],
+            "overwrite": self.overwrite,
         }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> StorageOption:
         """Rebuild from :meth:`to_dict` output."""
-        opt = cls(tiers=[spec_from_dict(t) for t in d["tiers"]], cache_strategy=d["cache_strategy"])
+        opt = cls(tiers=[spec_from_dict(t) for t in d["tiers"]], cache_strategy=d["cache_strategy"],
+                  overwrite=bool(d.get("overwrite", False)))
         opt.storage_type = d.get("storage_type")
         return opt
 
     def __repr__(self) -> str:
         inner = ", ".join(repr(s) for s in self._specs)
-        return f"StorageOption(tiers=[{inner}], cache_strategy={self.cache_strategy!r})"
+        more = ", overwrite=True" if self.overwrite else ""
+        return f"StorageOption(tiers=[{inner}], cache_strategy={self.cache_strategy!r}{more})"
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, StorageOption):
@@ -344,5 +424,5 @@ def validate_chain(specs: list[TierSpec]) -> None:
             )
 
 
-__all__ = ["DRAM", "HBM", "KV", "PMEM", "STORAGE_TYPES", "LowerTierSpec", "SSDHash",
-           "StorageOption", "TierSpec", "spec_from_dict", "validate_chain"]
+__all__ = ["DRAM", "HBM", "KV", "PMEM", "STORAGE_TYPES", "TEMP_SCHEMES", "LowerTierSpec",
+           "SSDHash", "StorageOption", "TierSpec", "spec_from_dict", "validate_chain"]

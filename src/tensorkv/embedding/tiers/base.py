@@ -9,7 +9,9 @@ into and out of tier 0. Record layout and interface: docs/tiers.md ("Records").
 from __future__ import annotations
 
 import contextlib
+import shutil
 import threading
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -314,6 +316,7 @@ class LowerTier(ABC):
         self.record_bytes = layout.record_bytes
         self._lock = threading.RLock()
         self._closed = False
+        self._remove_dir: weakref.finalize | None = None
 
     # ----------------------------------------------------------------- helpers
     def _check_open(self) -> None:
@@ -425,6 +428,23 @@ class LowerTier(ABC):
         """Whether :meth:`close` has been called."""
         return self._closed
 
+    @property
+    def location(self) -> str | None:
+        """The absolute path (or the store URL) of the tier's data; None for a memory tier."""
+        return getattr(self, "path", None)
+
+    @property
+    def temporary(self) -> bool:
+        """Whether the tier lives in a temporary directory removed on close."""
+        return self._remove_dir is not None
+
+    def remove_on_close(self, directory: str) -> None:
+        """Delete ``directory`` (a temporary one holding the tier) once the tier is closed.
+
+        Also when the tier is garbage-collected or the interpreter exits unclosed.
+        """
+        self._remove_dir = weakref.finalize(self, shutil.rmtree, directory, ignore_errors=True)
+
     def close(self) -> None:
         """Flush and release the tier; closing twice is harmless."""
         with self._lock:
@@ -434,6 +454,8 @@ class LowerTier(ABC):
                 self._close()
             finally:
                 self._closed = True
+                if self._remove_dir is not None:
+                    self._remove_dir()
 
     def __enter__(self) -> LowerTier:
         self._check_open()

@@ -54,6 +54,9 @@ class KVTier(LowerTier):
         Key prefix of this table's rows (non-empty; must not start with ``b"\\x00"``).
     batch_rows
         Records per ``get_many`` / ``put_many`` call.
+    overwrite
+        Delete this tier's rows and layout (everything under ``prefix``) from the store
+        first; other keys are left alone.
     **store_options
         Options for ``open_store`` when ``store`` is a URL.
     """
@@ -67,6 +70,7 @@ class KVTier(LowerTier):
         *,
         prefix: bytes | str = b"emb/",
         batch_rows: int = DEFAULT_BATCH_ROWS,
+        overwrite: bool = False,
         **store_options: Any,
     ) -> None:
         super().__init__(layout)
@@ -93,6 +97,9 @@ class KVTier(LowerTier):
         self.persistent = self.store.url.rstrip("/") != "memory:"
         self._counters = {"reads": 0, "writes": 0, "deletes": 0, "store_calls": 0}
         try:
+            if overwrite:
+                self.store.delete_prefix(self.prefix)
+                self.store.delete(META_PREFIX + self.prefix)
             self._check_meta()
         except BaseException:
             if self._owns:
@@ -101,6 +108,11 @@ class KVTier(LowerTier):
 
     def __repr__(self) -> str:
         return f"<KVTier {self.store.url!r} prefix={self.prefix!r}>"
+
+    @property
+    def location(self) -> str:
+        """The store's URL."""
+        return str(self.store.url)
 
     def _check_meta(self) -> None:
         mk = META_PREFIX + self.prefix

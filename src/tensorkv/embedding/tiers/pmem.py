@@ -48,6 +48,8 @@ class PMEMTier(IndexedTier):
     max_bytes
         Largest size the file may grow to (bytes or ``"64GiB"``; None: no limit). A put that
         would need more raises :class:`~tensorkv.errors.CapacityError` and writes nothing.
+    overwrite
+        Empty an existing tier file first (refused for a file that is not a PMEM tier).
     """
 
     kind = "pmem"
@@ -60,6 +62,7 @@ class PMEMTier(IndexedTier):
         *,
         capacity: int = 4096,
         max_bytes: int | str | None = None,
+        overwrite: bool = False,
     ) -> None:
         super().__init__(layout)
         self.path = os.path.abspath(os.fspath(path))
@@ -83,6 +86,11 @@ class PMEMTier(IndexedTier):
                 f"PMEM tier file {self.path!r} is open elsewhere; close it first"
             ) from None
         try:
+            if overwrite and os.pread(self._fd, 8, 0) not in (b"", MAGIC):
+                raise StorePathError(f"{self.path!r} is not a tensorkv PMEM tier file; "
+                                     "overwrite only empties a tier file: give a new path")
+            if overwrite:
+                os.ftruncate(self._fd, 0)
             self._load(max(int(capacity), 16))
         except BaseException:
             os.close(self._fd)

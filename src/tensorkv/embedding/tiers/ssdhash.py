@@ -75,6 +75,9 @@ class SSDHashTier(IndexedTier):
         Open a directory whose snapshot is damaged by replaying every segment, and truncate a
         damaged segment instead of refusing to open. Rows deleted before the last compaction
         may come back.
+    overwrite
+        Delete the tier files already in ``path`` and start empty (refused for a directory
+        holding other files).
     """
 
     kind = "ssdhash"
@@ -92,6 +95,7 @@ class SSDHashTier(IndexedTier):
         snapshot_min_bytes: int | str = DEFAULT_SNAPSHOT_MIN_BYTES,
         max_free_segments: int = DEFAULT_MAX_FREE_SEGMENTS,
         repair: bool = False,
+        overwrite: bool = False,
     ) -> None:
         super().__init__(layout)
         self.path = os.path.abspath(os.fspath(path))
@@ -152,7 +156,7 @@ class SSDHashTier(IndexedTier):
             )
         self.max_free_segments = max_free_segments
         self._scratch_buf = np.empty((0, self.words), np.uint64)
-        self._open(repair)
+        self._open(repair, overwrite)
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -170,7 +174,7 @@ class SSDHashTier(IndexedTier):
         )
 
     # ================================================================= open / recovery
-    def _open(self, repair: bool) -> None:
+    def _open(self, repair: bool, overwrite: bool = False) -> None:
         try:
             sf.make_dirs(self.path)
         except OSError as exc:
@@ -190,6 +194,8 @@ class SSDHashTier(IndexedTier):
                 "process); close it first"
             ) from None
         try:
+            if overwrite:
+                sf.wipe(self.path)
             self._load(repair)
         except BaseException:
             self._release_files()
@@ -207,7 +213,8 @@ class SSDHashTier(IndexedTier):
                 raise StorePathError(
                     f"SSDHASH directory {self.path!r} has format version {meta.get('version')!r}"
                     f"; this tensorkv reads version {sf.FORMAT_VERSION}. A tier is a table's "
-                    "spill space: delete the directory and restore the table from a checkpoint"
+                    "spill space: open it with overwrite=True (or delete the directory) and "
+                    "restore the table from a checkpoint"
                 )
             stored = RecordLayout.from_dict(meta["layout"])
             if stored != self.layout:

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from tensorkv.errors import CorruptRecordError, StoreError
+from tensorkv.errors import CorruptRecordError, StoreError, StorePathError
 
 SEG_MAGIC = b"TKVSEG01"
 SNAP_MAGIC = b"TKVSNAP1"
@@ -103,6 +103,29 @@ def pwrite_all(fd: int, data: Any, offset: int) -> None:
         n = os.pwrite(fd, mv, offset)
         mv = mv[n:]
         offset += n
+
+
+def wipe(path: str) -> None:
+    """Delete the tier files in directory ``path`` (the caller holds its ``LOCK``).
+
+    Raises
+    ------
+    StorePathError
+        When ``path`` holds other files too: only a tier directory is wiped.
+    """
+    names = os.listdir(path)
+    ours = {META_NAME, SNAP_NAME, LOCK_NAME, META_NAME + ".tmp", SNAP_NAME + ".tmp"}
+    other = sorted(n for n in names if n not in ours and not (
+        n.startswith(("seg-", "free-")) and n.endswith(".dat")))
+    if other:
+        raise StorePathError(
+            f"{path!r} holds files that are not SSDHASH tier files ({other[:5]}); overwrite "
+            "only wipes a tier directory: give an empty or new directory"
+        )
+    for n in names:
+        if n != LOCK_NAME:
+            os.unlink(os.path.join(path, n))
+    fsync_dir(path)
 
 
 def atomic_write(path: str, chunks: list[Any]) -> None:
