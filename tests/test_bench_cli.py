@@ -16,6 +16,8 @@ from tensorkv.cli.bench_cmd import workloads
 from tensorkv.cli.main import main
 
 SRC = Path(__file__).resolve().parents[1] / "src"
+#: A run of seconds, should a refusal tested below ever let the benchmark start.
+TINY = ("-p", "scale=0.0002", "-p", "sizes=100B", "-p", "backends=memory")
 
 
 def _flat(text: str) -> str:
@@ -52,10 +54,10 @@ def test_bench_kv_help_states_drop_caches():
 
 
 def test_bench_dry_run_checks_parameters_and_runs_nothing(tmp_path):
-    args = ["bench", "kv", "-p", "sizes=4KiB", "-p", f"directory={tmp_path}", "--dry-run"]
+    args = ["bench", "kv", *TINY, "-p", f"directory={tmp_path}", "--dry-run"]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
-    assert "kv.run(quick=False, sizes='4KiB'" in result.output
+    assert "kv.run(quick=False, scale=0.0002, sizes='100B', backends='memory'" in result.output
     assert list(tmp_path.iterdir()) == []
     result = CliRunner().invoke(main, ["bench", "kv", "-p", "bogus=1", "--dry-run"])
     assert result.exit_code == 2 and "bogus" in result.output
@@ -77,7 +79,7 @@ def test_kv_bench_leaves_the_page_cache_alone_by_default(tmp_path):
 
 
 def test_kv_bench_drop_caches_must_be_a_bool(tmp_path):
-    result = CliRunner().invoke(main, ["bench", "kv", "-p", "drop_caches=maybe",
+    result = CliRunner().invoke(main, ["bench", "kv", "-p", "drop_caches=maybe", *TINY,
                                        "-p", f"directory={tmp_path}"])
     assert result.exit_code == 1
     assert "drop_caches='maybe'" in result.output and "true or false" in result.output
@@ -86,7 +88,7 @@ def test_kv_bench_drop_caches_must_be_a_bool(tmp_path):
 @pytest.mark.skipif(os.geteuid() == 0, reason="root may drop the page cache: the refusal "
                     "is what an unprivileged user gets")
 def test_kv_bench_drop_caches_refused_without_root(tmp_path):
-    result = CliRunner().invoke(main, ["bench", "kv", "-p", "drop_caches=true",
+    result = CliRunner().invoke(main, ["bench", "kv", "-p", "drop_caches=true", *TINY,
                                        "-p", f"directory={tmp_path}"])
     assert result.exit_code == 1
     assert "/proc/sys/vm/drop_caches" in result.output and "root" in result.output
