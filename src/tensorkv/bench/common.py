@@ -20,6 +20,11 @@ from typing import Any
 
 import numpy as np
 
+from tensorkv.errors import BenchmarkError
+
+#: The kernel file whose write drops the page cache of the whole machine (root only).
+DROP_CACHES_FILE = "/proc/sys/vm/drop_caches"
+
 
 @dataclass
 class Result:
@@ -181,6 +186,34 @@ class Report:
                 f"{_fmt(r.baseline_value)} | {r.note} |"
             )
         return "\n".join(lines)
+
+
+def drop_page_cache(report: Report) -> None:
+    """Write back dirty pages and drop the whole machine's page cache (root only).
+
+    This reaches beyond the benchmark's own files (every process loses its cached file
+    pages), so a workload calls it only when asked to (``-p drop_caches=true``). Each call is
+    counted in ``report.params["page_cache_drops"]``, which the JSON output carries.
+
+    Raises
+    ------
+    BenchmarkError
+        Where the kernel refuses the write (not root, or a container without access).
+    """
+    report.params["page_cache_drops"] = report.params.get("page_cache_drops", 0) + 1
+    why = "" if os.access(DROP_CACHES_FILE, os.W_OK) else "permission denied"
+    if not why:
+        os.sync()
+        try:
+            with open(DROP_CACHES_FILE, "w") as f:
+                f.write("3\n")
+        except OSError as exc:
+            why = str(exc)
+    if why:
+        raise BenchmarkError(
+            f"drop_caches=true needs write access to {DROP_CACHES_FILE} ({why}); run as "
+            "root, or leave drop_caches false (reads may then come from the page cache)"
+        )
 
 
 def _fmt(x: float) -> str:

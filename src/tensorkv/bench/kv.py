@@ -13,9 +13,11 @@ incompressible values) goes through
 * baseline "sequential": the total bytes written to one file and ``fsync``-ed, then read back —
   the disk's own limit.
 
-The page cache is dropped (``/proc/sys/vm/drop_caches``, root only) before every read pass,
-stores and baselines alike, so reads come from the disk; when that is refused, reads come from
-the page cache and the report says so. MB/s counts value bytes (1 MB = 10^6 bytes).
+By default the run reads and writes only its own files and leaves the page cache alone, so
+reads may come from it. With ``-p drop_caches=true`` (root only) the whole machine's page
+cache is dropped (``/proc/sys/vm/drop_caches``) before every read pass, stores and baselines
+alike, so reads come from the disk. The JSON output records ``drop_caches`` and
+``page_cache_drops`` (how many times it was dropped). MB/s counts value bytes (1 MB = 10^6 bytes).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from tensorkv.bench.common import Report, measure
+from tensorkv.bench.common import Report, drop_page_cache, measure
 from tensorkv.errors import BenchmarkError, ConfigError, MissingDependencyError
 from tensorkv.stores import KVStore, open_store
 from tensorkv.stores.registry import backend_class
@@ -101,17 +103,6 @@ def bench_root(directory: str | None = None) -> str:
     if _fs_type(tmp) in {"tmpfs", "ramfs"}:
         return os.getcwd()
     return tmp
-
-
-def drop_page_cache() -> bool:
-    """Write back dirty pages and drop the page cache; return False where not permitted."""
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def available_backends(names: Sequence[str]) -> tuple[list[str], dict[str, str]]:
@@ -189,12 +180,20 @@ def make_data(case: SizeCase, total_bytes: int, seed: int = 0) -> Data:
 class _StoreRunner:
     """Opens a fresh store for each write pass and cleans up after itself."""
 
-    def __init__(self, name: str, root: str, redis_url: str | None, flushall: Callable[[], None]):
+    def __init__(
+        self,
+        name: str,
+        root: str,
+        redis_url: str | None,
+        flushall: Callable[[], None],
+        drop: Callable[[], None] | None,
+    ):
         self.name = name
         self.scheme, self.query = BACKENDS[name]
         self.root = root
         self.redis_url = redis_url
         self.flushall = flushall
+        self.drop = drop
         self.store: KVStore | None = None
         self.url = ""
         self._count = 0
@@ -220,8 +219,8 @@ class _StoreRunner:
         self.store = open_store(self.url)
         gc.collect()
 
-    def reopen(self, cold: bool) -> None:
-        """Close and reopen a store on disk (dropping the page cache in between if ``cold``).
+    def reopen(self) -> None:
+        """Close and reopen a store on disk (dropping the page cache in between if asked).
 
         Reads then come from the files, not from a memtable or cache left by the writes. An
         in-memory store stays open (closing it would lose the data).
@@ -230,13 +229,10 @@ class _StoreRunner:
             assert self.store is not None
             self.store.close()
             self.store = None
-            if cold:
-                drop_page_cache()
+            _maybe_drop(self.drop)
             self.store = open_store(self.url)
-            if cold:  # recovery on open (a write-ahead log replay) may have filled it again
-                drop_page_cache()
-        elif cold:
-            drop_page_cache()
+        # (stores on disk: again, as recovery on open, a log replay, may refill the cache)
+        _maybe_drop(self.drop)
 
     def close(self) -> None:
         """Close the store and delete its files."""
@@ -324,7 +320,7 @@ def run(
     backends: Sequence[str] | str | None = None,
     repeat: int = 1,
     directory: str | None = None,
-    drop_caches: bool = True,
+    drop_caches: bool = False,
 ) -> None:
     """Measure put_many/get_many of every backend and the two filesystem baselines.
 
@@ -341,14 +337,17 @@ def run(
         Value-size labels to run (``"100B"``, ``"4KiB"``, ``"1MiB"``; a comma-separated string
         works too); default all.
     backends
-        Backend labels to run (see :data:`BACKENDS`); default all.
+        Backend labels to run, comma-separated (``memory``, ``lmdb``, ``lmdb sync=false``,
+        ``lmdb readahead=true``, ``rocksdb``, ``leveldb``, ``redis``); default all.
     repeat
         Timed passes per figure (the best is reported).
     directory
         Where to put the stores and baseline files (default: the temp directory, or the
         current directory when the temp directory is in memory).
     drop_caches
-        Drop the page cache before each read pass (needs root; reads are warm otherwise).
+        Drop the whole machine's page cache (``/proc/sys/vm/drop_caches``, root only) before
+        each read pass, so reads come from the disk. Off by default: the run then reads and
+        writes only its own files, and reads may come from the page cache.
     """
     if isinstance(sizes, str):
         sizes = [s.strip() for s in sizes.split(",") if s.strip()]
@@ -359,16 +358,20 @@ def run(
         raise ConfigError(f"scale={scale!r} must be in (0, 10], e.g. 0.1")
     if repeat < 1:
         raise ConfigError(f"repeat={repeat!r} must be at least 1")
+    if not isinstance(drop_caches, bool):
+        raise ConfigError(f"drop_caches={drop_caches!r} must be true or false")
     by_label = {c.label: c for c in SIZE_CASES}
     chosen = list(sizes) if sizes else list(by_label)
     for s in chosen:
         if s not in by_label:
             raise ConfigError(f"unknown size {s!r}; choose from {', '.join(by_label)}")
     names, skipped = available_backends(list(backends) if backends else list(BACKENDS))
+    report.params.update({"drop_caches": bool(drop_caches), "page_cache_drops": 0})
+    drop = partial(drop_page_cache, report) if drop_caches else None
+    _maybe_drop(drop)  # fails here, before any file is written, where it is not permitted
+    read_note = "cold cache" if drop else "page cache"
     root_parent = bench_root(directory)
     root = tempfile.mkdtemp(prefix="tensorkv-bench-kv-", dir=root_parent)
-    cold = drop_caches and drop_page_cache()
-    read_note = "cold cache" if cold else "page cache"
     report.params.update(
         {
             "scale": frac,
@@ -385,10 +388,9 @@ def run(
             "skipped": skipped,
             "directory": root_parent,
             "filesystem": _fs_type(root_parent),
-            "reads": "cold: page cache dropped before each read pass"
-            if cold
-            else "warm: page cache not dropped (drop_caches=False or not root); reads may "
-            "hit the page cache",
+            "reads": "cold: page cache dropped before each read pass (drop_caches=true)"
+            if drop
+            else "warm: page cache kept (drop_caches=false); reads may hit the page cache",
             "repeat": repeat,
             "mb": "10^6 bytes of values",
             "redis": "local redis-server, no persistence (save '', appendonly no)",
@@ -412,7 +414,7 @@ def run(
                 f"batches of {case.batch}",
                 flush=True,
             )
-            _run_case(report, data, names, root, server, repeat, cold, read_note)
+            _run_case(report, data, names, root, server, repeat, drop, read_note)
             del data
             gc.collect()
         say("\n[kv] summary (x seq.: ratio to one sequential file; x files: to one file per key)")
@@ -423,9 +425,9 @@ def run(
         shutil.rmtree(root, ignore_errors=True)
 
 
-def _maybe_drop(cold: bool) -> None:
-    if cold:
-        drop_page_cache()
+def _maybe_drop(drop: Callable[[], None] | None) -> None:
+    if drop is not None:
+        drop()
 
 
 def _run_case(
@@ -435,7 +437,7 @@ def _run_case(
     root: str,
     server: Any,
     repeat: int,
-    cold: bool,
+    drop: Callable[[], None] | None,
     read_note: str,
 ) -> None:
     label = data.case.label
@@ -452,7 +454,7 @@ def _run_case(
         lambda: got.append(_seq_read(data, seq_path, buf)),
         repeat=repeat,
         warmup=0,
-        setup=lambda: _maybe_drop(cold),
+        setup=lambda: _maybe_drop(drop),
     )
     if got[-1] != data.value_total:
         raise BenchmarkError(f"sequential baseline read {got[-1]} of {data.value_total} bytes")
@@ -477,7 +479,7 @@ def _run_case(
         lambda: got.append(_files_read(data, fdir)),
         repeat=repeat,
         warmup=0,
-        setup=lambda: _maybe_drop(cold),
+        setup=lambda: _maybe_drop(drop),
     )
     if got[-1] != data.value_total:
         raise BenchmarkError(f"files baseline read {got[-1]} of {data.value_total} bytes")
@@ -493,7 +495,8 @@ def _run_case(
     # -- the stores
     for name in names:
         flushall = server.flushall if server is not None else (lambda: None)
-        runner = _StoreRunner(name, root, server.url if server is not None else None, flushall)
+        url = server.url if server is not None else None
+        runner = _StoreRunner(name, root, url, flushall, drop)
 
         def write(runner: _StoreRunner = runner) -> None:
             store = runner.store
@@ -524,7 +527,7 @@ def _run_case(
                 used = server.used_memory() / data.value_total
                 size_note = f"{used:.2f}x value bytes in server RAM"
                 get_note = "server RAM"
-            tr = measure(read, repeat=repeat, warmup=0, setup=partial(runner.reopen, cold))
+            tr = measure(read, repeat=repeat, warmup=0, setup=runner.reopen)
         finally:
             runner.close()
         if missing and missing[-1]:
