@@ -58,7 +58,7 @@ bench-quick: install
 
 # The full key-value benchmark behind docs/benchmarks.md (about 10 minutes, 600 MB of data).
 bench-kv: install
-	$(VENV)/bin/tensorkv bench kv --json bench-kv.json
+	$(VENV)/bin/tensorkv bench kv -p drop_caches=true --json bench-kv.json
 
 clean:
 	rm -rf $(VENV) tensorkv-data .pytest_cache .ruff_cache .mypy_cache .coverage htmlcov \
