@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import tensorkv
-from tensorkv.errors import StoreRestartedError, StoreUnavailableError
+from tensorkv.errors import ReplicationError, StoreRestartedError, StoreUnavailableError
 from tensorkv.stores.base import KVStore
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -210,6 +210,30 @@ def own_sentinel():
     setup.start()
     yield setup
     setup.stop()
+
+
+def test_wait_replicas_acknowledged(own_sentinel):
+    """wait_replicas=1: the save returns once the replica has every record."""
+    own_sentinel.flushall()
+    url = own_sentinel.url + "?wait_replicas=1&wait_timeout=10"
+    tensorkv.save(model(4), url, "acked", block_rows=256)
+    replica = [p for p in own_sentinel.data_ports if p != own_sentinel.master_port()][0]
+    c = _client(replica)
+    try:  # no wait_replication() here: WAIT already covered every write
+        assert c.exists(b"ckpt/m/acked")
+    finally:
+        c.close()
+
+
+def test_wait_replicas_not_acknowledged_publishes_nothing(own_sentinel):
+    own_sentinel.flushall()
+    url = own_sentinel.url + "?wait_replicas=2&wait_timeout=0.3"  # there is one replica
+    with pytest.raises(ReplicationError, match="only 1 of wait_replicas=2"):
+        tensorkv.save(model(4), url, "unacked", block_rows=256)
+    assert tensorkv.list_tags(url) == []
+    plain = own_sentinel.url  # gc writes too: with wait_replicas=2 its flush would fail
+    assert tensorkv.checkpoint.gc(plain).removed_keys > 0  # the refused save's records
+    assert tensorkv.checkpoint.check(plain).ok
 
 
 def test_sentinel_failover_mid_save(own_sentinel):

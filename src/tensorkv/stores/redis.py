@@ -160,6 +160,7 @@ class RedisStore(KVStore):
             else None
         )
         self._sentinel: Any = None
+        self._unwaited = False  # writes since the last WAIT
         self._client: Any = None
         self._reader: Any = None
         try:
@@ -477,6 +478,7 @@ class RedisStore(KVStore):
         values = list(map(operator.itemgetter(1), ops))
         full = self._full(keys)
         is_del = np.fromiter(map(operator.is_, values, repeat(None)), dtype=bool, count=len(ops))
+        self._unwaited = True  # flush() waits for the replicas (wait_replicas)
         with self._errors():
             self._apply(full, values, is_del, atomic=atomic)
 
@@ -531,6 +533,7 @@ class RedisStore(KVStore):
         """UNLINK full keys in pipelined chunks; return how many existed."""
         if not full:
             return 0
+        self._unwaited = True
         res = self._apply(full, [None] * len(full), np.ones(len(full), dtype=bool), atomic=False)
         return int(sum(res))
 
@@ -542,6 +545,7 @@ class RedisStore(KVStore):
             b"1" if expected is None else b"0", expected or b"",
             b"0" if value is None else b"1", b"" if value is None else bytes(value),
         )
+        self._unwaited = True
         with self._errors():
             return bool(self._client.eval(_CAS_SCRIPT, 1, self._ns + key, *args))
 
@@ -574,7 +578,7 @@ class RedisStore(KVStore):
 
     def _flush(self) -> None:
         n, timeout = self.options.wait_replicas, self.options.wait_timeout
-        if not n:
+        if not n or not self._unwaited:
             return
         with self._errors():
             # WAIT covers the writes of its own connection: a write on that connection first
@@ -583,7 +587,9 @@ class RedisStore(KVStore):
             pipe.execute_command("SET", self._ns + b"tensorkv:wait", b"1", "PX", 60000)
             pipe.execute_command("WAIT", n, int(timeout * 1000))
             acked = int(pipe.execute()[1])
-        if acked < n:
+        if acked >= n:
+            self._unwaited = False
+        else:
             raise ReplicationError(
                 f"only {acked} of wait_replicas={n} replicas of {self._where()} acknowledged "
                 f"the writes within wait_timeout={timeout} s; nothing was published: check the "
