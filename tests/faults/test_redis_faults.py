@@ -150,6 +150,30 @@ def test_restart_mid_save_fails_the_save_and_keeps_earlier_tags(own_redis, point
     _equal(tensorkv.load(None, url, "during"), model(2))
 
 
+def test_records_lost_without_a_restart_are_detected(own_redis):
+    """Records vanish while the server keeps running (an operator's FLUSHDB, eviction)."""
+    own_redis.flushall()
+    url = own_redis.url
+    with tensorkv.open_store(url) as real:
+        store = FaultAt(real, 2, own_redis.flushall)
+        with pytest.raises(StoreRestartedError, match="pending marker .* is gone"):
+            tensorkv.save(model(2), store, "lost", block_rows=256, bucket_bits=2)
+        c = own_redis.client()
+        try:  # a record of the tag vanishes, the marker stays: still refused
+            store = FaultAt(real, 2, lambda: _drop_first_chunk(c))
+            with pytest.raises(StoreRestartedError, match="records it wrote are missing"):
+                tensorkv.save(model(3), store, "lost2", block_rows=256, bucket_bits=2)
+        finally:
+            c.close()
+    assert tensorkv.list_tags(url) == []
+
+
+def _drop_first_chunk(client: Any) -> None:
+    keys = sorted(client.keys(b"ckpt/c/*"))
+    assert keys
+    client.delete(keys[0])
+
+
 def test_restart_without_persistence_never_publishes_a_tag_without_data(own_redis):
     """The server comes back empty (shutdown nosave): the save fails, no tag points nowhere."""
     own_redis.flushall()
