@@ -5,9 +5,10 @@ and end of each call with a write to fd -1 (a syscall that fails harmlessly and 
 trace). For every store configuration claiming ``durable_on_return``, each data file written
 between the marks must be synced (``fsync``, ``fdatasync``, ``sync_file_range``, ``msync``)
 after its last write and before the call returned, unless the file was opened ``O_DSYNC`` or
-``O_SYNC`` (each write to it is then synchronous). Redis never claims durability on return;
-with ``appendfsync always`` the server syncs its append-only file before it answers, which a
-trace of the server shows.
+``O_SYNC`` (each write to it is then synchronous). ``flush()`` of the other configurations
+is checked the same way: saves rely on it before and after the manifest. Redis never claims
+durability on return; with ``appendfsync always`` the server syncs its append-only file
+before it answers, which a trace of the server shows.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ DATA_FILES = {"lmdb": r"data\.mdb$", "rocksdb": r"\d+\.log$", "leveldb": r"\d+\.
 """Files that hold a backend's data or write-ahead log."""
 CONFIGS = [("lmdb", {}), ("lmdb", {"sync": False}), ("rocksdb", {}), ("rocksdb", {"sync": True}),
            ("leveldb", {}), ("leveldb", {"sync": True})]
+IDS = [f"{k}-{'-'.join(f'{a}={b}' for a, b in o.items()) or 'default'}" for k, o in CONFIGS]
 WRITES = "write,pwrite64,writev,pwritev,pwritev2"
 SYNCS = "fsync,fdatasync,msync,sync_file_range"
 _CALL = re.compile(r"^(\d+)\s+(\w+)\((-?\d+)(?:<([^>]*)>)?")
@@ -58,6 +60,10 @@ CHILD = """
         b.put_many({b"b%03d" % i: os.urandom(100) for i in range(100)})
         b.delete(b"k000")
     mark(b"tensorkv-end batch")
+    mark(b"tensorkv-begin flush")
+    s.put_many({b"f%03d" % i: os.urandom(100) for i in range(100)})
+    s.flush()
+    mark(b"tensorkv-end flush")
     s.close()
 """
 
@@ -125,9 +131,7 @@ def unsynced_writes(trace: list[str], what: str, data_file: str) -> tuple[int, l
     return writes, sorted(p for p, dirty in pending.items() if dirty)
 
 
-@pytest.mark.parametrize(("kind", "options"), CONFIGS,
-                         ids=[f"{k}-{'-'.join(f'{a}={b}' for a, b in o.items()) or 'default'}"
-                              for k, o in CONFIGS])
+@pytest.mark.parametrize(("kind", "options"), CONFIGS, ids=IDS)
 def test_durable_on_return_syncs_before_returning(strace, kind, options, tmp_path, request):
     url = make_url(kind, tmp_path, request)
     with tensorkv.open_store(url, **options) as store:
@@ -149,6 +153,23 @@ def test_durable_on_return_syncs_before_returning(strace, kind, options, tmp_pat
             f"{kind} claims durable_on_return, but {what} returned before {unsynced} was "
             "synced after its last write"
         )
+
+
+@pytest.mark.parametrize(("kind", "options"), CONFIGS, ids=IDS)
+def test_flush_syncs_what_was_written(strace, kind, options, tmp_path, request):
+    """``flush()`` makes what was written durable, in every configuration (saves rely on it)."""
+    url = make_url(kind, tmp_path, request)
+    log = tmp_path / "strace.log"
+    r = subprocess.run(
+        ["strace", "-f", "-y", "-qq", "-s", "40", "-o", str(log),
+         "-e", f"trace=openat,close,{WRITES},{SYNCS}",
+         sys.executable, "-c", textwrap.dedent(CHILD), url, repr(options)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    writes, unsynced = unsynced_writes(log.read_text().splitlines(), "flush", DATA_FILES[kind])
+    assert writes, "no write to a data file between the marks"
+    assert not unsynced, f"flush() returned before {unsynced} was synced after its last write"
 
 
 def _server_trace(pid: int, log: str) -> subprocess.Popen:
