@@ -1,0 +1,1 @@
+"""Fault-injection suite: crashes, full disks and write ordering around checkpoints."""
