@@ -47,6 +47,20 @@ class RecordingStore(KVStore):
                         t.put(k, v)
             self.log += [("delete" if v is None else "put", k) for k, v in ops]
 
+    def _compare_and_set(self, key: bytes, expected: bytes | None,
+                         value: bytes | memoryview | None) -> bool:
+        with self._lock:
+            done = self.inner.compare_and_set(key, expected, value)
+            if done:
+                self.log.append(("delete" if value is None else "put", key))
+            return done
+
+    def _value_sizes(self, keys: list[bytes]) -> Any:
+        return self.inner.value_sizes(keys)
+
+    def identity(self) -> str | None:
+        return self.inner.identity()
+
     def _flush(self) -> None:
         with self._lock:
             self.inner.flush()
