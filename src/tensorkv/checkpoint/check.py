@@ -129,7 +129,7 @@ def check(url: str | KVStore, *, verify: bool = False, grace: float | None = Non
         Seconds a pending save is presumed alive (default ``config.CHECKPOINT_GC_GRACE_SECONDS``);
         data of live saves is not reported as orphaned.
     """
-    with using_store(url) as store:
+    with using_store(url, create=False) as store:
         rep, _ = _scan_orphans(store, grace)
         sizes = store.get_many(rep.orphan_keys[:10000]) if rep.orphan_keys else []
         rep.orphan_bytes = sum(len(v) for v in sizes if v is not None)
@@ -157,7 +157,7 @@ def gc(url: str | KVStore, *, grace: float | None = None, dry_run: bool = False)
     while any save is in progress, since a new save may reuse them. A save that runs longer
     than ``grace`` is presumed dead.
     """
-    with using_store(url) as store:
+    with using_store(url, create=not dry_run) as store:
         rep, _ = _scan_orphans(store, grace)
         if dry_run:
             return rep
