@@ -64,18 +64,21 @@ class Meta:
 
 
 def parse_meta(buf: bytes, slot: int) -> Meta | str:
-    """The meta in the first :data:`META_END` bytes of page ``slot``, or what is wrong."""
+    """The meta in the first :data:`META_END` bytes of page ``slot``, or what is wrong.
+
+    What is wrong is a phrase that follows "meta page N", such as ``"is cut short"``.
+    """
     if len(buf) < META_END:
-        return "it is cut short"
+        return "is cut short"
     flags = _U16.unpack_from(buf, 10)[0]
     magic, version = _U32.unpack_from(buf, 16)[0], _U32.unpack_from(buf, 20)[0]
     if not flags & P_META or magic != MAGIC:
-        return f"it holds no LMDB meta page (magic number {magic:#x}, not {MAGIC:#x})"
+        return f"holds no LMDB meta page (magic number {magic:#x}, not {MAGIC:#x})"
     if version != DATA_VERSION:
-        return f"it has data format version {version}; this LMDB reads version {DATA_VERSION}"
+        return f"has data format version {version}; this LMDB reads version {DATA_VERSION}"
     psize = _U32.unpack_from(buf, 40)[0]
     if not 256 <= psize <= 65536 or psize & (psize - 1):
-        return f"its page size {psize} is not a power of two between 256 and 65536"
+        return f"has page size {psize}, not a power of two between 256 and 65536"
     return Meta(
         slot=slot,
         psize=psize,
@@ -91,11 +94,18 @@ def _size(n: int) -> str:
 
 
 def read_metas(fd: int) -> tuple[Meta | str, Meta | str]:
-    """Both meta pages of the open data file ``fd`` (page 1 is found with page 0's size)."""
+    """Both meta pages of the open data file ``fd`` (page 1 is found with page 0's size).
+
+    When page 0 is damaged, page 1 is looked for at every possible page size.
+    """
     m0 = parse_meta(os.pread(fd, META_END, 0), 0)
-    if isinstance(m0, str):
-        return m0, "its place depends on the page size meta page 0 holds"
-    return m0, parse_meta(os.pread(fd, META_END, m0.psize), 1)
+    if isinstance(m0, Meta):
+        return m0, parse_meta(os.pread(fd, META_END, m0.psize), 1)
+    for psize in (4096, *(1 << n for n in range(8, 17))):
+        m1 = parse_meta(os.pread(fd, META_END, psize), 1)
+        if isinstance(m1, Meta) and m1.psize == psize:
+            return m0, m1
+    return m0, "is not found at any page size"
 
 
 def committed_meta(store: str, fd: int) -> Meta:
@@ -104,11 +114,10 @@ def committed_meta(store: str, fd: int) -> Meta:
     LMDB refuses to open a file with a damaged meta page, whichever one it is.
     """
     m0, m1 = read_metas(fd)
-    bad = [f"meta page {i} is damaged: {m}" for i, m in enumerate((m0, m1)) if isinstance(m, str)]
+    bad = [f"meta page {i} {m}" for i, m in enumerate((m0, m1)) if isinstance(m, str)]
     if bad:
-        what = "; ".join(bad) if len(bad) == 1 else "data.mdb has no valid meta page (" + (
-            "; ".join(bad) + ")")
-        raise corrupt_error("lmdb", store, what)
+        head = "data.mdb has no valid meta page: " if len(bad) == 2 else "in data.mdb, "
+        raise corrupt_error("lmdb", store, head + "; ".join(bad))
     assert isinstance(m0, Meta) and isinstance(m1, Meta)
     if m0.psize != m1.psize:
         raise corrupt_error(
@@ -215,7 +224,7 @@ def restamp_metas(path: str, txnid: int) -> None:
         m0, m1 = read_metas(fd)
         if not isinstance(m0, Meta) or not isinstance(m1, Meta):
             raise corrupt_error("lmdb", os.path.dirname(path), f"the compacted copy {path!r} "
-                                "has a damaged meta page")
+                                "has no valid meta page")
         src = m1 if m1.txnid > m0.txnid else m0
         committed = bytearray(os.pread(fd, META_END, src.slot * src.psize))
         if txnid:
