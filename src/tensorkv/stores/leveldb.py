@@ -234,10 +234,19 @@ class LevelDBStore(KVStore):
             )
         except RuntimeError as exc:
             raise self._closed_error(exc) from None
+        except plyvel.Error as exc:
+            raise self._damaged(exc) from exc
         try:
-            if keys_only:
-                return list(zip(islice(it, n), repeat(None)))
-            return list(islice(it, n))
+            items: list[Any] = (
+                list(zip(islice(it, n), repeat(None))) if keys_only else list(islice(it, n))
+            )
+            if len(items) < n:  # the end of the range, or an error plyvel does not raise
+                probe = self._db.raw_iterator(verify_checksums=True)
+                try:  # plyvel checks the status after a seek, not at the end of iteration
+                    probe.seek(items[-1][0] + b"\x00") if items else probe.seek(start or b"")
+                finally:
+                    probe.close()
+            return items
         except plyvel.Error as exc:
             raise self._damaged(exc) from exc
         finally:

@@ -258,9 +258,26 @@ class RocksDBStore(KVStore):
             ropt.set_iterate_upper_bound(stop)
         if keys_only:
             it = self._call(self._db.keys, False, start, ropt)
-            return list(zip(self._read_all(it, n), repeat(None)))
-        it = self._call(self._db.items, False, start, ropt)
-        return self._read_all(it, n)
+            items: list[Any] = list(zip(self._read_all(it, n), repeat(None)))
+        else:
+            it = self._call(self._db.items, False, start, ropt)
+            items = self._read_all(it, n)
+        if len(items) < n:  # the end of the range, or an error that rocksdict hides
+            self._check_end(items[-1][0] + b"\x00" if items else start, ropt)
+        return items
+
+    def _check_end(self, pos: bytes | None, ropt: Any) -> None:
+        """Raise if iterating from ``pos`` meets damage.
+
+        rocksdict ends an iterator early, and silently, where RocksDB reports an error.
+        """
+
+        def probe() -> None:
+            it = self._db.iter(ropt)
+            it.seek_to_first() if pos is None else it.seek(pos)
+            it.status()  # raises RocksDB's error
+
+        self._call(probe)
 
     def _scan(
         self, start: bytes | None, stop: bytes | None, keys_only: bool, limit: int | None
