@@ -44,8 +44,6 @@ def test_lmdb_file_shrinks_and_every_key_reads_back(tmp_path):
     with tensorkv.open_store(url) as s:
         keys = _fill(s)
         s.delete_many([k for i, k in enumerate(keys) if i % 10])  # 90 % deleted
-        if _txnid(data) % 2:  # an odd id would hide a missing restamp (see lmdb_file)
-            s.put(b"even", b"txnid")
         kept = sorted(s.keys())
         want = s.get_many(kept)
         size = os.path.getsize(data)
@@ -129,3 +127,43 @@ def test_redis_cannot_compact(redis_server, key_prefix):
     url = with_options(redis_server.url, prefix=key_prefix)
     with tensorkv.open_store(url) as s, pytest.raises(UnsupportedOperationError, match="reclaims"):
         s.compact()
+
+
+def test_lmdb_compacted_file_continues_the_transaction_ids(tmp_path):
+    """The swapped-in file's committed meta carries the environment's last transaction id."""
+    url = f"lmdb://{tmp_path / 'db'}"
+    data = tmp_path / "db" / "data.mdb"
+    with tensorkv.open_store(url) as s:
+        keys = _fill(s, n_batches=4)
+        s.delete_many(keys[10:])
+        txnid = _txnid(data)
+        s.compact()
+        assert _txnid(data) == txnid  # a plain env.copy(compact=True) restarts at 1
+        with open(data, "rb") as f:
+            m0, m1 = lmdb_file.read_metas(f.fileno())
+        assert isinstance(m0, lmdb_file.Meta) and isinstance(m1, lmdb_file.Meta)
+        assert (m0.main_root, m0.last_pg) == (m1.main_root, m1.last_pg)  # one tree in both
+        assert [m0, m1][txnid & 1].txnid == txnid
+
+
+def test_lmdb_restamped_copy_reads_right_through_a_live_lock_file(tmp_path):
+    """A process attaching to a lock file that outlived the swap reads meta page id & 1."""
+    import lmdb
+
+    env = lmdb.open(str(tmp_path / "db"), map_size=1 << 26)
+    for i in range(4):  # four transactions: an even id, so meta page 0 is read
+        with env.begin(write=True) as t:
+            t.put(b"k%d" % i, b"v" * 3000)
+    txnid = env.info()["last_txnid"]
+    assert txnid == 4
+    (tmp_path / "copy").mkdir()
+    env.copy(str(tmp_path / "copy"), compact=True)
+    lmdb_file.restamp_metas(str(tmp_path / "copy" / "data.mdb"), txnid)
+    os.replace(tmp_path / "copy" / "data.mdb", tmp_path / "db" / "data.mdb")
+    # env stays open: the child attaches to its lock file (last txnid = txnid) and the new file
+    code = ("import sys, lmdb\ne = lmdb.open(sys.argv[1], readonly=True)\n"
+            "print(e.stat()['entries'], e.begin().get(b'k0') == b'v' * 3000)")
+    child = _child(code, str(tmp_path / "db"))
+    env.close()
+    assert child.returncode == 0, child.stderr
+    assert child.stdout.split() == ["4", "True"]
