@@ -123,3 +123,88 @@ def test_stores_lists_every_scheme(runner):
     rows = {r["scheme"]: r for r in backend_rows()}
     assert rows["memory"]["status"] == "ok"
     assert rows["memory"]["ordered_scans"] is True
+
+
+# ------------------------------------------------------------------ errors and read-only commands
+
+def _cli(*args, **env):
+    """Run the real ``tensorkv`` entry point in a subprocess (stderr kept apart)."""
+    import subprocess
+    import sys
+
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+    full = {**os.environ, "PYTHONPATH": src, **env}
+    if "TENSORKV_DEBUG" not in env:
+        full.pop("TENSORKV_DEBUG", None)
+    return subprocess.run([sys.executable, "-m", "tensorkv.cli.main", *args],
+                          capture_output=True, text=True, env=full, timeout=120)
+
+
+@pytest.mark.parametrize("scheme", ["lmdb", "rocksdb", "leveldb"])
+@pytest.mark.parametrize("command", [["tags"], ["check"], ["check", "--verify"],
+                                     ["gc", "--dry-run"], ["vacuum"]])
+def test_read_only_commands_on_a_mistyped_path(runner, tmp_path, scheme, command):
+    path = tmp_path / "typo"
+    result = runner.invoke(main, [*command, f"{scheme}://{path}"])
+    assert result.exit_code == 1
+    assert result.stderr.startswith("tensorkv: error: no "), result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.output
+    assert str(path) in result.stderr and "[Errno" not in result.stderr
+    assert not path.exists() and os.listdir(tmp_path) == []
+
+
+def test_truncated_lmdb_is_one_line_not_a_signal(tmp_path):
+    import numpy as np
+
+    url = f"lmdb://{tmp_path / 'db'}"
+    tensorkv.save({"w": np.zeros((512, 1024), np.float32)}, url, tag="v1")
+    data = tmp_path / "db" / "data.mdb"
+    os.truncate(data, os.path.getsize(data) // 2)
+    for args in (["tags", url], ["check", url], ["check", "--verify", url]):
+        r = _cli(*args)
+        assert r.returncode == 1, (args, r.returncode, r.stderr)  # not -7 (SIGBUS)
+        assert r.stderr.startswith("tensorkv: error: the lmdb store") and "truncated" in r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_debug_env_shows_the_traceback(tmp_path):
+    r = _cli("tags", f"lmdb://{tmp_path / 'typo'}", TENSORKV_DEBUG="1")
+    assert r.returncode == 1
+    assert "Traceback" in r.stderr and "StoreNotFoundError" in r.stderr
+    r = _cli("tags", f"lmdb://{tmp_path / 'typo'}")
+    assert "Traceback" not in r.stderr and r.stderr.startswith("tensorkv: error:")
+    assert "TENSORKV_DEBUG=1" in _cli("--help").stdout
+
+
+def test_error_message_of_every_kind_of_exception():
+    import lmdb
+
+    from tensorkv.cli.main import error_message
+    from tensorkv.errors import CorruptStoreError, StoreNotFoundError
+
+    msg = error_message(StoreNotFoundError(2, "no lmdb store at '/x'", "/x"))
+    assert msg == "tensorkv: error: no lmdb store at '/x'"
+    assert error_message(CorruptStoreError("data.mdb is\ncut")) == (
+        "tensorkv: error: data.mdb is cut")
+    assert error_message(lmdb.CorruptedError("mdb_get: MDB_CORRUPTED")) == (
+        "tensorkv: error: CorruptedError: mdb_get: MDB_CORRUPTED")
+    msg = error_message(ZeroDivisionError("division by zero"))
+    assert msg.startswith("tensorkv: error: unexpected ZeroDivisionError: division by zero")
+    assert "TENSORKV_DEBUG=1" in msg
+
+
+def test_vacuum_gives_lmdb_space_back(runner, tmp_path):
+    import numpy as np
+
+    url = f"lmdb://{tmp_path / 'db'}"
+    rng = np.random.default_rng(0)
+    with tensorkv.open_store(url) as s:
+        s.put_many({b"k%05d" % i: rng.bytes(4000) for i in range(3000)})
+        s.delete_many([b"k%05d" % i for i in range(100, 3000)])
+    size = os.path.getsize(tmp_path / "db" / "data.mdb")
+    result = runner.invoke(main, ["vacuum", url])
+    assert result.exit_code == 0, result.output
+    assert f"{size / 1e6:.1f} MB before" in result.output and "MB given back" in result.output
+    assert os.path.getsize(tmp_path / "db" / "data.mdb") < size / 4
+    with tensorkv.open_store(url, readonly=True) as s:
+        assert s.count() == 100

@@ -178,6 +178,14 @@ class KeyTooLargeError(StoreError, ValueError):
     """A key exceeds the backend's key size limit."""
 
 
+class CorruptStoreError(StoreError, OSError):
+    """A store's files are damaged (truncated, overwritten or missing a part).
+
+    The message names the file, what is wrong with it and how to recover (restore from a
+    backup or replica; for RocksDB and LevelDB, their repair tools).
+    """
+
+
 # --- network stores ------------------------------------------------------------------------
 class StoreAuthError(StoreError, PermissionError):
     """A server refused the credentials (wrong user or password, or missing ACL rights)."""

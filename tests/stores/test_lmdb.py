@@ -195,7 +195,7 @@ def test_options_from_query_and_kwargs(tmp_path):
 @pytest.mark.parametrize(
     ("options", "match"),
     [
-        ({"mapsize": "1GiB"}, "mapsize; valid options: map_size, max_map_size, max_readers"),
+        ({"mapsize": "1GiB"}, "mapsize; valid options: create, map_size, max_map_size"),
         ({"map_size": "lots"}, "map_size='lots'"),
         ({"map_size": "1MiB", "max_map_size": "512KiB"}, "smaller than map_size"),
         ({"sync": "maybe"}, "sync='maybe' is not a boolean"),

@@ -34,12 +34,22 @@ def _open_retrying(open_store: Callable[..., KVStore], url: str, **options: Any)
 
 
 @contextmanager
-def using_store(url: str | KVStore, **options: Any) -> Iterator[KVStore]:
+def using_store(url: str | KVStore, *, create: bool = True, **options: Any) -> Iterator[KVStore]:
     """Yield an open store; close it afterwards only if it was opened here.
 
     LMDB stores opened here skip the fsync of every transaction (``sync=false``) unless the
     URL sets ``sync``: the checkpoint code flushes before writing a manifest and the store is
     flushed on close, so data is durable before the tag is, and the tag when the call returns.
+
+    Parameters
+    ----------
+    url
+        A store URL, or an open store (yielded as it is).
+    create
+        False for calls that only read (or need existing data): a URL naming no store
+        raises :class:`~tensorkv.errors.StoreNotFoundError` and nothing is created.
+    **options
+        Options for :func:`~tensorkv.stores.open_store`.
     """
     if isinstance(url, KVStore):
         yield url
@@ -48,6 +58,7 @@ def using_store(url: str | KVStore, **options: Any) -> Iterator[KVStore]:
     from tensorkv.stores.registry import parse_url
 
     store = None
+    options["create"] = create
     if parse_url(url).scheme == "lmdb" and "sync" not in parse_url(url).options | options:
         # Group commit: checkpoint code flushes (fsyncs) explicitly before each manifest
         # and the store flushes on close, so per-transaction fsyncs would only cost time.

@@ -166,7 +166,7 @@ def check(url: str | KVStore, *, verify: bool = False, grace: float | None = Non
         Seconds a pending save is presumed alive (default ``config.CHECKPOINT_GC_GRACE_SECONDS``);
         data of live saves is not reported as orphaned.
     """
-    with using_store(url) as store:
+    with using_store(url, create=False) as store:
         rep, _ = _scan_orphans(store, grace)
         rep.orphan_bytes = _bytes_of(store, rep.orphan_keys)
         rep.missing = _missing_records(store)
@@ -194,7 +194,7 @@ def gc(url: str | KVStore, *, grace: float | None = None, dry_run: bool = False)
     Candidates are checked twice (before and after the data scan), and unreferenced dense
     chunks are kept while any save is in progress, since a new save may reuse them.
     """
-    with using_store(url) as store:
+    with using_store(url, create=not dry_run) as store:
         rep, _ = _scan_orphans(store, grace)
         if dry_run:
             return rep

@@ -393,7 +393,7 @@ def load(
             f"shard={shard!r} must be an int in [0, num_shards={num_shards!r})"
         )
     kind, dense_t, tables_t = (None, {}, {}) if obj is None else collect(obj)
-    with using_store(url) as store:
+    with using_store(url, create=False) as store:
         doc = manifest.read(store, tag)
         if kind == "table" and SINGLE_TABLE_NAME not in doc["tables"] and len(doc["tables"]) == 1:
             tables_t = {next(iter(doc["tables"])): tables_t[SINGLE_TABLE_NAME]}
@@ -537,7 +537,7 @@ def read_tensor(url: str | KVStore, tag: str, name: str, index: Any = None) -> n
         None (the whole tensor) or a basic index: ints, slices, ``None`` and ``...``; only
         the chunks holding the rows of axis 0 it selects are read.
     """
-    with using_store(url) as store:
+    with using_store(url, create=False) as store:
         doc = manifest.read(store, tag)
         ent = doc["dense"].get(name)
         if ent is None:

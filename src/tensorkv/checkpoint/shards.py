@@ -95,7 +95,7 @@ def merge(url: str | KVStore, tag: str, *, allow_missing: bool = False) -> dict[
         The combined manifest.
     """
     layout.check_tag(tag)
-    with using_store(url) as store:
+    with using_store(url, create=False) as store:
         raw = store.get(layout.manifest_key(tag))
         if raw is not None:
             return manifest.decode_manifest(raw, f"tag {tag!r}")

@@ -58,7 +58,7 @@ def list_tags(
     include_expired
         Also list expired tags (not yet removed by gc).
     """
-    with using_store(url) as store:
+    with using_store(url, create=False) as store:
         docs = manifest.read_all(store, include_expired=include_expired)
     names = manifest.sorted_tags(docs)
     if not details:
@@ -94,7 +94,7 @@ def latest_tag(url: str | KVStore) -> str | None:
 
 def tag_info(url: str | KVStore, tag: str = "latest") -> dict[str, Any]:
     """The manifest of a tag (a dict; see docs/format.md)."""
-    with using_store(url) as store:
+    with using_store(url, create=False) as store:
         return manifest.read(store, tag)
 
 
@@ -234,7 +234,7 @@ def copy_tag(
     str
         The new tag. Incremental tags are folded into a full tag on the way.
     """
-    with using_store(url) as src:
+    with using_store(url, create=False) as src:
         doc = manifest.read(src, src_tag)
         dst_tag = layout.check_tag(dst_tag or doc["tag"])
         if dst_url is None:
@@ -334,7 +334,7 @@ def dump_tag(url: str | KVStore, tag: str, path: str) -> int:
     uint64 value length, uint64 xxh3-64 of the value, key, value)``; the last record is the
     manifest, followed by a record with key length 0 (end marker). Works for every backend.
     """
-    with using_store(url) as store:
+    with using_store(url, create=False) as store:
         doc = manifest.read(store, tag)
         tmp = MemoryStore()
         if doc.get("incremental"):

@@ -128,4 +128,24 @@ def compact_cmd(url: str, tag: str) -> None:
     click.echo(f"tag {doc['tag']!r} is a full tag")
 
 
-COMMANDS = [tags_cmd, check_cmd, gc_cmd, compact_cmd]
+@click.command("vacuum")
+@click.argument("url")
+def vacuum_cmd(url: str) -> None:
+    """Give the space of deleted data in the store at URL back to the file system.
+
+    Run it after `tensorkv gc`. LMDB: copies the live pages to a new file and swaps it in
+    (refused while another process has the store open); RocksDB, LevelDB: compacts every
+    key range. Prints the store's size before and after.
+    """
+    from tensorkv.stores import open_store
+
+    try:
+        with open_store(url, create=False) as store:
+            before, after = store.compact()
+    except TensorKVError as exc:
+        _fail(exc)
+    click.echo(f"{url}: {before / 1e6:.1f} MB before, {after / 1e6:.1f} MB after "
+               f"({(before - after) / 1e6:.1f} MB given back)")
+
+
+COMMANDS = [tags_cmd, check_cmd, gc_cmd, compact_cmd, vacuum_cmd]

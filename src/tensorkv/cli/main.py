@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import importlib
+import os
 import re
 import sys
+from typing import Any
 
 import click
 
 from tensorkv import __version__
 from tensorkv.cli.bench_cmd import bench
 from tensorkv.cli.demo import demo
-from tensorkv.errors import MissingDependencyError
+from tensorkv.errors import MissingDependencyError, TensorKVError
 from tensorkv.stores import Capabilities, schemes
 from tensorkv.stores.registry import backend_class
 
@@ -24,7 +26,62 @@ _FLAGS = (
 )
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+#: Set to 1 to see the full traceback of an error instead of a one-line message.
+DEBUG_ENV = "TENSORKV_DEBUG"
+
+#: Modules whose exceptions are the storage libraries' own (errors tensorkv did not wrap).
+_BACKEND_MODULES = ("lmdb", "plyvel", "rocksdict", "redis")
+
+
+def error_message(exc: BaseException) -> str:
+    """The one line ``tensorkv: error: ...`` that stands for ``exc``."""
+    if isinstance(exc, click.ClickException) and isinstance(exc.__cause__, TensorKVError):
+        exc = exc.__cause__  # a command's _fail(): the message of what it caught
+    raw = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+    if isinstance(exc, click.ClickException):
+        raw = exc.format_message()
+    text = " ".join(raw.split()) or type(exc).__name__
+    if isinstance(exc, (TensorKVError, click.ClickException)):
+        return f"tensorkv: error: {text}"
+    origin = type(exc).__module__.split(".")[0]
+    if origin in _BACKEND_MODULES or isinstance(exc, (OSError, MemoryError)):
+        return f"tensorkv: error: {type(exc).__name__}: {text}"
+    return (
+        f"tensorkv: error: unexpected {type(exc).__name__}: {text} (run again with "
+        f"{DEBUG_ENV}=1 for the traceback and report it)"
+    )
+
+
+class _Group(click.Group):
+    """The command group; an error of a subcommand is one line on stderr, not a traceback."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (click.exceptions.Exit, click.UsageError, click.Abort):
+            raise
+        except click.ClickException as exc:  # a command's own refusal: the same one line
+            if _debug() and isinstance(exc.__cause__, Exception):
+                raise exc.__cause__ from None
+            click.echo(error_message(exc), err=True)
+            ctx.exit(exc.exit_code)
+        except Exception as exc:
+            if _debug():
+                raise
+            click.echo(error_message(exc), err=True)
+            ctx.exit(1)
+
+
+def _debug() -> bool:
+    return os.environ.get(DEBUG_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+@click.group(
+    cls=_Group,
+    context_settings={"help_option_names": ["-h", "--help"]},
+    epilog=f"Errors print one line on stderr and exit with status 1; set {DEBUG_ENV}=1 to "
+    "see the full traceback instead.",
+)
 @click.version_option(__version__, "-V", "--version", prog_name="tensorkv")
 def main() -> None:
     """tensorkv: deep-learning parameters in key-value storage.

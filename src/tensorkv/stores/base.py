@@ -537,6 +537,34 @@ class KVStore(ABC):
         if not self.readonly:
             self._flush()
 
+    def compact(self) -> tuple[int, int]:
+        """Give the space of deleted data back to the file system.
+
+        LMDB copies its live pages to a new file and swaps it in (refused while another
+        process has the store open); RocksDB and LevelDB compact every key range; memory
+        stores have nothing to do.
+
+        Returns
+        -------
+        tuple of int
+            The store's size on disk in bytes before and after.
+
+        Raises
+        ------
+        UnsupportedOperationError
+            The backend cannot compact on request (Redis manages its own memory).
+        """
+        self._check_writable()
+        return self._compact()
+
+    def _compact(self) -> tuple[int, int]:
+        from tensorkv.errors import UnsupportedOperationError
+
+        raise UnsupportedOperationError(
+            f"{self.scheme}:// stores ({type(self).__name__}) cannot compact on request; a "
+            "server such as Redis reclaims the memory of deleted keys itself"
+        )
+
     def close(self) -> None:
         """Close the store; later calls raise StoreClosedError. Closing twice is harmless."""
         with self._close_lock:

@@ -5,8 +5,11 @@ Kept free of any optional dependency so each backend module imports only its own
 
 from __future__ import annotations
 
+import ast
 import errno
+import fnmatch
 import os
+import struct
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping
@@ -15,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from tensorkv import config
 from tensorkv.errors import (
     ConfigError,
+    CorruptStoreError,
     InvalidURLError,
     StoreError,
     StoreLockedError,
@@ -56,7 +60,16 @@ def store_path(parsed: StoreURL) -> str:
     return os.path.normpath(path)
 
 
-def prepare_directory(path: str, *, readonly: bool, marker: str, scheme: str) -> None:
+def prepare_directory(
+    path: str,
+    *,
+    readonly: bool,
+    marker: str,
+    scheme: str,
+    create: bool = True,
+    data_files: tuple[str, ...] = (),
+    repair: str | None = None,
+) -> None:
     """Check (and for writers, create) a store directory, with errors that name the path.
 
     Parameters
@@ -69,16 +82,39 @@ def prepare_directory(path: str, *, readonly: bool, marker: str, scheme: str) ->
         A file that exists inside every store of this backend (e.g. ``data.mdb``).
     scheme
         The URL scheme, for messages.
+    create
+        False: a missing store raises StoreNotFoundError and nothing is created.
+    data_files
+        Patterns (``fnmatch``) of files that hold a store's data: a directory with such a
+        file but no ``marker`` is a damaged store (CorruptStoreError), never a new one.
+    repair
+        The binding's repair call, named in the advice of a CorruptStoreError.
     """
-    if readonly:
-        if not os.path.exists(os.path.join(path, marker)):
-            what = "does not exist" if not os.path.exists(path) else f"holds no {marker}"
-            raise StoreNotFoundError(
-                errno.ENOENT,
-                f"no {scheme} store at {path!r} ({path!r} {what}); a read-only open needs an "
-                f"existing store: open it once with readonly=False to create it",
+    if not os.path.exists(os.path.join(path, marker)):
+        found = _matching_files(path, data_files)
+        if found:
+            shown = ", ".join(found[:3]) + (", ..." if len(found) > 3 else "")
+            raise corrupt_error(
+                scheme,
                 path,
+                f"{marker} is missing but the directory holds {len(found)} data file(s) "
+                f"({shown}): it was deleted or lost; opening it would start an empty store "
+                "beside the data",
+                repair=repair,
             )
+        if readonly or not create:
+            what = "does not exist" if not os.path.exists(path) else f"holds no {marker}"
+            how = (
+                "a read-only open needs an existing store: open it once with readonly=False "
+                "to create it"
+                if readonly
+                else "nothing was created: check the path, or open it with create=True to "
+                "make a new store"
+            )
+            raise StoreNotFoundError(
+                errno.ENOENT, f"no {scheme} store at {path!r} ({path!r} {what}); {how}", path
+            )
+    if readonly:
         return
     try:
         os.makedirs(path, exist_ok=True)
@@ -119,6 +155,157 @@ def prepare_directory(path: str, *, readonly: bool, marker: str, scheme: str) ->
             "permissions or open it with readonly=True",
             path,
         )
+
+
+def _matching_files(path: str, patterns: tuple[str, ...]) -> list[str]:
+    if not patterns or not os.path.isdir(path):
+        return []
+    out = []
+    for name in sorted(os.listdir(path)):
+        full = os.path.join(path, name)
+        matches = any(fnmatch.fnmatch(name, p) for p in patterns) and os.path.isfile(full)
+        if matches and (not name.endswith(".log") or os.path.getsize(full)):  # empty log: none
+            out.append(name)
+    return out
+
+
+# ----------------------------------------------------------------------------- damage
+
+
+def corrupt_error(
+    scheme: str, path: str, problem: str, *, repair: str | None = None
+) -> CorruptStoreError:
+    """A CorruptStoreError naming the store, what is wrong, and how to recover.
+
+    Parameters
+    ----------
+    scheme, path
+        The store.
+    problem
+        What is wrong, naming the file.
+    repair
+        The binding's repair call (RocksDB, LevelDB), offered when no copy exists.
+    """
+    salvage = (
+        f"; with no copy left, `{repair}` run on a copy of the directory salvages what it "
+        "can (it may drop damaged records: verify the result)"
+        if repair
+        else ""
+    )
+    return CorruptStoreError(
+        f"the {scheme} store {path!r} is damaged: {problem}. Restore the directory from a "
+        f"backup or a replica (or an earlier copy of it), then run `tensorkv check --verify "
+        f"{scheme}://{path}` to confirm the checkpoints in it{salvage}"
+    )
+
+
+def binding_message(exc: BaseException) -> str:
+    """The text of a binding's exception (plyvel's arrive as ``b'...'`` reprs)."""
+    text = str(exc)
+    if text[:2] in ("b'", 'b"'):
+        try:
+            raw = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            return text
+        if isinstance(raw, bytes):
+            return raw.decode("utf-8", "replace")
+    return text
+
+
+#: Words in RocksDB's and LevelDB's status messages that mean damaged files.
+_DAMAGE_WORDS = ("Corruption", "corrupt", "checksum", "IO error", "missing files")
+
+
+def damage_error(
+    scheme: str, path: str, exc: BaseException, repair: str
+) -> CorruptStoreError | None:
+    """A CorruptStoreError for an LSM binding's error that reports damage, else None."""
+    text = " ".join(binding_message(exc).split())
+    if "No space left" in text or not any(w in text for w in _DAMAGE_WORDS):
+        return None
+    return corrupt_error(scheme, path, f"{scheme} reports: {text.rstrip('. ')}", repair=repair)
+
+
+_LOG_BLOCK = 32768  # LevelDB/RocksDB log files are written in blocks of 32 KiB
+_FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
+_RECYCLABLE = 4  # record types 5..8: the same fragments with a longer header
+
+
+def _log_cut(path: str) -> str | None:
+    """Where a LevelDB/RocksDB log file ends inside a record, or None when it ends cleanly.
+
+    Only the framing is read (headers of 7 bytes, 11 for recyclable records: checksum,
+    length, type); the libraries check the checksums themselves. A record of an unknown
+    type stops the walk (no verdict).
+    """
+    size = os.path.getsize(path)
+    inside = False
+    with open(path, "rb") as f:
+        for start in range(0, size, _LOG_BLOCK):
+            block = f.read(_LOG_BLOCK)
+            pos = 0
+            while len(block) - pos >= 7:
+                length, kind = struct.unpack_from("<HB", block, pos + 4)
+                if kind == 0 and length == 0:
+                    break  # zero padding: the rest of the block is unused
+                if kind > 2 * _RECYCLABLE:
+                    return None
+                header = 11 if kind > _RECYCLABLE else 7
+                end = pos + header + length
+                if end > len(block):
+                    if start + len(block) < size or len(block) == _LOG_BLOCK:
+                        return None  # a record across a block boundary: not ours to judge
+                    return f"its last record needs {end - len(block)} more byte(s)"
+                kind = kind - _RECYCLABLE if kind > _RECYCLABLE else kind
+                inside = kind in (_FIRST, _MIDDLE)
+                pos = end
+            if len(block) - pos and len(block) < _LOG_BLOCK and block[pos:].strip(b"\0"):
+                return "it ends inside a record header"
+    return "it ends inside a record" if inside else None
+
+
+def check_lsm_files(scheme: str, path: str, repair: str) -> None:
+    """Refuse an LSM store whose CURRENT or MANIFEST is cut short (before the binding runs).
+
+    A MANIFEST cut short opens as an older version of the store: the data written since
+    reads as absent, and the binding deletes the table files that version does not list.
+    """
+    current = os.path.join(path, "CURRENT")
+    if not os.path.isfile(current):
+        return
+    with open(current, "rb") as f:
+        raw = f.read(256)
+    name = raw.decode("ascii", "replace").strip()
+    if not raw.endswith(b"\n") or not name.startswith("MANIFEST-") or "/" in name:
+        raise corrupt_error(
+            scheme, path, f"CURRENT holds {raw[:64]!r}, not the name of a MANIFEST file",
+            repair=repair,
+        )
+    manifest = os.path.join(path, name)
+    if not os.path.isfile(manifest):
+        raise corrupt_error(scheme, path, f"CURRENT names {name}, which is missing",
+                            repair=repair)
+    size = os.path.getsize(manifest)
+    cut = "it is empty" if not size else _log_cut(manifest)
+    if cut:
+        raise corrupt_error(
+            scheme,
+            path,
+            f"{name} ({size} bytes) is cut short: {cut} (the file was truncated, or the "
+            "machine stopped while it was written); opening it would drop the data "
+            "recorded after the cut",
+            repair=repair,
+        )
+
+
+def directory_bytes(path: str) -> int:
+    """Total size in bytes of the regular files directly in ``path``."""
+    total = 0
+    with os.scandir(path) as it:
+        for entry in it:
+            if entry.is_file(follow_symlinks=False):
+                total += entry.stat(follow_symlinks=False).st_size
+    return total
 
 
 def permission_error(scheme: str, path: str, exc: BaseException) -> StorePermissionError:

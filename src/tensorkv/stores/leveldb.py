@@ -24,10 +24,14 @@ from tensorkv.stores.embedded import (
     as_bool,
     as_int,
     as_size,
+    binding_message,
+    check_lsm_files,
     check_same_process,
     chunked_scan,
     claim_path,
     close_on_collect,
+    damage_error,
+    directory_bytes,
     locked_error,
     permission_error,
     prepare_directory,
@@ -47,8 +51,12 @@ def _as_compression(name: str, value: Any) -> str:
     return low
 
 
+_DATA_FILES = ("*.ldb", "*.sst", "*.log")  # tables and logs: data a missing CURRENT orphans
+_REPAIR = "plyvel.repair_db(path)"
+
 _OPTIONS = {
     "readonly": (as_bool, False),
+    "create": (as_bool, True),
     "sync": (as_bool, False),
     "compression": (_as_compression, "none"),
     "write_buffer_size": (as_size, config.LEVELDB_WRITE_BUFFER_SIZE),
@@ -70,6 +78,9 @@ class LevelDBStore(KVStore):
     readonly
         Refuse writes. LevelDB has no read-only mode of its own, so the database is still
         locked against other processes while open.
+    create
+        Create the store when the path holds none (default). ``False``: raise
+        :class:`~tensorkv.errors.StoreNotFoundError` and create nothing.
     sync
         ``False`` (default): the log is written on every call but not fsynced, so data
         survives a process crash but maybe not a power loss. ``True``: fsync each write.
@@ -97,6 +108,7 @@ class LevelDBStore(KVStore):
         url: str = "",
         *,
         readonly: bool = False,
+        create: bool = True,
         sync: bool = False,
         compression: str = "none",
         write_buffer_size: int = config.LEVELDB_WRITE_BUFFER_SIZE,
@@ -109,14 +121,24 @@ class LevelDBStore(KVStore):
         self.sync = bool(sync)
         if self.sync:
             self.capabilities = replace(type(self).capabilities, durable_on_return=True)
-        prepare_directory(path, readonly=readonly, marker="CURRENT", scheme="leveldb")
+        prepare_directory(
+            path,
+            readonly=readonly,
+            create=create,
+            marker="CURRENT",
+            scheme="leveldb",
+            data_files=_DATA_FILES,
+            repair=_REPAIR,
+        )
+        check_lsm_files("leveldb", path, _REPAIR)
         # LevelDB locks even read-only opens, and a second open in one process would drop
         # the first one's lock: refuse it before plyvel is called.
         self._claim = claim_path("leveldb", path)
         try:
             self._db = plyvel.DB(
                 path,
-                create_if_missing=not readonly,
+                create_if_missing=create and not readonly,
+                paranoid_checks=True,  # a damaged log or table fails the open, not skipped
                 write_buffer_size=write_buffer_size,
                 lru_cache_size=block_cache_size,
                 bloom_filter_bits=bloom_bits,
@@ -131,12 +153,22 @@ class LevelDBStore(KVStore):
         self._cas_lock = threading.RLock()
 
     def _open_error(self, exc: BaseException) -> Exception:
-        text = str(exc)
+        text = binding_message(exc)
         if "LOCK" in text and ("temporarily unavailable" in text or "already held" in text):
             return locked_error("leveldb", self.path, exc)
         if "Permission denied" in text or "Read-only file system" in text:
             return permission_error("leveldb", self.path, exc)
-        return StoreError(f"cannot open the leveldb store {self.path!r}: {exc}")
+        damaged = damage_error("leveldb", self.path, exc, _REPAIR)
+        if damaged is not None:
+            return damaged
+        return StoreError(f"cannot open the leveldb store {self.path!r}: {text}")
+
+    def _damaged(self, exc: plyvel.Error) -> Exception:
+        """The error to raise for a binding error met while reading or writing."""
+        damaged = damage_error("leveldb", self.path, exc, _REPAIR)
+        if damaged is not None:
+            return damaged
+        return StoreError(f"leveldb store {self.path!r}: {binding_message(exc)}")
 
     @classmethod
     def from_url(cls, parsed: StoreURL, **options: Any) -> LevelDBStore:
@@ -159,7 +191,9 @@ class LevelDBStore(KVStore):
             raise self._closed_error(exc) from None
         try:
             get = snap.get
-            return [get(k) for k in keys]
+            return [get(k, verify_checksums=True) for k in keys]
+        except plyvel.Error as exc:
+            raise self._damaged(exc) from exc
         finally:
             snap.close()
 
@@ -203,7 +237,7 @@ class LevelDBStore(KVStore):
                     f"the disk under leveldb store {self.path!r} is full ({exc}); free space "
                     "and retry",
                 ) from exc
-            raise StoreError(f"leveldb write to {self.path!r} failed: {exc}") from exc
+            raise self._damaged(exc) from exc
         except RuntimeError as exc:
             raise self._closed_error(exc) from None
 
@@ -212,13 +246,26 @@ class LevelDBStore(KVStore):
     ) -> list[tuple[bytes, bytes | None]]:
         check_same_process(self._pid, self.url)
         try:
-            it = self._db.iterator(start=start, stop=stop, include_value=not keys_only)
+            it = self._db.iterator(
+                start=start, stop=stop, include_value=not keys_only, verify_checksums=True
+            )
         except RuntimeError as exc:
             raise self._closed_error(exc) from None
+        except plyvel.Error as exc:
+            raise self._damaged(exc) from exc
         try:
-            if keys_only:
-                return list(zip(islice(it, n), repeat(None)))
-            return list(islice(it, n))
+            items: list[Any] = (
+                list(zip(islice(it, n), repeat(None))) if keys_only else list(islice(it, n))
+            )
+            if len(items) < n:  # the end of the range, or an error plyvel does not raise
+                probe = self._db.raw_iterator(verify_checksums=True)
+                try:  # plyvel checks the status after a seek, not at the end of iteration
+                    probe.seek(items[-1][0] + b"\x00") if items else probe.seek(start or b"")
+                finally:
+                    probe.close()
+            return items
+        except plyvel.Error as exc:
+            raise self._damaged(exc) from exc
         finally:
             it.close()
 
@@ -236,6 +283,17 @@ class LevelDBStore(KVStore):
         # LevelDB has no call to sync the log on its own; an empty synced batch does it.
         if not self.sync:
             self._db.write_batch(sync=True).write()
+
+    def _compact(self) -> tuple[int, int]:
+        check_same_process(self._pid, self.url)
+        before = directory_bytes(self.path)
+        try:
+            self._db.compact_range()
+        except plyvel.Error as exc:
+            raise self._damaged(exc) from exc
+        except RuntimeError as exc:
+            raise self._closed_error(exc) from None
+        return before, directory_bytes(self.path)
 
     def _close(self) -> None:
         self._finalizer()

@@ -11,7 +11,10 @@ from __future__ import annotations
 import bisect
 import contextlib
 import errno
+import fcntl
 import os
+import shutil
+import tempfile
 import threading
 import weakref
 from collections.abc import Iterator, Sequence
@@ -31,12 +34,14 @@ from tensorkv.errors import (
     StoreFullError,
     StoreLockedError,
 )
+from tensorkv.stores import lmdb_file
 from tensorkv.stores.base import Capabilities, KVStore, WriteOp, check_keys
 from tensorkv.stores.embedded import (
     as_bool,
     as_int,
     as_size,
     chunked_scan,
+    corrupt_error,
     permission_error,
     prepare_directory,
     store_path,
@@ -48,6 +53,7 @@ if TYPE_CHECKING:
 
 _OPTIONS = {
     "readonly": (as_bool, False),
+    "create": (as_bool, True),
     "map_size": (as_size, config.LMDB_INITIAL_MAP_SIZE),
     "max_map_size": (as_size, config.LMDB_MAX_MAP_SIZE),
     "sync": (as_bool, True),
@@ -131,17 +137,90 @@ _ENVS: dict[tuple[int, str], _SharedEnv] = {}
 _ENVS_LOCK = threading.Lock()
 
 
+#: LMDB errors that mean a damaged file (or, for the reader-slot and transaction ones, a
+#: lock file or transaction left unusable by damage met earlier).
+_DAMAGE = (
+    lmdb.CorruptedError,
+    lmdb.PageNotFoundError,
+    lmdb.InvalidError,
+    lmdb.VersionMismatchError,
+    lmdb.PanicError,
+    lmdb.BadRslotError,
+    lmdb.BadTxnError,
+    lmdb.PageFullError,
+    lmdb.CursorFullError,
+    lmdb.IncompatibleError,
+    lmdb.DiskError,
+)
+
+
+def _damage_error(path: str, exc: lmdb.Error) -> Exception:
+    """The error to raise for an LMDB error met while opening, reading or writing."""
+    text = str(exc)
+    if isinstance(exc, _DAMAGE) or "Input/output error" in text:
+        return corrupt_error("lmdb", path, f"LMDB reports {type(exc).__name__}: {text}")
+    if isinstance(exc, lmdb.ReadersFullError):
+        return StoreError(
+            f"lmdb store {path!r}: every reader slot is taken ({text}); close other readers "
+            "or open the store with a larger max_readers"
+        )
+    return StoreError(f"lmdb store {path!r}: {type(exc).__name__}: {text}")
+
+
 def _open_error(path: str, exc: lmdb.Error) -> Exception:
     text = str(exc)
     if "Permission denied" in text or "Read-only file system" in text:
         return permission_error("lmdb", path, exc)
     if "Resource temporarily unavailable" in text:
         return StoreLockedError(errno.EAGAIN, f"the lmdb store {path!r} is locked: {exc}", path)
+    if isinstance(exc, _DAMAGE):
+        return _damage_error(path, exc)
     return StoreError(f"cannot open the lmdb store {path!r}: {exc}")
 
 
+def _open_env(
+    path: str,
+    *,
+    readonly: bool,
+    create: bool,
+    sync: bool,
+    map_size: int,
+    readahead: bool,
+    max_readers: int,
+) -> lmdb.Environment:
+    """``lmdb.open`` after :func:`lmdb_file.check_data_file`, errors turned into ours."""
+    lmdb_file.check_data_file(path)
+    try:
+        env = lmdb.open(
+            path,
+            map_size=map_size,
+            subdir=True,
+            readonly=readonly,
+            create=create and not readonly,
+            metasync=sync,
+            sync=sync,
+            readahead=readahead,
+            lock=True,
+            max_readers=max_readers,
+            max_dbs=0,
+            max_spare_txns=4,
+        )
+    except lmdb.Error as exc:
+        raise _open_error(path, exc) from exc
+    with contextlib.suppress(lmdb.Error):
+        env.reader_check()  # free reader slots left by killed processes
+    return env
+
+
 def _acquire_env(
-    path: str, *, readonly: bool, sync: bool, map_size: int, readahead: bool, max_readers: int
+    path: str,
+    *,
+    readonly: bool,
+    create: bool,
+    sync: bool,
+    map_size: int,
+    readahead: bool,
+    max_readers: int,
 ) -> _SharedEnv:
     key = os.path.realpath(path)
     with _ENVS_LOCK:
@@ -161,25 +240,15 @@ def _acquire_env(
                 )
             shared.refs += 1
             return shared
-        try:
-            env = lmdb.open(
-                path,
-                map_size=map_size,
-                subdir=True,
-                readonly=readonly,
-                create=not readonly,
-                metasync=sync,
-                sync=sync,
-                readahead=readahead,
-                lock=True,
-                max_readers=max_readers,
-                max_dbs=0,
-                max_spare_txns=4,
-            )
-        except lmdb.Error as exc:
-            raise _open_error(path, exc) from exc
-        with contextlib.suppress(lmdb.Error):
-            env.reader_check()  # free reader slots left by killed processes
+        env = _open_env(
+            path,
+            readonly=readonly,
+            create=create,
+            sync=sync,
+            map_size=map_size,
+            readahead=readahead,
+            max_readers=max_readers,
+        )
         shared = _SharedEnv(key, env, readonly, sync, readahead)
         _ENVS[(shared.pid, key)] = shared
         return shared
@@ -211,6 +280,9 @@ class LMDBStore(KVStore):
         The URL it was opened with.
     readonly
         Open read-only; the environment must exist.
+    create
+        Create the environment when the path holds none (default). ``False``: raise
+        :class:`~tensorkv.errors.StoreNotFoundError` and create nothing.
     map_size
         Initial map size in bytes (default 64 MiB); the map doubles whenever a write
         transaction finds it full.
@@ -246,6 +318,7 @@ class LMDBStore(KVStore):
         url: str = "",
         *,
         readonly: bool = False,
+        create: bool = True,
         map_size: int = config.LMDB_INITIAL_MAP_SIZE,
         max_map_size: int = config.LMDB_MAX_MAP_SIZE,
         sync: bool = True,
@@ -265,10 +338,11 @@ class LMDBStore(KVStore):
         self.sync = bool(sync)
         if not self.sync:
             self.capabilities = replace(type(self).capabilities, durable_on_return=False)
-        prepare_directory(path, readonly=readonly, marker="data.mdb", scheme="lmdb")
+        prepare_directory(path, readonly=readonly, create=create, marker="data.mdb", scheme="lmdb")
         shared = _acquire_env(
             path,
             readonly=readonly,
+            create=create,
             sync=self.sync,
             map_size=map_size,
             readahead=readahead,
@@ -391,6 +465,8 @@ class LMDBStore(KVStore):
                 pass
             except lmdb.BadValsizeError:
                 break  # a key longer than LMDB allows: handled below, outside the gate
+            except lmdb.Error as exc:
+                raise _damage_error(self.path, exc) from exc
             finally:
                 self._gate.leave()
             self._adopt_map_size()
@@ -436,6 +512,9 @@ class LMDBStore(KVStore):
                 break
             except lmdb.MapResizedError:
                 self._gate.leave()
+            except lmdb.Error as exc:
+                self._gate.leave()
+                raise _damage_error(self.path, exc) from exc
             except BaseException:
                 self._gate.leave()
                 raise
@@ -444,7 +523,10 @@ class LMDBStore(KVStore):
         ahead = contextlib.ExitStack()
 
         def get(k: bytes, get: Any = txn.get) -> memoryview | None:
-            v = get(k) if len(k) <= limit else None
+            try:
+                v = get(k) if len(k) <= limit else None
+            except lmdb.Error as exc:
+                raise _damage_error(self.path, exc) from exc
             if v is not None:
                 lent.append(v)
             return v
@@ -520,7 +602,7 @@ class LMDBStore(KVStore):
                             f"the disk under lmdb store {self.path!r} is full; nothing was "
                             "written: free space and retry",
                         ) from exc
-                    raise
+                    raise _damage_error(self.path, exc) from exc
                 finally:
                     self._gate.leave()
                 # the transaction was aborted: fix the map, then replay every op
@@ -552,6 +634,8 @@ class LMDBStore(KVStore):
                     return items
             except lmdb.MapResizedError:
                 pass
+            except lmdb.Error as exc:
+                raise _damage_error(self.path, exc) from exc
             finally:
                 self._gate.leave()
             self._adopt_map_size()
@@ -580,8 +664,98 @@ class LMDBStore(KVStore):
             self._enter()
             try:
                 self._env.sync(True)
+            except lmdb.Error as exc:
+                raise _damage_error(self.path, exc) from exc
             finally:
                 self._gate.leave()
+
+    def _compact(self) -> tuple[int, int]:
+        """Copy the live pages to a new file and swap it in (see :meth:`KVStore.compact`).
+
+        Refused while another process has the environment open: every process holding it
+        open keeps a shared ``fcntl`` lock on byte 0 of ``lock.mdb``, so an exclusive lock
+        on that byte, taken through LMDB's own descriptor, proves this process alone has it
+        open, and makes processes that open it meanwhile wait. The compacted copy
+        (``env.copy(compact=True)``, a consistent snapshot) is written to a temporary
+        directory inside the store, its meta pages continue the environment's transaction
+        ids (see :func:`lmdb_file.restamp_metas`), it is fsynced, and ``os.replace`` swaps
+        it in; then this process reopens the environment on the new file.
+        """
+        if os.getpid() != self._pid:
+            self._enter()  # raises the after-fork error
+        sh = self._shared
+        if sh.refs > 1:
+            raise StoreLockedError(
+                errno.EBUSY,
+                f"the lmdb store {self.path!r} is open {sh.refs} times in this process; close "
+                "the other store objects on it, then compact",
+                self.path,
+            )
+        data = os.path.join(self.path, "data.mdb")
+        with self._write_lock:
+            self._gate.enter_exclusive()
+            try:
+                before = os.path.getsize(data)
+                if self._exclusive_copy(data):
+                    self._reopen()
+            finally:
+                self._gate.leave_exclusive()
+        return before, os.path.getsize(data)
+
+    def _exclusive_copy(self, data: str) -> bool:
+        """Swap a compacted copy in under the exclusive lock; False: nothing to compact."""
+        lock_fd = lmdb_file.lock_descriptor(os.path.join(self.path, "lock.mdb"))
+        try:
+            fcntl.lockf(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0, os.SEEK_SET)
+        except OSError as exc:
+            raise StoreLockedError(
+                errno.EBUSY,
+                f"cannot compact the lmdb store {self.path!r}: another process has it open "
+                "(it holds a lock on lock.mdb); close the store in every other process, then "
+                "compact",
+                self.path,
+            ) from exc
+        swapped = False
+        tmp = tempfile.mkdtemp(prefix=".compact-", dir=self.path)
+        try:
+            txnid = int(self._env.info()["last_txnid"])
+            if not txnid:
+                return False  # nothing was ever committed
+            try:
+                self._env.copy(tmp, compact=True)
+            except lmdb.Error as exc:
+                raise _damage_error(self.path, exc) from exc
+            copy = os.path.join(tmp, "data.mdb")
+            lmdb_file.restamp_metas(copy, txnid)
+            os.replace(copy, data)
+            swapped = True
+            lmdb_file.fsync_directory(self.path)
+            return True
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if not swapped:  # back to the shared lock every open environment holds
+                fcntl.lockf(lock_fd, fcntl.LOCK_SH | fcntl.LOCK_NB, 1, 0, os.SEEK_SET)
+
+    def _reopen(self) -> None:
+        """Close the environment (its map holds the old file) and open the new data.mdb."""
+        sh = self._shared
+        old = sh.env
+        map_size, max_readers = old.info()["map_size"], old.max_readers()
+        old.close()  # drops this process's locks: processes waiting to open it go on
+        try:
+            sh.env = _open_env(
+                self.path,
+                readonly=False,
+                create=False,
+                sync=sh.sync,
+                map_size=map_size,
+                readahead=sh.readahead,
+                max_readers=max_readers,
+            )
+        except BaseException:
+            self._closed = True
+            raise
+        self._env = sh.env
 
     def _close(self) -> None:
         if getattr(self._views, "depth", 0):

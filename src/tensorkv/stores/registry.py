@@ -12,7 +12,12 @@ from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 from tensorkv.config import parse_scalar
-from tensorkv.errors import InvalidURLError, MissingDependencyError, UnknownSchemeError
+from tensorkv.errors import (
+    ConfigError,
+    InvalidURLError,
+    MissingDependencyError,
+    UnknownSchemeError,
+)
 from tensorkv.stores.base import KVStore
 
 
@@ -23,13 +28,18 @@ class Backend:
     target: str  # "module:Class"
     extra: str | None  # pip extra, e.g. "redis"
     requires: tuple[str, ...] = ()  # top-level modules the backend imports
+    creates: bool = False  # takes the ``create`` option (stores that live in files)
 
 
 _REGISTRY: dict[str, Backend] = {
     "memory": Backend("tensorkv.stores.memory:MemoryStore", None),
-    "lmdb": Backend("tensorkv.stores.lmdb:LMDBStore", "lmdb", ("lmdb",)),
-    "rocksdb": Backend("tensorkv.stores.rocksdb:RocksDBStore", "rocksdb", ("rocksdict",)),
-    "leveldb": Backend("tensorkv.stores.leveldb:LevelDBStore", "leveldb", ("plyvel",)),
+    "lmdb": Backend("tensorkv.stores.lmdb:LMDBStore", "lmdb", ("lmdb",), creates=True),
+    "rocksdb": Backend(
+        "tensorkv.stores.rocksdb:RocksDBStore", "rocksdb", ("rocksdict",), creates=True
+    ),
+    "leveldb": Backend(
+        "tensorkv.stores.leveldb:LevelDBStore", "leveldb", ("plyvel",), creates=True
+    ),
     "redis": Backend("tensorkv.stores.redis:RedisStore", "redis", ("redis",)),
     "rediss": Backend("tensorkv.stores.redis:RedisStore", "redis", ("redis",)),
     "redis+cluster": Backend("tensorkv.stores.redis:RedisStore", "redis", ("redis",)),
@@ -40,7 +50,11 @@ _REGISTRY: dict[str, Backend] = {
 
 
 def register_backend(
-    scheme: str, target: str, extra: str | None = None, requires: tuple[str, ...] = ()
+    scheme: str,
+    target: str,
+    extra: str | None = None,
+    requires: tuple[str, ...] = (),
+    creates: bool = False,
 ) -> None:
     """Register (or replace) the backend serving ``scheme``.
 
@@ -56,8 +70,11 @@ def register_backend(
     requires
         Top-level modules the backend imports; an ImportError for one of them becomes a
         :class:`~tensorkv.errors.MissingDependencyError` naming ``extra``.
+    creates
+        The backend's ``from_url`` takes the ``create`` option; for the others
+        :func:`open_store` accepts and drops it.
     """
-    _REGISTRY[scheme.lower()] = Backend(target, extra, tuple(requires))
+    _REGISTRY[scheme.lower()] = Backend(target, extra, tuple(requires), creates)
 
 
 def schemes() -> list[str]:
@@ -182,7 +199,10 @@ def open_store(url: str, **options: Any) -> KVStore:
         ``redis+cluster://h1:p1,h2:p2``, ``redis+sentinel://s1:p1,s2:p2/master_name``.
         Options may follow as a query string (``?readonly=true&map_size=1GiB``).
     **options
-        Backend options; these override the query string. ``readonly=True`` works everywhere.
+        Backend options; these override the query string. ``readonly=True`` works everywhere,
+        and so does ``create=False``: a store kept in files (LMDB, RocksDB, LevelDB) that
+        does not exist raises :class:`~tensorkv.errors.StoreNotFoundError` and nothing is
+        created; the other backends ignore it.
 
     Returns
     -------
@@ -200,4 +220,8 @@ def open_store(url: str, **options: Any) -> KVStore:
     parsed = parse_url(url)
     cls = backend_class(parsed.scheme)
     merged = {**parsed.options, **options}
+    if "create" in merged and not _REGISTRY[parsed.scheme].creates:
+        create = merged.pop("create")
+        if not isinstance(create, bool):
+            raise ConfigError(f"option create={create!r} is not a boolean; use true or false")
     return cls.from_url(parsed, **merged)

@@ -14,21 +14,31 @@ import threading
 from collections.abc import Iterator
 from dataclasses import replace
 from itertools import islice, repeat
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import rocksdict
 
 from tensorkv import config
-from tensorkv.errors import ConfigError, StoreClosedError, StoreError, StoreFullError
+from tensorkv.errors import (
+    ConfigError,
+    CorruptStoreError,
+    StoreClosedError,
+    StoreError,
+    StoreFullError,
+)
 from tensorkv.stores.base import Capabilities, KVStore, WriteOp
 from tensorkv.stores.embedded import (
     as_bool,
     as_int,
     as_size,
+    binding_message,
+    check_lsm_files,
     check_same_process,
     chunked_scan,
     claim_path,
     close_on_collect,
+    damage_error,
+    directory_bytes,
     locked_error,
     permission_error,
     prepare_directory,
@@ -59,8 +69,12 @@ def _as_compression(name: str, value: Any) -> str:
 
 _DEFAULT_JOBS = max(2, min(8, os.cpu_count() or 2))  # flush + compaction threads
 
+_DATA_FILES = ("*.sst", "*.log")  # tables and logs: data a missing CURRENT orphans
+_REPAIR = "rocksdict.Rdict.repair(path)"
+
 _OPTIONS = {
     "readonly": (as_bool, False),
+    "create": (as_bool, True),
     "sync": (as_bool, False),
     "compression": (_as_compression, "none"),
     "write_buffer_size": (as_size, config.ROCKSDB_WRITE_BUFFER_SIZE),
@@ -82,6 +96,9 @@ class RocksDBStore(KVStore):
         The URL it was opened with.
     readonly
         Open read-only (no lock taken; other read-only opens may run at once).
+    create
+        Create the store when the path holds none (default). ``False``: raise
+        :class:`~tensorkv.errors.StoreNotFoundError` and create nothing.
     sync
         ``False`` (default): the WAL is written on every call but not fsynced, so data
         survives a process crash but maybe not a power loss. ``True``: fsync the WAL on
@@ -114,6 +131,7 @@ class RocksDBStore(KVStore):
         url: str = "",
         *,
         readonly: bool = False,
+        create: bool = True,
         sync: bool = False,
         compression: str = "none",
         write_buffer_size: int = config.ROCKSDB_WRITE_BUFFER_SIZE,
@@ -127,9 +145,18 @@ class RocksDBStore(KVStore):
         self.sync = bool(sync)
         if self.sync:
             self.capabilities = replace(type(self).capabilities, durable_on_return=True)
-        prepare_directory(path, readonly=readonly, marker="CURRENT", scheme="rocksdb")
+        prepare_directory(
+            path,
+            readonly=readonly,
+            create=create,
+            marker="CURRENT",
+            scheme="rocksdb",
+            data_files=_DATA_FILES,
+            repair=_REPAIR,
+        )
+        check_lsm_files("rocksdb", path, _REPAIR)
         opts = rocksdict.Options(raw_mode=True)
-        opts.create_if_missing(not readonly)
+        opts.create_if_missing(create and not readonly)
         opts.increase_parallelism(background_jobs)
         opts.set_max_background_jobs(background_jobs)
         opts.set_write_buffer_size(write_buffer_size)
@@ -164,12 +191,15 @@ class RocksDBStore(KVStore):
         self._db.set_write_options(self._wopt)
 
     def _open_error(self, exc: BaseException) -> Exception:
-        text = str(exc)
+        text = binding_message(exc)
         if "LOCK" in text and ("Resource temporarily unavailable" in text or "lock" in text):
             return locked_error("rocksdb", self.path, exc)
         if "Permission denied" in text or "Read-only file system" in text:
             return permission_error("rocksdb", self.path, exc)
-        return StoreError(f"cannot open the rocksdb store {self.path!r}: {exc}")
+        damaged = damage_error("rocksdb", self.path, exc, _REPAIR)
+        if damaged is not None:
+            return damaged
+        return StoreError(f"cannot open the rocksdb store {self.path!r}: {text}")
 
     @classmethod
     def from_url(cls, parsed: StoreURL, **options: Any) -> RocksDBStore:
@@ -185,6 +215,15 @@ class RocksDBStore(KVStore):
         except rocksdict.DbClosedError:
             self._check_open()
             raise StoreClosedError(f"store {self.url!r} is closed") from None
+        except Exception as exc:  # rocksdict raises plain Exception with RocksDB's status
+            damaged = damage_error("rocksdb", self.path, exc, _REPAIR)
+            if damaged is not None:
+                raise damaged from exc
+            raise
+
+    def _read_all(self, it: Any, n: int) -> list[Any]:
+        """Up to ``n`` items of a rocksdict iterator, with damage reported as for ``_call``."""
+        return cast("list[Any]", self._call(lambda: list(islice(it, n))))
 
     def _get_many(self, keys: list[bytes]) -> list[bytes | None]:
         check_same_process(self._pid, self.url)
@@ -216,7 +255,7 @@ class RocksDBStore(KVStore):
                 put(k, v if type(v) is bytes else bytes(v))  # raw mode takes bytes only
         try:
             self._call(self._db.write, wb, self._wopt)
-        except StoreClosedError:
+        except (StoreClosedError, CorruptStoreError):
             raise
         except Exception as exc:
             if "No space left" in str(exc):
@@ -236,9 +275,26 @@ class RocksDBStore(KVStore):
             ropt.set_iterate_upper_bound(stop)
         if keys_only:
             it = self._call(self._db.keys, False, start, ropt)
-            return list(zip(islice(it, n), repeat(None)))
-        it = self._call(self._db.items, False, start, ropt)
-        return list(islice(it, n))
+            items: list[Any] = list(zip(self._read_all(it, n), repeat(None)))
+        else:
+            it = self._call(self._db.items, False, start, ropt)
+            items = self._read_all(it, n)
+        if len(items) < n:  # the end of the range, or an error that rocksdict hides
+            self._check_end(items[-1][0] + b"\x00" if items else start, ropt)
+        return items
+
+    def _check_end(self, pos: bytes | None, ropt: Any) -> None:
+        """Raise if iterating from ``pos`` meets damage.
+
+        rocksdict ends an iterator early, and silently, where RocksDB reports an error.
+        """
+
+        def probe() -> None:
+            it = self._db.iter(ropt)
+            it.seek_to_first() if pos is None else it.seek(pos)
+            it.status()  # raises RocksDB's error
+
+        self._call(probe)
 
     def _scan(
         self, start: bytes | None, stop: bytes | None, keys_only: bool, limit: int | None
@@ -252,6 +308,13 @@ class RocksDBStore(KVStore):
         if os.getpid() != self._pid:
             return
         self._db.flush_wal(True)
+
+    def _compact(self) -> tuple[int, int]:
+        check_same_process(self._pid, self.url)
+        before = directory_bytes(self.path)
+        self._call(self._db.flush, True)  # the memtable too, so compaction sees every write
+        self._call(self._db.compact_range, None, None)
+        return before, directory_bytes(self.path)
 
     def _close(self) -> None:
         self._finalizer()
