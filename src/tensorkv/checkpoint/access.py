@@ -70,8 +70,13 @@ def using_store(url: str | KVStore, *, create: bool = True, **options: Any) -> I
         store = _open_retrying(open_store, url, **options)
     try:
         yield store
-    finally:
-        store.close()
+    except BaseException as exc:
+        try:
+            store.close()
+        except Exception as close_exc:  # the first error says what went wrong
+            exc.add_note(f"closing {store.url!r} afterwards failed too: {close_exc}")
+        raise
+    store.close()
 
 
 def writeback_starter(store: KVStore) -> Callable[[], None] | None:

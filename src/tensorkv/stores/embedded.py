@@ -21,6 +21,7 @@ from tensorkv.errors import (
     CorruptStoreError,
     InvalidURLError,
     StoreError,
+    StoreFullError,
     StoreLockedError,
     StoreNotFoundError,
     StorePathError,
@@ -306,6 +307,32 @@ def directory_bytes(path: str) -> int:
             if entry.is_file(follow_symlinks=False):
                 total += entry.stat(follow_symlinks=False).st_size
     return total
+
+
+def disk_nearly_full(path: str) -> bool:
+    """Whether the file system under ``path`` has almost no room left (< 16 MiB or < 1 %).
+
+    Databases report some writes cut short by a full disk as I/O errors; this tells the two
+    apart.
+    """
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return False
+    free = st.f_bavail * st.f_frsize
+    return free < max(16 << 20, st.f_blocks * st.f_frsize // 100)
+
+
+def write_error(scheme: str, path: str, what: str, exc: BaseException) -> StoreError:
+    """The error for a failed write or flush: StoreFullError when the disk is full."""
+    text = str(exc)
+    if "No space left" in text or disk_nearly_full(path):
+        return StoreFullError(
+            errno.ENOSPC,
+            f"the disk under {scheme} store {path!r} is full ({what}: {text}); free space "
+            "and retry",
+        )
+    return StoreError(f"{scheme} store {path!r}: {what} failed: {text}")
 
 
 def permission_error(scheme: str, path: str, exc: BaseException) -> StorePermissionError:

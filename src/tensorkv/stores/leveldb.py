@@ -38,6 +38,7 @@ from tensorkv.stores.embedded import (
     release_path,
     store_path,
     take_options,
+    write_error,
 )
 
 if TYPE_CHECKING:
@@ -158,6 +159,9 @@ class LevelDBStore(KVStore):
             return locked_error("leveldb", self.path, exc)
         if "Permission denied" in text or "Read-only file system" in text:
             return permission_error("leveldb", self.path, exc)
+        if "No space left" in text:  # LevelDB writes a new log (and table) on every open
+            return write_error("leveldb", self.path, "opening it, which LevelDB does by "
+                               "writing a new log file, even to read", exc)
         damaged = damage_error("leveldb", self.path, exc, _REPAIR)
         if damaged is not None:
             return damaged
@@ -282,7 +286,10 @@ class LevelDBStore(KVStore):
             return
         # LevelDB has no call to sync the log on its own; an empty synced batch does it.
         if not self.sync:
-            self._db.write_batch(sync=True).write()
+            try:
+                self._db.write_batch(sync=True).write()
+            except plyvel.Error as exc:
+                raise write_error("leveldb", self.path, "syncing the log", exc) from exc
 
     def _compact(self) -> tuple[int, int]:
         check_same_process(self._pid, self.url)

@@ -42,6 +42,7 @@ from tensorkv.stores.embedded import (
     as_size,
     chunked_scan,
     corrupt_error,
+    disk_nearly_full,
     permission_error,
     prepare_directory,
     store_path,
@@ -596,7 +597,10 @@ class LMDBStore(KVStore):
                         raise
                     raise err from exc
                 except lmdb.Error as exc:
-                    if "No space left" in str(exc):
+                    # a short write on a full disk surfaces as EIO from mdb_txn_commit
+                    if "No space left" in str(exc) or (
+                        "Input/output error" in str(exc) and disk_nearly_full(self.path)
+                    ):
                         raise StoreFullError(
                             errno.ENOSPC,
                             f"the disk under lmdb store {self.path!r} is full; nothing was "

@@ -45,6 +45,7 @@ from tensorkv.stores.embedded import (
     release_path,
     store_path,
     take_options,
+    write_error,
 )
 
 if TYPE_CHECKING:
@@ -307,7 +308,10 @@ class RocksDBStore(KVStore):
     def _flush(self) -> None:
         if os.getpid() != self._pid:
             return
-        self._db.flush_wal(True)
+        try:
+            self._db.flush_wal(True)
+        except Exception as exc:  # rocksdict raises a bare Exception for I/O errors
+            raise write_error("rocksdb", self.path, "syncing the write-ahead log", exc) from exc
 
     def _compact(self) -> tuple[int, int]:
         check_same_process(self._pid, self.url)
