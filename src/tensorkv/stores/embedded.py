@@ -29,6 +29,7 @@ from tensorkv.errors import (
 )
 
 if TYPE_CHECKING:
+    from tensorkv.stores.base import WriteOp
     from tensorkv.stores.registry import StoreURL
 
 # ----------------------------------------------------------------------------- URL paths
@@ -307,6 +308,37 @@ def directory_bytes(path: str) -> int:
             if entry.is_file(follow_symlinks=False):
                 total += entry.stat(follow_symlinks=False).st_size
     return total
+
+
+class SingleWriter:
+    """Writes and compare-and-set of a database that one process holds (RocksDB, LevelDB).
+
+    The database's LOCK file keeps other processes out and :func:`claim_path` other store
+    objects of this process, so one lock of the store object orders a compare-and-set's read
+    and write against every other write. A subclass creates ``_cas_lock`` (an RLock) and
+    provides ``_get_many`` and ``_write_batch(ops)``.
+    """
+
+    _cas_lock: threading.RLock  # created by the subclass's __init__
+
+    def _get_many(self, keys: list[bytes]) -> list[bytes | None]:
+        raise NotImplementedError
+
+    def _write_batch(self, ops: list[WriteOp]) -> None:
+        raise NotImplementedError
+
+    def _write(self, ops: list[WriteOp], *, atomic: bool) -> None:
+        with self._cas_lock:
+            self._write_batch(ops)
+
+    def _compare_and_set(
+        self, key: bytes, expected: bytes | None, value: bytes | memoryview | None
+    ) -> bool:
+        with self._cas_lock:
+            if self._get_many([key])[0] != expected:
+                return False
+            self._write_batch([(key, value)])
+            return True
 
 
 def disk_nearly_full(path: str) -> bool:

@@ -21,6 +21,7 @@ from tensorkv import config
 from tensorkv.errors import ConfigError, StoreClosedError, StoreError, StoreFullError
 from tensorkv.stores.base import Capabilities, KVStore, WriteOp
 from tensorkv.stores.embedded import (
+    SingleWriter,
     as_bool,
     as_int,
     as_size,
@@ -67,7 +68,7 @@ _OPTIONS = {
 }
 
 
-class LevelDBStore(KVStore):
+class LevelDBStore(SingleWriter, KVStore):
     """A store in a LevelDB database (one directory), used by one process at a time.
 
     Parameters
@@ -200,21 +201,6 @@ class LevelDBStore(KVStore):
             raise self._damaged(exc) from exc
         finally:
             snap.close()
-
-    def _write(self, ops: list[WriteOp], *, atomic: bool) -> None:
-        with self._cas_lock:  # a compare_and_set reads and writes under this lock
-            self._write_batch(ops)
-
-    def _compare_and_set(
-        self, key: bytes, expected: bytes | None, value: bytes | memoryview | None
-    ) -> bool:
-        # one process holds the database (its LOCK file), so a lock in this object orders
-        # the read and the write against every other write
-        with self._cas_lock:
-            if self._get_many([key])[0] != expected:
-                return False
-            self._write_batch([(key, value)])
-            return True
 
     def _write_batch(self, ops: list[WriteOp]) -> None:
         check_same_process(self._pid, self.url)

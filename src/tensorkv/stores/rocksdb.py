@@ -28,6 +28,7 @@ from tensorkv.errors import (
 )
 from tensorkv.stores.base import Capabilities, KVStore, WriteOp
 from tensorkv.stores.embedded import (
+    SingleWriter,
     as_bool,
     as_int,
     as_size,
@@ -86,7 +87,7 @@ _OPTIONS = {
 }
 
 
-class RocksDBStore(KVStore):
+class RocksDBStore(SingleWriter, KVStore):
     """A store in a RocksDB database (one directory), used by one process at a time.
 
     Parameters
@@ -229,21 +230,6 @@ class RocksDBStore(KVStore):
     def _get_many(self, keys: list[bytes]) -> list[bytes | None]:
         check_same_process(self._pid, self.url)
         return self._call(self._db.get, keys)
-
-    def _write(self, ops: list[WriteOp], *, atomic: bool) -> None:
-        with self._cas_lock:  # a compare_and_set reads and writes under this lock
-            self._write_batch(ops)
-
-    def _compare_and_set(
-        self, key: bytes, expected: bytes | None, value: bytes | memoryview | None
-    ) -> bool:
-        # one process holds the database (its LOCK file), so a lock in this object orders
-        # the read and the write against every other write
-        with self._cas_lock:
-            if self._get_many([key])[0] != expected:
-                return False
-            self._write_batch([(key, value)])
-            return True
 
     def _write_batch(self, ops: list[WriteOp]) -> None:
         check_same_process(self._pid, self.url)
