@@ -9,6 +9,7 @@ Why, with measurements: docs/internals.md ("Bulk loads and page hints").
 from __future__ import annotations
 
 import mmap
+import os
 import sys
 import threading
 from collections.abc import Iterable
@@ -136,3 +137,12 @@ class FreshPages:
         with self._lock:
             arrays, self._arrays = self._arrays, []
         madvise(arrays, MADV_HUGEPAGE)
+
+
+def fsync_path(path: str) -> None:
+    """Fsync a file or a directory by path (a directory: its new entries and renames)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from tensorkv import pages
 from tensorkv.bench.common import Report
 
 MB = 1e6
@@ -74,14 +75,6 @@ def _best(fn: Callable[[], Any], repeat: int, setup: Callable[[], Any] | None = 
     return min(times)
 
 
-def _fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _baselines(
     arrays: dict[str, np.ndarray], root: str, repeat: int
 ) -> dict[str, tuple[float, float]]:
@@ -126,7 +119,7 @@ def _baselines(
 
     def torch_save_fsync() -> None:
         torch.save(tens, tpath)
-        _fsync_file(tpath)
+        pages.fsync_path(tpath)
 
     out["torch.save+fsync"] = (_best(torch_save_fsync, repeat), float("nan"))
     os.remove(tpath)

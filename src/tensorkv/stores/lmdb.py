@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import lmdb
 
-from tensorkv import config
+from tensorkv import config, pages
 from tensorkv.errors import (
     ConfigError,
     KeyTooLargeError,
@@ -406,7 +406,6 @@ class LMDBStore(KVStore):
         if sh.readahead:
             yield
             return
-        from tensorkv import pages
 
         with sh.bulk_lock:
             sh.bulk_readers += 1
@@ -733,7 +732,7 @@ class LMDBStore(KVStore):
             lmdb_file.restamp_metas(copy, txnid)
             os.replace(copy, data)
             swapped = True
-            lmdb_file.fsync_directory(self.path)
+            pages.fsync_path(self.path)
             return True
         finally:
             shutil.rmtree(tmp, ignore_errors=True)

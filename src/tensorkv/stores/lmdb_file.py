@@ -259,12 +259,3 @@ def lock_descriptor(lock_path: str) -> int:
         "lock descriptor needs /proc/self/fd (Linux); copy it with `mdb_copy -c` while no "
         "process has it open instead"
     )
-
-
-def fsync_directory(path: str) -> None:
-    """Make a rename inside directory ``path`` durable (fsync the directory)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from tensorkv import pages
 from tensorkv.errors import CorruptRecordError, StoreError, StorePathError
 
 SEG_MAGIC = b"TKVSEG01"
@@ -64,11 +65,7 @@ def list_segments(path: str) -> list[int]:
 
 def fsync_dir(path: str) -> None:
     """Fsync a directory so renames and new files in it are durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    pages.fsync_path(path)
 
 
 def make_dirs(path: str) -> None:
