@@ -87,6 +87,10 @@ READERS = {
     "load_into": lambda url: tensorkv.load({"w": np.zeros(3, np.float32)}, url, "v1"),
     "read_tensor": lambda url: checkpoint.read_tensor(url, "v1", "w"),
     "merge": lambda url: checkpoint.merge(url, "v1"),
+    # not read-only, but they act on an existing tag: a mistyped path must not become a store
+    "delete_tag": lambda url: checkpoint.delete_tag(url, "v1"),
+    "expire_tag": lambda url: checkpoint.expire_tag(url, "v1", 60),
+    "compact": lambda url: checkpoint.compact(url, "v1"),
 }
 
 

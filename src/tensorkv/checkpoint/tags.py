@@ -112,7 +112,7 @@ def delete_tag(url: str | KVStore, tag: str, *, force: bool = False) -> None:
     those children first, so they stay loadable).
     """
     layout.check_tag(tag)
-    with using_store(url) as store:
+    with using_store(url, create=False) as store:
         doc = manifest.read(store, tag, include_expired=True)  # or TagNotFoundError
         docs = manifest.read_all(store, include_expired=True)
         kids = _children(docs, tag)
@@ -128,7 +128,7 @@ def delete_tag(url: str | KVStore, tag: str, *, force: bool = False) -> None:
 
 def expire_tag(url: str | KVStore, tag: str, ttl: float | None) -> None:
     """Set (seconds from now) or clear (None) the expiry of a tag."""
-    with using_store(url) as store:
+    with using_store(url, create=False) as store:
         mk = layout.manifest_key(tag)
         for _ in range(8):  # compare-and-set: a concurrent compact or expire is not undone
             doc = manifest.read(store, tag)
@@ -285,7 +285,7 @@ def compact(url: str | KVStore, tag: str) -> dict[str, Any]:
 
     Returns the new manifest. A full tag is left as it is.
     """
-    with using_store(url) as store:
+    with using_store(url, create=False) as store:
         doc = manifest.read(store, tag)
         if not doc.get("incremental"):
             return doc
