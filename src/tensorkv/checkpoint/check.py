@@ -78,9 +78,11 @@ def _scan_orphans(store: KVStore, grace: float | None) -> tuple[CheckReport, lis
     owned = {k for d in all_docs for k in refs.table_data_keys(d)}
     chunks = {d for doc in all_docs for e in doc["dense"].values() for d in e["chunks"]}
     protected: list[bytes] = []
+    seen: set[bytes] = set()  # the referenced records the scans met
     for k in store.keys(layout.TABLE):
         k = bytes(k)
         if k in owned:
+            seen.add(k)
             continue
         if refs.key_tag(k) in live_tags:
             protected.append(k)
@@ -88,11 +90,13 @@ def _scan_orphans(store: KVStore, grace: float | None) -> tuple[CheckReport, lis
             rep.orphan_keys.append(k)
     for k in store.keys(layout.CHUNK):
         k = bytes(k)
-        if k[len(layout.CHUNK) :].decode() not in chunks:
-            if live_tags:
-                protected.append(k)
-            else:
-                rep.orphan_keys.append(k)
+        if k[len(layout.CHUNK) :].decode() in chunks:
+            seen.add(k)
+        elif live_tags:
+            protected.append(k)
+        else:
+            rep.orphan_keys.append(k)
+    rep.missing = _missing_records(store, all_docs, seen)
     return rep, protected
 
 
@@ -131,22 +135,26 @@ def _bytes_of(store: KVStore, keys: list[bytes]) -> int:
     return total
 
 
-def _missing_records(store: KVStore) -> list[str]:
-    """Every manifest whose referenced records are not all in the store, with a count.
+def _still_there(store: KVStore, tag: str) -> bool:
+    """Whether a manifest of ``tag`` (complete or of a shard) is in the store."""
+    return store.get(layout.manifest_key(tag)) is not None or bool(
+        store.count(layout.SHARD_MANIFEST + tag.encode() + b"/")
+    )
 
-    One existence pass (:meth:`KVStore.value_sizes`, which reads no values where the backend
-    can avoid it) over the dense chunks and table records of every manifest, per-shard ones
-    and expired ones included.
+
+def _missing_records(
+    store: KVStore, docs: list[dict[str, Any]], seen: set[bytes]
+) -> list[str]:
+    """Every manifest whose referenced records were not all met by the key scans.
+
+    The scans that look for orphans list every record key anyway, so finding what is missing
+    costs no extra read. A manifest deleted during the scan is not reported.
     """
     out = []
-    for doc in refs.all_docs(store):
+    for doc in docs:
         keys = refs.record_keys(doc)
-        lost: list[bytes] = []
-        for i in range(0, len(keys), 4096):
-            part = keys[i : i + 4096]
-            sizes = store.value_sizes(part)
-            lost += [k for k, n in zip(part, sizes.tolist(), strict=True) if n < 0]
-        if lost:
+        lost = [k for k in keys if k not in seen]
+        if lost and _still_there(store, doc["tag"]):
             out.append(
                 f"{doc['tag']}: {len(lost)} of {len(keys)} records are missing (first: "
                 f"{lost[0]!r}); restore the store from a backup, or delete the tag"
@@ -169,7 +177,6 @@ def check(url: str | KVStore, *, verify: bool = False, grace: float | None = Non
     with using_store(url, create=False) as store:
         rep, _ = _scan_orphans(store, grace)
         rep.orphan_bytes = _bytes_of(store, rep.orphan_keys)
-        rep.missing = _missing_records(store)
         if verify:
             for t in rep.tags:
                 doc = manifest.read(store, t)
