@@ -14,7 +14,9 @@ except ImportError as e:  # pragma: no cover - exercised in a subprocess without
         'tensorkv.torch needs PyTorch, which is not installed; install it with: '
         'pip install "tensorkv[torch]"') from e
 
+from tensorkv.torch.checkpoint import load, save
 from tensorkv.torch.modules import DynamicEmbedding, DynamicEmbeddingBag, DynamicModule
 from tensorkv.torch.optim import Optimizer
 
-__all__ = ["DynamicEmbedding", "DynamicEmbeddingBag", "DynamicModule", "Optimizer"]
+__all__ = ["DynamicEmbedding", "DynamicEmbeddingBag", "DynamicModule", "Optimizer", "load",
+           "save"]
