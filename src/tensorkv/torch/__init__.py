@@ -15,8 +15,9 @@ except ImportError as e:  # pragma: no cover - exercised in a subprocess without
         'pip install "tensorkv[torch]"') from e
 
 from tensorkv.torch.checkpoint import load, save
+from tensorkv.torch.convert import convert
 from tensorkv.torch.modules import DynamicEmbedding, DynamicEmbeddingBag, DynamicModule
 from tensorkv.torch.optim import Optimizer
 
-__all__ = ["DynamicEmbedding", "DynamicEmbeddingBag", "DynamicModule", "Optimizer", "load",
-           "save"]
+__all__ = ["DynamicEmbedding", "DynamicEmbeddingBag", "DynamicModule", "Optimizer", "convert",
+           "load", "save"]
