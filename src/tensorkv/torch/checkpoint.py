@@ -116,7 +116,10 @@ def load(model: nn.Module, url: Any, tag: str = "latest", *,
         state.setdefault(int(pid), {})[name] = torch.from_numpy(arr.copy())
     for pid, vals in meta["plain"].items():
         state.setdefault(int(pid), {}).update(vals)
-    dense.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+    groups = [{k: tuple(v) if isinstance(v, list) and isinstance(cur.get(k), tuple) else v
+               for k, v in saved.items()}  # JSON keeps tuples (betas) as lists
+              for saved, cur in zip(meta["param_groups"], dense.param_groups, strict=False)]
+    dense.load_state_dict({"state": state, "param_groups": groups})
     return model
 
 

@@ -19,7 +19,7 @@ from tensorkv.errors import ConfigError
 from tensorkv.torch.modules import DynamicEmbedding, DynamicEmbeddingBag, DynamicModule
 
 
-def _refuse(name: str, module: nn.Module) -> None:
+def _refuse(name: str, module: nn.Embedding | nn.EmbeddingBag) -> None:
     """Raise for the options of ``module`` a dynamic module cannot honour."""
     bad = []
     if module.max_norm is not None:
@@ -82,9 +82,8 @@ def convert(model: nn.Module, *, storage: Any = None, optimizer: Any = None,
     """
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model={type(model).__name__} must be a torch nn.Module")
-    found = {n: m for n, m in model.named_modules()
-             if isinstance(m, (nn.Embedding, nn.EmbeddingBag))
-             and not isinstance(m, DynamicModule)}
+    found: dict[str, nn.Embedding | nn.EmbeddingBag] = {
+        n: m for n, m in model.named_modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))}
     names = list(found) if include is None else list(include)
     unknown = sorted(set(names) - set(found))
     if unknown:
@@ -101,7 +100,7 @@ def convert(model: nn.Module, *, storage: Any = None, optimizer: Any = None,
     return model
 
 
-def _dynamic(name: str, old: nn.Module, storage: Any, optimizer: Any,
+def _dynamic(name: str, old: nn.Embedding | nn.EmbeddingBag, storage: Any, optimizer: Any,
              table_kwargs: dict[str, Any]) -> DynamicModule:
     kwargs = dict(table_kwargs)
     if kwargs.get("storage_path") is not None:
