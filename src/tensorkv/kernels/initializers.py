@@ -101,37 +101,72 @@ def norm_ppf(p):  # pragma: no cover - compiled
     return -z if q < 0.0 else z
 
 
+#: Values per pass of :func:`init_normal` (whole rows; at least one row).
+NORMAL_BLOCK = 2048
+
+
 @njit(nogil=True, cache=True, error_model="numpy")
 def init_normal(out, rows, keys, seed, mean, std, truncated):  # pragma: no cover - compiled
     """Normal (or two-sigma truncated normal) draws from (seed, keys[i], c) by inverse CDF.
 
-    Per row: a branch-free pass evaluates the central AS 241 branch for every column (it
-    vectorises: ``error_model="numpy"`` drops the zero-division check that would block SIMD),
-    then the few columns with ``|p - 0.5| > 0.425`` are redone with the tail branch. The
-    result equals :func:`norm_ppf` column by column.
+    Rows are done in blocks of about ``NORMAL_BLOCK`` values, each in branch-free passes
+    that vectorise (``error_model="numpy"`` drops the zero-division check that would block
+    SIMD): the probabilities, the central AS 241 branch for every value, the positions with
+    ``|p - 0.5| > 0.425`` packed into a list, then their tail branch (``log``, ``sqrt``, the
+    ``r <= 5`` rational function; ``r > 5`` redone by :func:`norm_ppf`). Every operation is
+    :func:`norm_ppf`'s, in its order, so the result equals it value by value.
     """
     dim = out.shape[1]
     lo = PHI_MINUS_2 if truncated else 0.0
     span = (PHI_PLUS_2 - PHI_MINUS_2) if truncated else 1.0
-    p = np.empty(dim, np.float64)
-    z = np.empty(dim, np.float64)
-    for i in range(keys.shape[0]):
-        r = rows[i]
-        if r < 0:
-            continue
-        kh = key_stream(seed, keys[i])
-        for c in range(dim):
-            u = (np.float64(word(kh, c, 0) >> np.uint64(11)) + 0.5) * _INV_2_53
-            p[c] = lo + span * u
-        for c in range(dim):
-            q = p[c] - 0.5
+    per = max(1, NORMAL_BLOCK // max(dim, 1))
+    cap = per * dim
+    p = np.empty(cap, np.float64)
+    z = np.empty(cap, np.float64)
+    t = np.empty(cap, np.float64)
+    tail = np.empty(cap, np.int64)
+    brow = np.empty(per, np.int64)
+    n = keys.shape[0]
+    i = 0
+    while i < n:
+        m = 0  # rows of this block
+        while i < n and m < per:
+            if rows[i] >= 0:
+                brow[m] = rows[i]
+                kh = key_stream(seed, keys[i])
+                b = m * dim
+                for c in range(dim):
+                    u = (np.float64(word(kh, c, 0) >> np.uint64(11)) + 0.5) * _INV_2_53
+                    p[b + c] = lo + span * u
+                m += 1
+            i += 1
+        nv = m * dim
+        for v in range(nv):
+            q = p[v] - 0.5
             x = 0.180625 - q * q
-            z[c] = q * _poly(_A_ARR, x) / _poly(_B_ARR, x)
-        for c in range(dim):
-            if abs(p[c] - 0.5) > 0.425:
-                z[c] = norm_ppf(p[c])
-        for c in range(dim):
-            out[r, c] = mean + std * z[c]
+            z[v] = q * _poly(_A_ARR, x) / _poly(_B_ARR, x)
+        nt = 0
+        for v in range(nv):
+            tail[nt] = v
+            nt += abs(p[v] - 0.5) > 0.425
+        for j in range(nt):
+            pv = p[tail[j]]
+            t[j] = math.log(pv if pv - 0.5 < 0.0 else 1.0 - pv)
+        for j in range(nt):
+            t[j] = math.sqrt(-t[j])
+        for j in range(nt):
+            r = t[j] - 1.6
+            zt = _poly(_C_ARR, r) / _poly(_D_ARR, r)
+            v = tail[j]
+            z[v] = -zt if p[v] - 0.5 < 0.0 else zt
+        for j in range(nt):
+            if t[j] > 5.0:  # p below 1.4e-11 or above 1 - 1.4e-11 (plain normal only)
+                z[tail[j]] = norm_ppf(p[tail[j]])
+        for k in range(m):
+            r = brow[k]
+            b = k * dim
+            for c in range(dim):
+                out[r, c] = mean + std * z[b + c]
 
 
 @njit(nogil=True, cache=True)
