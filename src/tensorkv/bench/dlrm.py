@@ -1,5 +1,6 @@
-"""A DLRM-style click-through model and its synthetic data, shared by ``tensorkv demo`` and
-``tensorkv bench train``.
+"""A DLRM-style click-through model and its synthetic data.
+
+Shared by ``tensorkv demo`` and ``tensorkv bench train``.
 
 Data (:class:`SyntheticCTR`): 13 dense and 26 categorical features per sample. Feature ``f``
 draws Zipf-distributed ranks (exponent from 1.05 for the widest features to 2.0 for the
@@ -150,10 +151,11 @@ def mlp(sizes: list[int], *, last_relu: bool) -> Any:
 
 @cache
 def _classes() -> tuple[type, type]:
-    torch = _torch()
-    nn = torch.nn
+    _torch()  # the clear error where torch is missing
+    import torch
+    from torch import nn
 
-    class Constant(nn.Module):  # type: ignore[misc]
+    class Constant(nn.Module):
         """Returns the same rows for every id: the model without embedding lookups."""
 
         def __init__(self, dim: int, n: int) -> None:
@@ -165,7 +167,7 @@ def _classes() -> tuple[type, type]:
         def forward(self, ids: Any) -> Any:
             return self.rows[: ids.shape[0]]
 
-    class Model(nn.Module):  # type: ignore[misc]
+    class Model(nn.Module):
         """Bottom MLP, shared embedding module, dot interaction, top MLP."""
 
         def __init__(self, embedding: Any, dim: int, bottom: int, top: int, seed: int) -> None:

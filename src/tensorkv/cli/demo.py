@@ -1,5 +1,6 @@
-"""``tensorkv demo``: the training demo (:mod:`tensorkv.cli.demo_train`) and ``demo tour``, a
-short tour that writes tensors into a store and reads them back.
+"""``tensorkv demo`` (training, :mod:`tensorkv.cli.demo_train`) and ``tensorkv demo tour``.
+
+The tour writes tensors into a store and reads them back.
 
 The demo is a list of steps (:data:`STEPS`); each takes the shared :class:`DemoState`, does
 one thing, and returns a one-line summary (extra lines go to ``state.details``). Steps that

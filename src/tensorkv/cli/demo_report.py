@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from typing import Any
@@ -15,10 +16,8 @@ def _dir_bytes(path: str) -> int:
     total = 0
     for root, _, files in os.walk(path):
         for name in files:
-            try:
+            with contextlib.suppress(OSError):  # a file removed meanwhile
                 total += os.path.getsize(os.path.join(root, name))
-            except OSError:
-                pass
     return total
 
 
@@ -66,8 +65,9 @@ def print_summary(res: RunResult, path: str, echo: Callable[[str], Any] = click.
     if tiers:
         t0 = tiers[0]
         looked = t0["hits"] + t0["misses"]
+        found = s.get("hits", 0) / max(s.get("hits", 0) + s.get("misses", 0), 1)
         echo(f"  hit ratio    {t0['hits'] / max(looked, 1):.1%} of lookups found their row in "
-             f"{t0['kind']}; {s.get('hits', 0) / max(s.get('hits', 0) + s.get('misses', 0), 1):.1%} "
+             f"{t0['kind']}; {found:.1%} "
              "found a row in some tier (the rest were new ids)")
         echo(f"  admission    {s.get('inserts', 0):,} new ids admitted, "
              f"{s.get('admissions_rejected', 0):,} rejected (no admission filter)")
