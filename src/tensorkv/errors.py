@@ -137,6 +137,10 @@ class UnsupportedOperationError(TableError, TypeError):
     """The table's kind does not offer this operation; the message names the one to use."""
 
 
+class ConcurrentUseError(TableError, RuntimeError):
+    """A dynamic embedding module was called from a second thread while it was busy."""
+
+
 # --- checkpoints ---------------------------------------------------------------------------
 class CheckpointError(TensorKVError):
     """A checkpoint could not be saved or loaded."""

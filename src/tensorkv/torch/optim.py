@@ -1,0 +1,129 @@
+"""``tensorkv.torch.Optimizer``: one object that steps a dense torch optimizer and every table.
+
+The dynamic modules of a model keep the IndexedSlices of each backward pass (distinct ids and
+their summed gradients); :meth:`Optimizer.step` applies them, grouped by table, with the
+table's own sparse optimizer, and steps the dense optimizer. See docs/torch.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from tensorkv.embedding import EmbeddingTable
+from tensorkv.errors import ConfigError, NonFiniteGradientError
+from tensorkv.torch.modules import DynamicModule
+
+
+class Optimizer:
+    """Drive a dense torch optimizer and the sparse optimizers of a model's tables together.
+
+    Parameters
+    ----------
+    model
+        An ``nn.Module`` holding :class:`DynamicEmbedding` / :class:`DynamicEmbeddingBag`
+        modules anywhere in its tree (found when the optimizer is made).
+    dense
+        A ``torch.optim.Optimizer`` over the model's dense parameters, or None.
+
+    Notes
+    -----
+    Backward passes add to the gradients waiting on each module; several before one
+    :meth:`step` accumulate (summed), a :meth:`step` without any changes no table (nor its
+    step count), and :meth:`zero_grad` drops them. The tables' learning rates and
+    hyper-parameters are their own (``EmbeddingTable(optimizer=...)``). Before any table
+    changes, the waiting gradients are checked for NaN/Inf under each table's ``nan_policy``,
+    so a refused step leaves every table as it was and the gradients waiting.
+    """
+
+    def __init__(self, model: nn.Module, dense: torch.optim.Optimizer | None = None) -> None:
+        if not isinstance(model, nn.Module):
+            raise ConfigError(f"model={type(model).__name__} must be a torch nn.Module")
+        if dense is not None and not isinstance(dense, torch.optim.Optimizer):
+            raise ConfigError(f"dense={type(dense).__name__} must be a torch.optim.Optimizer "
+                              "(e.g. torch.optim.Adam(dense_params)) or None")
+        self.model = model
+        self.dense = dense
+        self.modules = [m for m in model.modules() if isinstance(m, DynamicModule)]
+        if not self.modules and dense is None:
+            raise ConfigError("the model holds no DynamicEmbedding/DynamicEmbeddingBag and no "
+                              "dense optimizer was given; pass dense=torch.optim.X(...)")
+
+    @property
+    def tables(self) -> list[EmbeddingTable]:
+        """The distinct tables of the model's dynamic modules."""
+        seen: dict[int, EmbeddingTable] = {}
+        for m in self.modules:
+            seen.setdefault(id(m.table), m.table)
+        return list(seen.values())
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the dense gradients and drop the tables' waiting gradients."""
+        if self.dense is not None:
+            self.dense.zero_grad(set_to_none=set_to_none)
+        for m in self.modules:
+            m.discard_gradients()
+
+    def step(self, closure: Callable[[], Any] | None = None) -> None:
+        """Apply the waiting table gradients, then step the dense optimizer."""
+        if closure is not None:
+            raise ConfigError("closure= is not supported: compute the loss and call backward() "
+                              "before step()")
+        taken = [(m, m.take_gradients()) for m in self.modules]
+        try:
+            batches = self._group(taken)
+        except Exception:
+            for m, items in taken:
+                m.restore_gradients(items)
+            raise
+        for table, keys, grads in batches:
+            table.apply_gradients(keys, grads)
+        if self.dense is not None:
+            self.dense.step()
+
+    def _group(self, taken: list[tuple[DynamicModule, list]]) -> list[tuple[Any, Any, Any]]:
+        """One ``(table, keys, grads)`` per table with gradients, checked for NaN/Inf."""
+        by_table: dict[int, tuple[EmbeddingTable, list, list]] = {}
+        for m, items in taken:
+            for keys, grads in items:
+                entry = by_table.setdefault(id(m.table), (m.table, [], []))
+                entry[1].append(keys)
+                entry[2].append(grads)
+        out = []
+        for table, keys, grads in by_table.values():
+            k = keys[0] if len(keys) == 1 else np.concatenate(keys)
+            g = grads[0] if len(grads) == 1 else np.concatenate(grads)
+            if table.nan_policy == "raise" and not np.isfinite(g).all():
+                bad = k[~np.isfinite(g).all(axis=1)]
+                raise NonFiniteGradientError(
+                    f"gradients for {np.unique(bad).size} ids hold NaN or Inf (ids "
+                    f"{np.unique(bad)[:8].tolist()}); no table or dense parameter changed and "
+                    "the gradients still wait. Fix the loss or clip gradients and call "
+                    "zero_grad(), or create the table with nan_policy='skip'")
+            out.append((table, k, g))
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """The dense optimizer's ``state_dict()`` (tables carry their own state)."""
+        return {"dense": None if self.dense is None else self.dense.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s dict."""
+        if not isinstance(state, dict) or "dense" not in state:
+            raise ConfigError("load_state_dict needs the dict returned by state_dict()")
+        if (state["dense"] is None) != (self.dense is None):
+            raise ConfigError("the state was saved with a different dense optimizer setup "
+                              f"(dense={'None' if state['dense'] is None else 'set'})")
+        if self.dense is not None:
+            self.dense.load_state_dict(state["dense"])
+
+    def __repr__(self) -> str:
+        return (f"tensorkv.torch.Optimizer(tables={len(self.tables)}, "
+                f"dense={type(self.dense).__name__ if self.dense is not None else None})")
+
+
+__all__ = ["Optimizer"]
