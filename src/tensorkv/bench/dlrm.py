@@ -158,6 +158,8 @@ def _classes() -> tuple[type, type]:
     class Constant(nn.Module):
         """Returns the same rows for every id: the model without embedding lookups."""
 
+        rows: torch.Tensor
+
         def __init__(self, dim: int, n: int) -> None:
             super().__init__()
             g = torch.Generator().manual_seed(0)
@@ -169,6 +171,9 @@ def _classes() -> tuple[type, type]:
 
     class Model(nn.Module):
         """Bottom MLP, shared embedding module, dot interaction, top MLP."""
+
+        li: torch.Tensor
+        lj: torch.Tensor
 
         def __init__(self, embedding: Any, dim: int, bottom: int, top: int, seed: int) -> None:
             super().__init__()

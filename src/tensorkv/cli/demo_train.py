@@ -76,46 +76,24 @@ def train_step(model: Any, opt: Any, data: SyntheticCTR, step: int,
     return float(loss.item()), out.detach().numpy(), b.labels
 
 
-def optimizer_tensors(opt: Any) -> dict[str, Any]:
-    """The dense optimizer's state as named tensors (a checkpoint holds tensors and tables)."""
-    state = opt.dense.state_dict()["state"]
-    return {f"adam.{i}.{k}": v for i, s in state.items() for k, v in s.items()}
-
-
-def load_optimizer(opt: Any, tensors: dict[str, Any]) -> None:
-    """Restore :func:`optimizer_tensors` into ``opt``'s dense optimizer."""
-    import torch
-
-    sd = opt.dense.state_dict()
-    state: dict[int, dict[str, Any]] = {}
-    for name, v in tensors.items():
-        _, i, k = name.split(".", 2)
-        state.setdefault(int(i), {})[k] = torch.as_tensor(np.array(v))
-    sd["state"] = state
-    opt.dense.load_state_dict(sd)
-
-
 def save_checkpoint(model: Any, opt: Any, url: str, step: int,
                     parent: str | None = None) -> tuple[str, float]:
-    """Save the model (tag ``demo-step-N``) and its dense optimizer state; (tag, seconds)."""
-    import tensorkv
+    """Save the model with its dense optimizer state as tag ``demo-step-N``; (tag, seconds)."""
+    from tensorkv.torch import save
 
     tag = f"{TAG_PREFIX}{step}"
     t0 = time.perf_counter()
-    tensorkv.save(model, url, tag=tag, step=step, incremental=parent is not None,
-                  parent=parent, progress=False)
-    tensorkv.save(optimizer_tensors(opt), url, tag=tag + "-optimizer", step=step,
-                  progress=False)
+    save(model, url, tag, optimizer=opt, step=step, incremental=parent is not None,
+         parent=parent, progress=False)
     return tag, time.perf_counter() - t0
 
 
 def resume(url: str, tag: str, start: int, steps: int, batch: int, spill: str) -> list[float]:
     """Load ``tag`` into a fresh model and train steps ``start .. start+steps-1``."""
-    import tensorkv
+    from tensorkv.torch import load
 
     model, opt = build(spill)
-    tensorkv.load(model, url, tag, progress=False)
-    load_optimizer(opt, tensorkv.load(None, url, tag + "-optimizer", progress=False))
+    load(model, url, tag, optimizer=opt, progress=False)
     data = SyntheticCTR(0)
     try:
         return [train_step(model, opt, data, s, batch)[0] for s in range(start, start + steps)]
