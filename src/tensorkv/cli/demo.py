@@ -282,7 +282,7 @@ def tour(path: str, url: str | None) -> None:
 
 
 #: Training time of ``tensorkv demo`` and of ``tensorkv demo --quick``, in seconds.
-TRAIN_SECONDS = 75.0
+TRAIN_SECONDS = 60.0
 QUICK_SECONDS = 3.0
 
 
