@@ -30,7 +30,7 @@ def test_version(runner):
 
 def test_demo_default_store(runner, tmp_path):
     path = tmp_path / "data"
-    result = runner.invoke(main, ["demo", "--path", str(path)])
+    result = runner.invoke(main, ["demo", "tour", "--path", str(path)])
     assert result.exit_code == 0, result.output
     assert "bit-identical" in result.output
     assert "embedding.weight" in result.output and "bfloat16" in result.output
@@ -40,12 +40,12 @@ def test_demo_default_store(runner, tmp_path):
     with tensorkv.open_store(url) as store:
         assert store.count(PREFIX) == 6
     # running again over existing data works
-    again = runner.invoke(main, ["demo", "--path", str(path)])
+    again = runner.invoke(main, ["demo", "tour", "--path", str(path)])
     assert again.exit_code == 0, again.output
 
 
 def test_demo_memory_url(runner, tmp_path):
-    result = runner.invoke(main, ["demo", "--url", "memory://"])
+    result = runner.invoke(main, ["demo", "tour", "--url", "memory://"])
     assert result.exit_code == 0, result.output
     assert "6/6 bit-identical" in result.output
     try:
@@ -57,10 +57,10 @@ def test_demo_memory_url(runner, tmp_path):
 
 
 def test_demo_bad_url(runner):
-    result = runner.invoke(main, ["demo", "--url", "nosuch://x"])
+    result = runner.invoke(main, ["demo", "tour", "--url", "nosuch://x"])
     assert result.exit_code == 1
     assert "nosuch" in result.output and "lmdb" in result.output  # names the known schemes
-    result = runner.invoke(main, ["demo", "--url", "lmdb://relative/path"])
+    result = runner.invoke(main, ["demo", "tour", "--url", "lmdb://relative/path"])
     assert result.exit_code == 1
     assert "lmdb:///" in result.output  # says how to write it
 

@@ -1,4 +1,6 @@
-"""``tensorkv demo``: a short tour that writes tensors into a store and reads them back.
+"""``tensorkv demo`` (training, :mod:`tensorkv.cli.demo_train`) and ``tensorkv demo tour``.
+
+The tour writes tensors into a store and reads them back.
 
 The demo is a list of steps (:data:`STEPS`); each takes the shared :class:`DemoState`, does
 one thing, and returns a one-line summary (extra lines go to ``state.details``). Steps that
@@ -265,10 +267,10 @@ def run_demo(url: str, *, echo: Callable[[str], Any] = click.echo) -> DemoState:
     default="./tensorkv-data",
     show_default=True,
     type=click.Path(file_okay=False),
-    help="Directory for the demo's store (embedded default backend).",
+    help="Directory for the tour's store (embedded default backend).",
 )
 @click.option("--url", default=None, help="Use this store URL instead, e.g. redis://localhost:6379/0.")
-def demo(path: str, url: str | None) -> None:
+def tour(path: str, url: str | None) -> None:
     """Write a few tensors into a store, read them back bit-identical, and list them."""
     target = url or default_url(path)
     try:
@@ -277,3 +279,49 @@ def demo(path: str, url: str | None) -> None:
         raise click.ClickException(str(exc)) from exc
     if url is None:
         click.echo(f"data kept in {path} (delete the directory to start over)")
+
+
+#: Training time of ``tensorkv demo`` and of ``tensorkv demo --quick``, in seconds.
+TRAIN_SECONDS = 60.0
+QUICK_SECONDS = 3.0
+
+
+@click.group(invoke_without_command=True,
+             short_help="Train a click-through model on a tiered table (or: demo tour).")
+@click.option(
+    "--path",
+    default="./tensorkv-data",
+    show_default=True,
+    type=click.Path(file_okay=False),
+    help="Directory for the spilled rows and the LMDB checkpoints (re-runs replace them).",
+)
+@click.option("--quick", is_flag=True, help=f"Train {QUICK_SECONDS:g} s instead of "
+              f"{TRAIN_SECONDS:g} s.")
+@click.option("--seconds", type=click.FloatRange(min=0.5), default=None,
+              help="Training time in seconds (overrides --quick).")
+@click.pass_context
+def demo(ctx: click.Context, path: str, quick: bool, seconds: float | None) -> None:
+    """Train a DLRM-style click-through model whose embedding rows spill to SSD.
+
+    13 dense and 26 categorical features (Zipf-distributed ids over 10^8 values each), one
+    DynamicEmbeddingBag on a DRAM+SSDHASH table, checkpoints into LMDB under PATH, a resume
+    in a fresh process, and a summary. `tensorkv demo tour` runs the short store tour instead.
+    """
+    if ctx.invoked_subcommand is not None:
+        return
+    from tensorkv.cli.demo_report import print_summary
+    from tensorkv.cli.demo_train import train
+
+    budget = seconds if seconds is not None else (QUICK_SECONDS if quick else TRAIN_SECONDS)
+    click.secho(f"tensorkv demo: DLRM-style click-through model, {budget:g} s of training",
+                bold=True)
+    try:
+        result = train(path, seconds=budget)
+    except ImportError as exc:
+        raise click.ClickException(f"{exc}; or run `tensorkv demo tour`") from exc
+    except TensorKVError as exc:
+        raise click.ClickException(str(exc)) from exc
+    print_summary(result, path)
+
+
+demo.add_command(tour)
