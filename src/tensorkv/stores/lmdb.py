@@ -3,7 +3,9 @@
 ``lmdb:///abs/path`` opens (or creates) the directory ``/abs/path`` holding ``data.mdb`` and
 ``lock.mdb``. Every write call is one LMDB write transaction, so batches are atomic even
 if the process is killed; with ``sync=true`` (the default) a write is on disk when it
-returns. The memory map grows by doubling when full, up to ``max_map_size``.
+returns. The memory map grows by doubling when full, up to ``max_map_size``. ``data.mdb``
+is checked against its meta pages before it is mapped (see :mod:`.lmdb_file`), so a
+truncated file raises CorruptStoreError instead of killing the process with SIGBUS.
 """
 
 from __future__ import annotations

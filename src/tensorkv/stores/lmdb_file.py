@@ -24,6 +24,9 @@ order):
 A file may legitimately end before its last page when the pages at its end are free (LMDB
 never writes a page that was freed in the transaction that allocated it), so when the file
 is short the free DB is read too, and only live pages past the end count as truncation.
+
+Also the file-level steps of ``LMDBStore.compact``: :func:`restamp_metas`,
+:func:`lock_descriptor`, :func:`fsync_directory`.
 """
 
 from __future__ import annotations
