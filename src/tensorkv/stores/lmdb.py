@@ -13,7 +13,6 @@ from __future__ import annotations
 import bisect
 import contextlib
 import errno
-import fcntl
 import os
 import shutil
 import tempfile
@@ -687,6 +686,8 @@ class LMDBStore(KVStore):
 
     def _exclusive_copy(self, data: str) -> bool:
         """Swap a compacted copy in under the exclusive lock; False: nothing to compact."""
+        import fcntl  # POSIX only; the rest of the backend also runs on Windows
+
         lock_fd = lmdb_file.lock_descriptor(os.path.join(self.path, "lock.mdb"))
         try:
             fcntl.lockf(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0, os.SEEK_SET)
