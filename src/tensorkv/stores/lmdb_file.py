@@ -50,8 +50,8 @@ _U32 = struct.Struct("=I")
 _U64 = struct.Struct("=Q")
 _NODE = struct.Struct("=HHHH")
 
-#: Whether this interpreter's layout is the one above (a 64-bit build).
-SUPPORTED = struct.calcsize("P") == 8
+#: Whether this interpreter's layout is the one above (a 64-bit build) and it has pread.
+SUPPORTED = struct.calcsize("P") == 8 and hasattr(os, "pread")
 
 
 @dataclass(frozen=True)
