@@ -11,6 +11,7 @@ import fnmatch
 import os
 import struct
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
@@ -266,38 +267,47 @@ def _log_cut(path: str) -> str | None:
     return "it ends inside a record" if inside else None
 
 
+def _lsm_problem(path: str) -> str | None:
+    """What is wrong with an LSM store's CURRENT or MANIFEST, or None."""
+    try:
+        with open(os.path.join(path, "CURRENT"), "rb") as f:
+            raw = f.read(256)
+    except FileNotFoundError:
+        return None  # no store yet (or a lost CURRENT: prepare_directory reports that)
+    name = raw.decode("ascii", "replace").strip()
+    if not raw.endswith(b"\n") or not name.startswith("MANIFEST-") or "/" in name:
+        return f"CURRENT holds {raw[:64]!r}, not the name of a MANIFEST file"
+    manifest = os.path.join(path, name)
+    try:
+        size = os.path.getsize(manifest)
+        cut = "it is empty" if not size else _log_cut(manifest)
+    except FileNotFoundError:
+        return f"CURRENT names {name}, which is missing"
+    if not cut:
+        return None
+    return (
+        f"{name} ({size} bytes) is cut short: {cut} (the file was truncated, or the machine "
+        "stopped while it was written); opening it would drop the data recorded after the cut"
+    )
+
+
 def check_lsm_files(scheme: str, path: str, repair: str) -> None:
     """Refuse an LSM store whose CURRENT or MANIFEST is cut short (before the binding runs).
 
     A MANIFEST cut short opens as an older version of the store: the data written since
     reads as absent, and the binding deletes the table files that version does not list.
+    A problem is confirmed by a second look a moment later, since a writer in another
+    process (beside a RocksDB read-only open) may be appending to the MANIFEST or switching
+    to a new one.
     """
-    current = os.path.join(path, "CURRENT")
-    if not os.path.isfile(current):
-        return
-    with open(current, "rb") as f:
-        raw = f.read(256)
-    name = raw.decode("ascii", "replace").strip()
-    if not raw.endswith(b"\n") or not name.startswith("MANIFEST-") or "/" in name:
-        raise corrupt_error(
-            scheme, path, f"CURRENT holds {raw[:64]!r}, not the name of a MANIFEST file",
-            repair=repair,
-        )
-    manifest = os.path.join(path, name)
-    if not os.path.isfile(manifest):
-        raise corrupt_error(scheme, path, f"CURRENT names {name}, which is missing",
-                            repair=repair)
-    size = os.path.getsize(manifest)
-    cut = "it is empty" if not size else _log_cut(manifest)
-    if cut:
-        raise corrupt_error(
-            scheme,
-            path,
-            f"{name} ({size} bytes) is cut short: {cut} (the file was truncated, or the "
-            "machine stopped while it was written); opening it would drop the data "
-            "recorded after the cut",
-            repair=repair,
-        )
+    problem = _lsm_problem(path)
+    for delay in (0.05, 0.2):
+        if problem is None:
+            return
+        time.sleep(delay)
+        problem = _lsm_problem(path)
+    if problem is not None:
+        raise corrupt_error(scheme, path, problem, repair=repair)
 
 
 def directory_bytes(path: str) -> int:

@@ -3,7 +3,9 @@
 ``lmdb:///abs/path`` opens (or creates) the directory ``/abs/path`` holding ``data.mdb`` and
 ``lock.mdb``. Every write call is one LMDB write transaction, so batches are atomic even
 if the process is killed; with ``sync=true`` (the default) a write is on disk when it
-returns. The memory map grows by doubling when full, up to ``max_map_size``.
+returns. The memory map grows by doubling when full, up to ``max_map_size``. ``data.mdb``
+is checked against its meta pages before it is mapped (see :mod:`.lmdb_file`), so a
+truncated file raises CorruptStoreError instead of killing the process with SIGBUS.
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ from __future__ import annotations
 import bisect
 import contextlib
 import errno
-import fcntl
 import os
 import shutil
 import tempfile
@@ -707,6 +708,8 @@ class LMDBStore(KVStore):
 
     def _exclusive_copy(self, data: str) -> bool:
         """Swap a compacted copy in under the exclusive lock; False: nothing to compact."""
+        import fcntl  # POSIX only; the rest of the backend also runs on Windows
+
         lock_fd = lmdb_file.lock_descriptor(os.path.join(self.path, "lock.mdb"))
         try:
             fcntl.lockf(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0, os.SEEK_SET)

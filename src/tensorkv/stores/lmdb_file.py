@@ -24,6 +24,9 @@ order):
 A file may legitimately end before its last page when the pages at its end are free (LMDB
 never writes a page that was freed in the transaction that allocated it), so when the file
 is short the free DB is read too, and only live pages past the end count as truncation.
+
+Also the file-level steps of ``LMDBStore.compact``: :func:`restamp_metas`,
+:func:`lock_descriptor`, :func:`fsync_directory`.
 """
 
 from __future__ import annotations
@@ -47,8 +50,8 @@ _U32 = struct.Struct("=I")
 _U64 = struct.Struct("=Q")
 _NODE = struct.Struct("=HHHH")
 
-#: Whether this interpreter's layout is the one above (a 64-bit build).
-SUPPORTED = struct.calcsize("P") == 8
+#: Whether this interpreter's layout is the one above (a 64-bit build) and it has pread.
+SUPPORTED = struct.calcsize("P") == 8 and hasattr(os, "pread")
 
 
 @dataclass(frozen=True)
