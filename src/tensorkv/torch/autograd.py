@@ -1,20 +1,23 @@
 """The autograd glue between an :class:`~tensorkv.EmbeddingTable` and a torch graph.
 
-A forward pass deduplicates the batch's ids (:func:`dedup`), reads each distinct row once
-into a ``[u, dim]`` tensor and passes it through :class:`RowGrad`; torch's own embedding ops
-then gather or pool from that small tensor. In backward, torch sums the gradient of every
-occurrence into the ``[u, dim]`` gradient of the distinct rows, and :class:`RowGrad` hands it,
-with the distinct ids, to a sink: the module keeps these IndexedSlices until the optimizer
-applies them to the table.
+A forward pass deduplicates the batch's ids (:func:`dedup`, one hash-map pass), reads each
+distinct row once into a ``[u, dim]`` tensor and passes it through :class:`RowGrad`; torch's
+own embedding ops then gather or pool from that small tensor. In backward, torch sums the
+gradient of every occurrence into the ``[u, dim]`` gradient of the distinct rows, and
+:class:`RowGrad` hands it, with the distinct ids, to a sink: the module keeps these
+IndexedSlices until the optimizer applies them to the table.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
+
+from tensorkv.kernels import hashindex as hk
 
 Sink = Callable[[torch.Tensor], None]
 
@@ -40,8 +43,30 @@ class RowGrad(torch.autograd.Function):
         return None, None
 
 
+class _Scratch(threading.local):
+    """Per-thread buffers of :func:`dedup`, grown as batches grow (no allocation per batch)."""
+
+    def __init__(self) -> None:
+        self.tab = np.empty((0, 2), np.int64)
+        self.uniq = np.empty(0, np.int64)
+
+    def buffers(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        slots = hk.map_slots(n)
+        if self.tab.shape[0] < slots:
+            self.tab = np.empty((slots, 2), np.int64)
+        if self.uniq.shape[0] < n:
+            self.uniq = np.empty(max(n, 1024), np.int64)
+        return self.tab[:slots], self.uniq[:n]
+
+
+_SCRATCH = _Scratch()
+
+
 def dedup(keys: np.ndarray, padding: int | None) -> tuple[np.ndarray, np.ndarray, bool]:
-    """Distinct keys and each key's position among them.
+    """Distinct keys (in order of first occurrence) and each key's position among them.
+
+    One pass of a hash map (:func:`tensorkv.kernels.hashindex.map_distinct`), several times
+    faster than sorting (``np.unique``) for the tens of thousands of ids of a batch.
 
     Parameters
     ----------
@@ -57,13 +82,17 @@ def dedup(keys: np.ndarray, padding: int | None) -> tuple[np.ndarray, np.ndarray
     (uniq, inverse, has_padding)
         ``uniq[inverse] == keys`` wherever ``keys != padding``.
     """
-    uniq, inverse = np.unique(keys, return_inverse=True)
-    inverse = inverse.reshape(-1).astype(np.int64, copy=False)
+    flat = np.ascontiguousarray(keys, dtype=np.int64).reshape(-1)
+    tab, scratch = _SCRATCH.buffers(flat.size)
+    inverse = np.empty(flat.size, np.int64)
+    u = hk.map_distinct(flat, tab, scratch, inverse)
+    uniq = scratch[:u].copy()
     if padding is None:
         return uniq, inverse, False
-    p = int(np.searchsorted(uniq, padding))
-    if p == uniq.size or uniq[p] != padding:
+    hit = np.flatnonzero(uniq == padding)
+    if not hit.size:
         return uniq, inverse, False
+    p = int(hit[0])
     uniq = np.delete(uniq, p)
     is_pad = inverse == p
     inverse -= inverse > p
