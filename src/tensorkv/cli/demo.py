@@ -20,6 +20,7 @@ import click
 import numpy as np
 
 from tensorkv import codec, config
+from tensorkv.cli.fmt import human_bytes
 from tensorkv.errors import TensorKVError
 from tensorkv.stores import KVStore, open_store
 
@@ -98,7 +99,7 @@ def step_write(state: DemoState) -> str:
     dt = time.perf_counter() - t0
     state.bytes_written = sum(len(r) for _, r in records)
     return (
-        f"{len(records)} tensors, {_bytes(state.bytes_written)} in one put_many "
+        f"{len(records)} tensors, {human_bytes(state.bytes_written)} in one put_many "
         f"({_rate(state.bytes_written, dt)})"
     )
 
@@ -148,7 +149,7 @@ def step_list(state: DemoState) -> str:
             "      "
             + "  ".join(
                 [r[0].ljust(widths[0]), r[1].ljust(widths[1]), r[2].ljust(widths[2])]
-                + [_bytes(r[3]).rjust(widths[3])]
+                + [human_bytes(r[3]).rjust(widths[3])]
             )
         )
     state.details = lines
@@ -202,14 +203,6 @@ STEPS: list[Step] = [
 
 
 # ----------------------------------------------------------------------------- output
-def _bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"  # pragma: no cover
-
-
 def _rate(nbytes: int, seconds: float) -> str:
     return f"{nbytes / max(seconds, 1e-9) / 1e6:,.0f} MB/s"
 

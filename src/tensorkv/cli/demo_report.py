@@ -10,6 +10,7 @@ from typing import Any
 import click
 
 from tensorkv.cli.demo_train import RunResult, data_urls
+from tensorkv.cli.fmt import human_bytes
 
 
 def _dir_bytes(path: str) -> int:
@@ -21,14 +22,6 @@ def _dir_bytes(path: str) -> int:
     return total
 
 
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"  # pragma: no cover
-
-
 def _tag_line(url: str, tag: str, seconds: float) -> str:
     from tensorkv.checkpoint import list_tags
 
@@ -36,7 +29,7 @@ def _tag_line(url: str, tag: str, seconds: float) -> str:
     rows = info.get("table_rows")
     rows_s = f"{sum(rows.values()) if isinstance(rows, dict) else rows:,} rows" if rows else ""
     dense = info.get("dense_bytes")
-    dense_s = f" + {_size(dense)} dense" if dense else ""
+    dense_s = f" + {human_bytes(dense)} dense" if dense else ""
     return f"{tag}: {rows_s}{dense_s}, saved in {seconds:.2f} s"
 
 
@@ -75,8 +68,8 @@ def print_summary(res: RunResult, path: str, echo: Callable[[str], Any] = click.
              f"{tiers[-1]['kind']}, {sum(t.get('promotions', 0) for t in tiers):,} promoted back")
     echo(f"  checkpoints  {_tag_line(url, res.mid_tag, res.mid_seconds)}")
     echo(f"               {_tag_line(url, res.final_tag, res.final_seconds)} (incremental)")
-    echo(f"               store {url} holds {_size(_dir_bytes(url.split('://', 1)[1]))}")
-    echo(f"  spill        {spill}: {_size(_dir_bytes(spill))}")
+    echo(f"               store {url} holds {human_bytes(_dir_bytes(url.split('://', 1)[1]))}")
+    echo(f"  spill        {spill}: {human_bytes(_dir_bytes(spill))}")
     echo("")
     echo(click.style("next", bold=True))
     echo(f"  tensorkv tags {url}")
