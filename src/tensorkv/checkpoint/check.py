@@ -75,7 +75,8 @@ def _scan_orphans(store: KVStore, grace: float | None) -> tuple[CheckReport, lis
     marks = refs.pending_markers(store, grace)
     rep.pending = [_public(m) for m in marks]
     live_tags = {m["tag"] for m in marks if not m["stale"]}
-    owned = {k for d in all_docs for k in refs.table_data_keys(d)}
+    records = [refs.record_keys(d) for d in all_docs]
+    owned = {k for r in records for k in r if k.startswith(layout.TABLE)}
     chunks = {d for doc in all_docs for e in doc["dense"].values() for d in e["chunks"]}
     protected: list[bytes] = []
     seen: set[bytes] = set()  # the referenced records the scans met
@@ -96,7 +97,7 @@ def _scan_orphans(store: KVStore, grace: float | None) -> tuple[CheckReport, lis
             protected.append(k)
         else:
             rep.orphan_keys.append(k)
-    rep.missing = _missing_records(store, all_docs, seen)
+    rep.missing = _missing_records(store, all_docs, records, seen)
     return rep, protected
 
 
@@ -128,11 +129,8 @@ def _public(marker: dict[str, Any]) -> dict[str, Any]:
 
 
 def _bytes_of(store: KVStore, keys: list[bytes]) -> int:
-    total = 0
-    for i in range(0, len(keys), 4096):
-        sizes = store.value_sizes(keys[i : i + 4096])
-        total += int(sizes[sizes > 0].sum())
-    return total
+    sizes = store.value_sizes(keys)
+    return int(sizes[sizes > 0].sum())
 
 
 def _still_there(store: KVStore, tag: str) -> bool:
@@ -143,16 +141,15 @@ def _still_there(store: KVStore, tag: str) -> bool:
 
 
 def _missing_records(
-    store: KVStore, docs: list[dict[str, Any]], seen: set[bytes]
+    store: KVStore, docs: list[dict[str, Any]], records: list[list[bytes]], seen: set[bytes]
 ) -> list[str]:
-    """Every manifest whose referenced records were not all met by the key scans.
+    """Every manifest (``records[i]``: what ``docs[i]`` references) the scans did not fully meet.
 
     The scans that look for orphans list every record key anyway, so finding what is missing
     costs no extra read. A manifest deleted during the scan is not reported.
     """
     out = []
-    for doc in docs:
-        keys = refs.record_keys(doc)
+    for doc, keys in zip(docs, records, strict=True):
         lost = [k for k in keys if k not in seen]
         if lost and _still_there(store, doc["tag"]):
             out.append(

@@ -22,14 +22,17 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from tensorkv import config
 from tensorkv.errors import StoreRestartedError, TagExistsError
 from tensorkv.stores.base import KVStore
 
-VERIFY_BATCH = 4096  # keys per value_sizes call when a save checks what it wrote
 _ACTIVE: set[str] = set()  # tokens of the claims this process holds now
 
 
@@ -124,6 +127,8 @@ class Claim:
     identity: str | None
     #: the marker of a dead owner this claim replaced, or None
     took_over: dict[str, Any] | None = None
+    #: what :func:`holding` runs (best effort) when the block fails, e.g. remove written data
+    on_failure: Callable[[], object] | None = None
 
 
 def claim(store: KVStore, key: bytes, what: str) -> Claim:
@@ -198,14 +203,12 @@ def verify(c: Claim, what: str, keys: list[bytes]) -> None:
         raise _restarted(store, what, f"the server's run id changed from {c.identity} to {now}")
     if store.get(c.key) != c.value:
         raise _restarted(store, what, f"its pending marker {c.key!r} is gone")
-    for lo in range(0, len(keys), VERIFY_BATCH):
-        part = keys[lo : lo + VERIFY_BATCH]
-        sizes = store.value_sizes(part)
-        if (sizes < 0).any():
-            miss = [k for k, s in zip(part, sizes.tolist(), strict=True) if s < 0]
-            raise _restarted(
-                store, what, f"{len(miss)} records it wrote are missing (first: {miss[0]!r})"
-            )
+    sizes = store.value_sizes(keys)  # the backend batches its requests
+    if (sizes < 0).any():
+        miss = np.flatnonzero(sizes < 0)
+        raise _restarted(
+            store, what, f"{miss.size} records it wrote are missing (first: {keys[miss[0]]!r})"
+        )
 
 
 def publish(c: Claim, what: str, key: bytes, value: bytes, keys: list[bytes]) -> None:
@@ -229,6 +232,26 @@ def publish(c: Claim, what: str, key: bytes, value: bytes, keys: list[bytes]) ->
                 store.compare_and_set(key, value, None)
             raise _restarted(store, what, f"the server's run id changed to {now}")
     store.flush()
+
+
+@contextmanager
+def holding(store: KVStore, key: bytes, what: str) -> Iterator[Claim]:
+    """:func:`claim` ``key`` for the ``with`` block; :func:`release` it afterwards.
+
+    Should the block fail, the claim's ``on_failure`` (set by the block once it has written
+    something of its own) runs first, errors suppressed: the failure that ended the block is
+    the one raised.
+    """
+    c = claim(store, key, what)
+    try:
+        yield c
+    except BaseException:
+        if c.on_failure is not None:
+            with contextlib.suppress(Exception):
+                c.on_failure()
+        release(c)
+        raise
+    release(c)
 
 
 def release(c: Claim) -> None:

@@ -327,17 +327,20 @@ def save(
         mkey = layout.manifest_key(tag) if nshards == 1 else layout.shard_manifest_key(
             tag, shard_i
         )
-        c = claims.claim(store, pkey, what)
-        if store.get(layout.manifest_key(tag)) is not None or store.get(mkey) is not None:
-            claims.release(c)
-            raise TagExistsError(
-                f"{what} {'is already saved' if nshards > 1 else 'already exists'} in "
-                f"{store.url!r}; choose another tag or delete it first with tensorkv.delete_tag"
-            )
-        if c.took_over is not None:  # a dead process's save of this tag: drop its data
-            _drop_tables(store, tag, shard_i, list(tables_in), hash_tag)
-        parent_doc = None
-        try:
+        with claims.holding(store, pkey, what) as c:
+            if store.get(layout.manifest_key(tag)) is not None or store.get(mkey) is not None:
+                raise TagExistsError(
+                    f"{what} {'is already saved' if nshards > 1 else 'already exists'} in "
+                    f"{store.url!r}; choose another tag or delete it first with tensorkv.delete_tag"
+                )
+
+            def drop_tables() -> None:  # the table data of this save (shared chunks are gc's)
+                for name in tables_in:
+                    store.delete_prefix(layout.table_prefix(tag, name, shard_i, hash_tag))
+
+            if c.took_over is not None:  # a dead process's save of this tag: drop its data
+                drop_tables()
+            parent_doc = None
             docs = manifest.read_all(store, include_expired=True)  # once: parent and chunks
             if incremental:
                 if parent is not None:
@@ -347,82 +350,81 @@ def save(
                     live = {t: d for t, d in docs.items() if not manifest.is_expired(d, now)}
                     if live:
                         parent_doc = live[manifest.sorted_tags(live)[-1]]
-        except BaseException:
-            claims.release(c)
-            raise
-        doc = manifest.new_manifest(
-            tag,
-            step=step,
-            parent=None if parent_doc is None else parent_doc["tag"],
-            metadata=metadata,
-            num_shards=nshards,
-            ttl=ttl,
-        )
-        doc["kind"] = kind
-        doc["incremental"] = False
-        doc["shards"] = [shard_i]
-        total = sum(a.nbytes for a in arrays.values()) + sum(
-            len(t) * _row_bytes(t) for t in tables_in.values()
-        )
-        pbar = bar(total, f"save {tag}", progress)
-        progress_lock = threading.Lock()
+            doc = manifest.new_manifest(
+                tag,
+                step=step,
+                parent=None if parent_doc is None else parent_doc["tag"],
+                metadata=metadata,
+                num_shards=nshards,
+                ttl=ttl,
+            )
+            doc["kind"] = kind
+            doc["incremental"] = False
+            doc["shards"] = [shard_i]
+            total = sum(a.nbytes for a in arrays.values()) + sum(
+                len(t) * _row_bytes(t) for t in tables_in.values()
+            )
+            pbar = bar(total, f"save {tag}", progress)
+            progress_lock = threading.Lock()
 
-        def on_bytes(n: int) -> None:  # called from the writer threads too
-            with progress_lock:
-                pbar.update(n)
+            def on_bytes(n: int) -> None:  # called from the writer threads too
+                with progress_lock:
+                    pbar.update(n)
 
-        try:
-            known = refs.referenced_chunks(store, docs)
-            dense_w = tables.BlockWriter(store, b"", None, on_bytes, opts["after_write"])
-
-            def write_dense() -> None:
-                # hashes the dense chunks (xxhash lets the table gather run meanwhile) and
-                # queues the new ones on dense_w's writer thread
-                for name, arr in arrays.items():
-                    doc["dense"][name] = dense.describe(arr, torch_dtypes[name], chunk_bytes)
-                dense.write_tensors(dense_w, arrays, doc["dense"], known, on_bytes)
-                dense_w.send()
-
-            with ThreadPoolExecutor(1, thread_name_prefix="tensorkv-ckpt-dense") as helper:
-                dense_job = helper.submit(write_dense)
-                try:
-                    for name, table in tables_in.items():
-                        ent = save_table(
-                            store, tag, name, table, shard_i, nshards, parent_doc, opts, on_bytes
-                        )
-                        doc["tables"][name] = ent
-                        if not ent["full"]:
-                            doc["incremental"] = True
-                    dense_job.result()
-                    dense_w.flush()
-                except BaseException:
-                    dense_job.cancel()
-                    with contextlib.suppress(BaseException):
-                        dense_job.result()
-                    dense_w.abort()
-                    raise
-            doc["dense"] = {name: doc["dense"][name] for name in arrays}  # the caller's order
-            store.flush()
-            doc["created"] = time.time()  # the tag's life starts when it becomes visible
-            if ttl is not None:
-                doc["expires"] = doc["created"] + float(ttl)
-            claims.publish(c, what, mkey, manifest.encode_manifest(doc), refs.record_keys(doc))
-        except BaseException:
-            with contextlib.suppress(Exception):
-                _drop_tables(store, tag, shard_i, list(tables_in), hash_tag)
-            claims.release(c)
-            raise
-        finally:
-            pbar.close()
-        claims.release(c)
+            c.on_failure = drop_tables
+            try:
+                known = refs.referenced_chunks(store, docs)
+                _write_records(store, tag, doc, arrays, torch_dtypes, chunk_bytes, tables_in,
+                               (shard_i, nshards), parent_doc, opts, known, on_bytes)
+                doc["dense"] = {name: doc["dense"][name] for name in arrays}  # the caller's order
+                store.flush()
+                doc["created"] = time.time()  # the tag's life starts when it becomes visible
+                if ttl is not None:
+                    doc["expires"] = doc["created"] + float(ttl)
+                claims.publish(c, what, mkey, manifest.encode_manifest(doc), refs.record_keys(doc))
+            finally:
+                pbar.close()
         if nshards > 1:
             merge_if_complete(store, tag, nshards)
     return tag
 
 
-def _drop_tables(
-    store: KVStore, tag: str, shard: int, names: list[str], hash_tag: str | None
+def _write_records(
+    store: KVStore, tag: str, doc: dict[str, Any], arrays: dict[str, np.ndarray],
+    torch_dtypes: dict[str, str | None], chunk_bytes: int, tables_in: dict[str, Any],
+    shard: tuple[int, int], parent_doc: dict[str, Any] | None, opts: dict[str, Any],
+    known: set[str], on_bytes: OnBytes,
 ) -> None:
-    """Remove the table data of a failed save (shared chunks are left to gc)."""
-    for name in names:
-        store.delete_prefix(layout.table_prefix(tag, name, shard, hash_tag))
+    """Write the dense chunks (on a helper thread) and every table's records of a save.
+
+    Fills ``doc["dense"]`` and ``doc["tables"]``; a failure stops both writers first.
+    """
+    shard_i, nshards = shard
+    dense_w = tables.BlockWriter(store, b"", None, on_bytes, opts["after_write"])
+
+    def write_dense() -> None:
+        # hashes the dense chunks (xxhash lets the table gather run meanwhile) and
+        # queues the new ones on dense_w's writer thread
+        for name, arr in arrays.items():
+            doc["dense"][name] = dense.describe(arr, torch_dtypes[name], chunk_bytes)
+        dense.write_tensors(dense_w, arrays, doc["dense"], known, on_bytes)
+        dense_w.send()
+
+    with ThreadPoolExecutor(1, thread_name_prefix="tensorkv-ckpt-dense") as helper:
+        dense_job = helper.submit(write_dense)
+        try:
+            for name, table in tables_in.items():
+                ent = save_table(
+                    store, tag, name, table, shard_i, nshards, parent_doc, opts, on_bytes
+                )
+                doc["tables"][name] = ent
+                if not ent["full"]:
+                    doc["incremental"] = True
+            dense_job.result()
+            dense_w.flush()
+        except BaseException:
+            dense_job.cancel()
+            with contextlib.suppress(BaseException):
+                dense_job.result()
+            dense_w.abort()
+            raise

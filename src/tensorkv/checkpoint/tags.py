@@ -7,7 +7,6 @@ data tags and the dump file format are in ``docs/format.md``.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import struct
 import time
@@ -260,23 +259,16 @@ def _write_new_tag(
     :mod:`tensorkv.checkpoint.claims`); on failure its table records are removed.
     """
     what = f"tag {tag!r}"
-    c = claims.claim(store, layout.pending_key(tag, 0), what)
-    if store.get(layout.manifest_key(tag)) is not None:
-        claims.release(c)
-        raise TagExistsError(f"{what} already exists in {store.url!r}; delete it first")
-    try:
+    with claims.holding(store, layout.pending_key(tag, 0), what) as c:
+        if store.get(layout.manifest_key(tag)) is not None:
+            raise TagExistsError(f"{what} already exists in {store.url!r}; delete it first")
+        c.on_failure = lambda: store.delete_prefix(layout.tag_table_prefix(tag))
         new = write()
         store.flush()
         claims.publish(
             c, what, layout.manifest_key(tag), manifest.encode_manifest(new),
             refs.record_keys(new),
         )
-    except BaseException:
-        with contextlib.suppress(Exception):
-            store.delete_prefix(layout.tag_table_prefix(tag))
-        claims.release(c)
-        raise
-    claims.release(c)
     return new
 
 
@@ -293,8 +285,8 @@ def compact(url: str | KVStore, tag: str) -> dict[str, Any]:
         old_raw = store.get(mk)
         data_tag = f"{doc['tag']}~{uuid.uuid4().hex[:8]}"
         what = f"compaction of tag {doc['tag']!r}"
-        c = claims.claim(store, layout.pending_key(data_tag, 0), what)
-        try:
+        with claims.holding(store, layout.pending_key(data_tag, 0), what) as c:
+            c.on_failure = lambda: store.delete_prefix(layout.tag_table_prefix(data_tag))
             new = write_copy(store, doc, store, doc["tag"], data_tag=data_tag)
             new["compacted_from"] = doc.get("parent")
             new["created"] = doc["created"]  # keep its place in the tag order
@@ -309,12 +301,6 @@ def compact(url: str | KVStore, tag: str) -> dict[str, Any]:
                     "compacted; nothing was replaced: retry"
                 )
             store.flush()
-        except BaseException:
-            with contextlib.suppress(Exception):
-                store.delete_prefix(layout.tag_table_prefix(data_tag))
-            claims.release(c)
-            raise
-        claims.release(c)
         keys = refs.table_data_keys(doc)
         for i in range(0, len(keys), 4096):
             store.delete_many(keys[i : i + 4096])
