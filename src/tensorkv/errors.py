@@ -7,6 +7,9 @@ Messages say what was refused, why, and what to do instead.
 
 from __future__ import annotations
 
+import importlib
+from typing import Any
+
 
 class TensorKVError(Exception):
     """Base class of every tensorkv error."""
@@ -23,6 +26,19 @@ class UnknownSchemeError(InvalidURLError):
 
 class MissingDependencyError(TensorKVError, ImportError):
     """An optional dependency is not installed; the message names the extra to install."""
+
+
+def import_optional(module: str, what: str, extra: str) -> Any:
+    """Import ``module``, or raise :class:`MissingDependencyError` naming the extra to install.
+
+    ``what`` says what needs it (``"the HBM tier"``); ``extra`` is the ``tensorkv[...]`` extra.
+    """
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise MissingDependencyError(
+            f'{what} needs {module}, which is not installed: pip install "tensorkv[{extra}]"'
+        ) from exc
 
 
 class ConfigError(TensorKVError, ValueError):

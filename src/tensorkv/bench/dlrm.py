@@ -27,6 +27,8 @@ from typing import Any
 
 import numpy as np
 
+from tensorkv.errors import import_optional
+
 #: Dense and categorical features per sample (the Criteo layout).
 N_DENSE = 13
 N_CAT = 26
@@ -129,13 +131,7 @@ def auc(labels: np.ndarray, scores: np.ndarray) -> float:
 
 
 def _torch() -> Any:
-    try:
-        import torch
-    except ImportError as exc:  # pragma: no cover - torch is in the all extra
-        raise ImportError(
-            'the DLRM model needs PyTorch: pip install "tensorkv[torch]"'
-        ) from exc
-    return torch
+    return import_optional("torch", "the DLRM model", "torch")
 
 
 def mlp(sizes: list[int], *, last_relu: bool) -> Any:

@@ -24,7 +24,7 @@ import numpy as np
 from tensorkv.bench.common import Report
 from tensorkv.embedding.table import EmbeddingTable
 from tensorkv.embedding.tiers.base import RecordLayout
-from tensorkv.errors import ConfigError, MissingDependencyError
+from tensorkv.errors import ConfigError, import_optional
 from tensorkv.kernels.cache import lru_hits
 
 DIM = 64
@@ -120,11 +120,7 @@ def _device_io(device: str) -> tuple[Callable[[np.ndarray], Any], Callable[[], N
 
     Raises a clear error where torch, or the CUDA device, is missing.
     """
-    try:
-        import torch
-    except ImportError as e:
-        raise MissingDependencyError("HBM backends need torch: pip install 'tensorkv[torch]'"
-                                     ) from e
+    torch = import_optional("torch", "HBM backends", "torch")
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError):

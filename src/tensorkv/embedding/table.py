@@ -28,9 +28,9 @@ from tensorkv.embedding.scratch import Scratch
 from tensorkv.embedding.table_io import META_FORMAT, TableIO, is_int
 from tensorkv.errors import (
     ConfigError,
-    MissingDependencyError,
     NonFiniteGradientError,
     ShapeError,
+    import_optional,
 )
 from tensorkv.kernels import arena as ak
 
@@ -273,11 +273,7 @@ class EmbeddingTable(TableIO):
         their initial/default value made on the host and copied up; the batch's values never
         travel to the host. With a host tier 0 it is ``torch.from_numpy(lookup(keys))``.
         """
-        try:
-            import torch
-        except ImportError as e:  # pragma: no cover - torch is an extra
-            raise MissingDependencyError(
-                "lookup_torch needs torch: pip install \"tensorkv[torch]\"") from e
+        torch = import_optional("torch", "lookup_torch", "torch")
         k = self.as_keys(keys)
         a, rows_ = self.arena, self._rows
         buf = self._lookup_buffer(k.shape[0], None)

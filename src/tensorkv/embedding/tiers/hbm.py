@@ -22,19 +22,11 @@ from tensorkv.embedding.tiers.base import (
     check_chunk_rows,
     score_word,
 )
-from tensorkv.errors import ConfigError
+from tensorkv.errors import ConfigError, import_optional
 
 
-def _torch():
-    try:
-        import torch
-    except ImportError as e:  # pragma: no cover - torch is installed with the extra
-        from tensorkv.errors import MissingDependencyError
-
-        raise MissingDependencyError(
-            "the HBM tier needs torch: pip install torch"
-        ) from e
-    return torch
+def _torch() -> Any:
+    return import_optional("torch", "the HBM tier", "torch")
 
 
 def _last_wins(rows: np.ndarray) -> np.ndarray:
