@@ -29,6 +29,17 @@ def model(seed: int, rows: int = 3000, dim: int = 8) -> dict:
     }
 
 
+def assert_model_equal(got: dict, want: dict) -> None:
+    """Dense tensors and every table field (keys, values, slots, freq, version) bit-equal."""
+    np.testing.assert_array_equal(got["w"], want["w"])
+    np.testing.assert_array_equal(got["b"], want["b"])
+    ea, eb = (next(iter(t.export(chunk_rows=1 << 30))) for t in (got["emb"], want["emb"]))
+    oa, ob = np.argsort(ea.keys), np.argsort(eb.keys)
+    for f in ("keys", "values", "slots", "freq", "version"):
+        np.testing.assert_array_equal(np.asarray(getattr(ea, f))[oa],
+                                      np.asarray(getattr(eb, f))[ob], err_msg=f)
+
+
 def main() -> int:
     import tensorkv
     from tensorkv.errors import StoreRestartedError, TagExistsError

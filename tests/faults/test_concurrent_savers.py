@@ -15,28 +15,16 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 import tensorkv
 from tensorkv.errors import TagExistsError
 
 sys.path.insert(0, str(Path(__file__).parent))
-from saver_worker import model  # noqa: E402
+from saver_worker import assert_model_equal, model  # noqa: E402
 
 WORKER = str(Path(__file__).with_name("saver_worker.py"))
 SAVERS = 4
-
-
-def _assert_model_equal(got: dict, want: dict) -> None:
-    np.testing.assert_array_equal(got["w"], want["w"])
-    np.testing.assert_array_equal(got["b"], want["b"])
-    a, b = got["emb"], want["emb"]
-    ea, eb = (next(iter(t.export(chunk_rows=1 << 30))) for t in (a, b))
-    oa, ob = np.argsort(ea.keys), np.argsort(eb.keys)
-    for f in ("keys", "values", "slots", "freq", "version"):
-        np.testing.assert_array_equal(np.asarray(getattr(ea, f))[oa],
-                                      np.asarray(getattr(eb, f))[ob], err_msg=f)
 
 
 def _run_workers(url: str, tags: list[str]) -> list[str]:
@@ -67,7 +55,7 @@ def test_processes_saving_one_tag(shared_url):
     winners = [i for i, o in enumerate(outs) if o == "ok"]
     assert len(winners) == 1, outs
     assert all(o.startswith("exists: tag 'same'") for i, o in enumerate(outs) if i != winners[0])
-    _assert_model_equal(tensorkv.load(None, shared_url, "same"), model(winners[0]))
+    assert_model_equal(tensorkv.load(None, shared_url, "same"), model(winners[0]))
     rep = tensorkv.checkpoint.check(shared_url)
     assert rep.ok and not rep.pending and rep.tags == ["same"], rep.as_dict()
 
@@ -76,7 +64,7 @@ def test_processes_saving_different_tags(shared_url):
     tags = [f"t{i}" for i in range(SAVERS)]
     assert _run_workers(shared_url, tags) == ["ok"] * SAVERS
     for i, tag in enumerate(tags):
-        _assert_model_equal(tensorkv.load(None, shared_url, tag), model(i))
+        assert_model_equal(tensorkv.load(None, shared_url, tag), model(i))
     rep = tensorkv.checkpoint.check(shared_url, verify=True)
     assert rep.ok and sorted(rep.tags) == tags, rep.as_dict()
 
@@ -105,7 +93,7 @@ def test_threads_saving_one_tag(backend, tmp_path):
             t.join()
         assert sorted(results) == ["exists"] * (SAVERS - 1) + ["ok"], results  # type: ignore[arg-type]
         winner = results.index("ok")
-        _assert_model_equal(tensorkv.load(None, store, "same"), models[winner])
+        assert_model_equal(tensorkv.load(None, store, "same"), models[winner])
         rep = tensorkv.checkpoint.check(store)
         assert rep.ok and not rep.pending, rep.as_dict()
 
@@ -128,7 +116,7 @@ def test_a_dead_savers_claim_is_taken_over(tmp_path):
     assert [p["owner"] for p in rep.pending] == ["dead"] and rep.pending[0]["stale"]
     assert len(rep.orphan_keys) == 1  # the dead save's record is reported at once, no grace
     tensorkv.save(model(0), url, "same", block_rows=256)
-    _assert_model_equal(tensorkv.load(None, url, "same"), model(0))
+    assert_model_equal(tensorkv.load(None, url, "same"), model(0))
     rep = tensorkv.checkpoint.check(url)
     assert rep.ok and not rep.pending, rep.as_dict()
 
@@ -148,4 +136,4 @@ def test_a_live_savers_claim_is_respected(tmp_path):
         tensorkv.save(model(1), s, "busy")
         with pytest.raises(TagExistsError, match="already exists"):
             tensorkv.save(model(2), s, "busy")
-        _assert_model_equal(tensorkv.load(None, s, "busy"), model(1))
+        assert_model_equal(tensorkv.load(None, s, "busy"), model(1))

@@ -18,7 +18,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 
 import tensorkv
@@ -26,7 +25,7 @@ from tensorkv.errors import ReplicationError, StoreRestartedError, StoreUnavaila
 from tensorkv.stores.base import KVStore
 
 sys.path.insert(0, str(Path(__file__).parent))
-from saver_worker import model  # noqa: E402
+from saver_worker import assert_model_equal, model  # noqa: E402
 
 from servers import RedisSentinel, RedisServer, _client, _wait, available  # noqa: E402
 
@@ -93,15 +92,6 @@ class FaultAt(KVStore):
         return self.inner.stats()
 
 
-def _equal(got: dict, want: dict) -> None:
-    np.testing.assert_array_equal(got["w"], want["w"])
-    ea, eb = (next(iter(t.export(chunk_rows=1 << 30))) for t in (got["emb"], want["emb"]))
-    oa, ob = np.argsort(ea.keys), np.argsort(eb.keys)
-    for f in ("keys", "values", "slots", "freq", "version"):
-        np.testing.assert_array_equal(np.asarray(getattr(ea, f))[oa],
-                                      np.asarray(getattr(eb, f))[ob], err_msg=f)
-
-
 @pytest.fixture(autouse=True)
 def small_batches(monkeypatch):
     """Many write batches per save, so faults can hit its start, middle and end."""
@@ -142,12 +132,12 @@ def test_restart_mid_save_fails_the_save_and_keeps_earlier_tags(own_redis, point
             tensorkv.save(model(2), store, "during", block_rows=256, bucket_bits=2)
         assert store.fired
     assert tensorkv.list_tags(url) == ["before"]  # the AOF kept it; "during" never appeared
-    _equal(tensorkv.load(None, url, "before"), model(1))
+    assert_model_equal(tensorkv.load(None, url, "before"), model(1))
     rep = tensorkv.checkpoint.gc(url, grace=0)
     rep = tensorkv.checkpoint.check(url, verify=True)
     assert rep.ok and rep.tags == ["before"], rep.as_dict()
     tensorkv.save(model(2), url, "during", block_rows=256)  # the retry succeeds
-    _equal(tensorkv.load(None, url, "during"), model(2))
+    assert_model_equal(tensorkv.load(None, url, "during"), model(2))
 
 
 def test_records_lost_without_a_restart_are_detected(own_redis):
@@ -220,12 +210,12 @@ def test_paused_server_past_the_socket_timeout(own_redis):
             tensorkv.save(model(2), store, "paused", block_rows=256)
     time.sleep(1.6)
     assert tensorkv.list_tags(url) == ["before"]
-    _equal(tensorkv.load(None, url, "before"), model(1))
+    assert_model_equal(tensorkv.load(None, url, "before"), model(1))
     tensorkv.checkpoint.gc(url)  # the failed save's own leftovers: its claim is dead
     rep = tensorkv.checkpoint.check(url)
     assert rep.ok and not rep.pending, rep.as_dict()
     tensorkv.save(model(2), url, "paused", block_rows=256)
-    _equal(tensorkv.load(None, url, "paused"), model(2))
+    assert_model_equal(tensorkv.load(None, url, "paused"), model(2))
 
 
 @pytest.fixture(scope="module")
@@ -292,11 +282,11 @@ def test_sentinel_failover_mid_save(own_sentinel):
                 tensorkv.save(model(2), store, "during", block_rows=256)
             assert store.fired
         assert tensorkv.list_tags(url) == ["before"]
-        _equal(tensorkv.load(None, url, "before"), model(1))
+        assert_model_equal(tensorkv.load(None, url, "before"), model(1))
         tensorkv.checkpoint.gc(url)
         assert tensorkv.checkpoint.check(url).ok
         tensorkv.save(model(2), url, "during", block_rows=256)
-        _equal(tensorkv.load(None, url, "during"), model(2))
+        assert_model_equal(tensorkv.load(None, url, "during"), model(2))
     finally:
         if killed:
             own_sentinel.restart_as_replica(killed[0])
