@@ -411,3 +411,15 @@ def test_capabilities():
     assert not caps.ordered_scans and caps.atomic_batches and caps.multi_process
     assert not caps.durable_on_return
     assert RedisStore.max_value_size == tk_config.REDIS_MAX_VALUE_BYTES
+
+
+@pytest.mark.parametrize(("option", "value", "message"), [
+    ("wait_replicas", "-1", "wait_replicas=-1 .* must be >= 0"),
+    ("wait_replicas", "two", "wait_replicas"),
+    ("wait_timeout", "0", "wait_timeout=0.0 .* must be > 0"),
+])
+def test_bad_wait_options(redis_server, option, value, message):
+    from tensorkv.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        open_store(with_options(redis_server.url, **{option: value}))

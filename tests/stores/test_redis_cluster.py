@@ -195,3 +195,16 @@ def test_resharded_slot_is_followed(redis_cluster, key_prefix):
         assert c.get(key_prefix.encode() + keys[-1]) == b"new"
     finally:
         c.close()
+
+
+def test_wait_replicas_is_refused_on_a_cluster(redis_cluster):
+    from tensorkv.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="wait_replicas=1 is not supported on a Redis Cluster"):
+        open_store(with_options(redis_cluster.url, wait_replicas=1))
+
+
+def test_identity_names_every_primary(redis_cluster):
+    with open_store(redis_cluster.url) as s:
+        ids = s.identity().split(",")
+        assert len(ids) == len(redis_cluster.nodes("master")) and all(len(i) == 40 for i in ids)
