@@ -506,7 +506,8 @@ class EmbeddingTable(TableIO):
         """Counter bumped by every mutating call; rows remember the value of their last change."""
         return self._mseq
 
-    def apply_gradients(self, keys: Any, grads: Any, step: int | None = None) -> int:
+    def apply_gradients(self, keys: Any, grads: Any, step: int | None = None, *,
+                        unique: bool = False) -> int:
         """Apply one sparse optimizer step to the rows of ``keys``.
 
         Gradients of duplicate keys are summed first (IndexedSlices semantics); only the
@@ -522,6 +523,10 @@ class EmbeddingTable(TableIO):
         step
             The step of this update (for lr schedules and ``version``); default: the
             table's step + 1.
+        unique
+            The caller guarantees the keys are distinct (IndexedSlices already summed, as
+            the PyTorch modules' are): the summing pass is skipped. Duplicates then update
+            their row once per occurrence.
 
         Returns
         -------
@@ -536,23 +541,30 @@ class EmbeddingTable(TableIO):
         with rows_.op:
             rows = rows_.promote_update(k)
             with rows_.holding_meta():
-                n = self._apply(k, g, step, rows)
+                n = self._apply(k, g, step, rows, unique=bool(unique))
             rows_.after_batch(k)
         return n
 
     def _apply(self, k: np.ndarray, g: np.ndarray, step: int | None,
-               rows: np.ndarray | None = None) -> int:
+               rows: np.ndarray | None = None, unique: bool = False) -> int:
         """:meth:`apply_gradients` of validated input; ``rows``: every key's row, if known.
 
         With the rows of a batch just looked up (all present, under the same operation lock)
         duplicates are summed by row, without hashing keys, and the index is not probed again.
+        ``unique``: the keys are distinct, nothing to sum.
         """
-        uniq, sums, bad, tab, pos = self._scratch.dedup_buffers(k.shape[0], self.dim)
         urows = None
-        if rows is None:
+        if unique:
+            uniq, sums = k, np.ascontiguousarray(g, np.float32)
+            bad = nonfinite_rows(sums)
+            if rows is not None:
+                urows = rows
+        elif rows is None:
+            uniq, sums, bad, tab, pos = self._scratch.dedup_buffers(k.shape[0], self.dim)
             u = ak.dedup_sum(k, g, uniq, sums, bad, tab, pos)  # pure: runs outside the lock
             uniq, sums, bad = uniq[:u], sums[:u], bad[:u]
         else:
+            uniq, sums, bad, tab, pos = self._scratch.dedup_buffers(k.shape[0], self.dim)
             first = self._scratch.row_slots(self.arena.capacity)
             u = ak.dedup_rows(rows, g, uniq, sums, bad, first, pos)
             urows = uniq[:u].copy()

@@ -80,13 +80,16 @@ class Optimizer:
             for m, items in taken:
                 m.restore_gradients(items)
             raise
-        for table, keys, grads in batches:
-            table.apply_gradients(keys, grads)
+        for table, keys, grads, unique in batches:
+            table.apply_gradients(keys, grads, unique=unique)
         if self.dense is not None:
             self.dense.step()
 
-    def _group(self, taken: list[tuple[DynamicModule, list]]) -> list[tuple[Any, Any, Any]]:
-        """One ``(table, keys, grads)`` per table with gradients, checked for NaN/Inf."""
+    def _group(self, taken: list[tuple[DynamicModule, list]]) -> list[tuple[Any, Any, Any, bool]]:
+        """One ``(table, keys, grads, unique)`` per table with gradients, checked for NaN/Inf.
+
+        ``unique``: one backward pass of one module, whose ids are distinct already.
+        """
         by_table: dict[int, tuple[EmbeddingTable, list, list]] = {}
         for m, items in taken:
             for keys, grads in items:
@@ -104,7 +107,7 @@ class Optimizer:
                     f"{np.unique(bad)[:8].tolist()}); no table or dense parameter changed and "
                     "the gradients still wait. Fix the loss or clip gradients and call "
                     "zero_grad(), or create the table with nan_policy='skip'")
-            out.append((table, k, g))
+            out.append((table, k, g, len(keys) == 1))
         return out
 
     def state_dict(self) -> dict[str, Any]:
