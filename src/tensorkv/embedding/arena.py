@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from tensorkv import config
+from tensorkv.embedding.growable import resized
 from tensorkv.errors import CapacityError, ConfigError
 from tensorkv.kernels import arena as ak
 from tensorkv.kernels import hashindex as hk
@@ -24,7 +25,7 @@ from tensorkv.kernels import records as kr
 #: Storage dtypes of value rows. 16-bit ones are held as raw ``uint16`` bit patterns (numba has
 #: no float16/bfloat16 scalars) and converted to and from float32 with numpy / ml_dtypes.
 STORAGE_DTYPES = ("float32", "float16", "bfloat16")
-ROW_GROWTH = 1.0625  # row capacity multiplier on growth (in-place realloc keeps it cheap)
+ROW_GROWTH = 1.0625  # row capacity multiplier on growth (in place: see embedding/growable.py)
 
 
 def pow2_at_least(n: int) -> int:
@@ -140,8 +141,7 @@ class RowArena:
     def _resize_row_arrays(self, new: int) -> None:
         """Resize ``values`` and ``slots`` to ``new`` rows, keeping the contents that fit."""
         for name in ("values", "slots"):
-            arr = getattr(self, name)
-            arr.resize((new, arr.shape[1]), refcheck=False)
+            setattr(self, name, resized(getattr(self, name), new))
 
     def _alloc(self, cap: int) -> None:
         cap = max(int(cap), 1)
@@ -192,7 +192,7 @@ class RowArena:
         with self.resize_guard:  # the arrays move: no other thread may be reading them
             self._resize_row_arrays(new)
             for name in ("freq", "version", "seq", "row_key", "live"):
-                getattr(self, name).resize(new, refcheck=False)
+                setattr(self, name, resized(getattr(self, name), new))
 
     def shrink_rows(self, rows: int) -> int:
         """Give back row capacity above ``rows`` (never below :attr:`high_water`).

@@ -67,6 +67,9 @@ class DynamicModule(nn.Module):
         self._busy = threading.Lock()
         self._grad_lock = threading.Lock()
         self._pending: list[tuple[np.ndarray, np.ndarray]] = []
+        #: Apply each backward pass's gradients to the table at once, inside backward
+        #: (set by ``tensorkv.torch.Optimizer(..., fused=True)``).
+        self.fused = False
 
     # --- gradients ----------------------------------------------------------------------------
     def take_gradients(self) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -144,6 +147,9 @@ class DynamicModule(nn.Module):
 
         def sink(grad: torch.Tensor) -> None:
             g = grad.detach()[:u].to("cpu", torch.float32).contiguous().numpy()
+            if self.fused:
+                self.table.apply_gradients(uniq, g, unique=True)
+                return
             with self._grad_lock:
                 self._pending.append((uniq, g))
 

@@ -29,6 +29,13 @@ class Optimizer:
         modules anywhere in its tree (found when the optimizer is made).
     dense
         A ``torch.optim.Optimizer`` over the model's dense parameters, or None.
+    fused
+        Apply each table's update inside backward, as soon as its row gradients exist (as
+        TorchRec/FBGEMM do), instead of in :meth:`step`; :meth:`step` then steps the dense
+        optimizer only. Same results as the default when every table is used by one module
+        once per step; gradients do not accumulate over several backward passes (each pass
+        is a table step), and a NaN/Inf gradient under ``nan_policy="raise"`` raises from
+        ``backward()`` with the table unchanged.
 
     Notes
     -----
@@ -40,7 +47,8 @@ class Optimizer:
     so a refused step leaves every table as it was and the gradients waiting.
     """
 
-    def __init__(self, model: nn.Module, dense: torch.optim.Optimizer | None = None) -> None:
+    def __init__(self, model: nn.Module, dense: torch.optim.Optimizer | None = None, *,
+                 fused: bool = False) -> None:
         if not isinstance(model, nn.Module):
             raise ConfigError(f"model={type(model).__name__} must be a torch nn.Module")
         if dense is not None and not isinstance(dense, torch.optim.Optimizer):
@@ -52,6 +60,9 @@ class Optimizer:
         if not self.modules and dense is None:
             raise ConfigError("the model holds no DynamicEmbedding/DynamicEmbeddingBag and no "
                               "dense optimizer was given; pass dense=torch.optim.X(...)")
+        self.fused = bool(fused)
+        for m in self.modules:
+            m.fused = self.fused
 
     @property
     def tables(self) -> list[EmbeddingTable]:
@@ -126,7 +137,8 @@ class Optimizer:
 
     def __repr__(self) -> str:
         return (f"tensorkv.torch.Optimizer(tables={len(self.tables)}, "
-                f"dense={type(self.dense).__name__ if self.dense is not None else None})")
+                f"dense={type(self.dense).__name__ if self.dense is not None else None}"
+                f"{', fused=True' if self.fused else ''})")
 
 
 __all__ = ["Optimizer"]
