@@ -23,8 +23,8 @@ import numpy as np
 
 #: Arrays smaller than this (bytes) grow with ``ndarray.resize``.
 MIN_BYTES = 4 << 20
-#: A new reservation holds this many times the bytes asked for.
-RESERVE_FACTOR = 8
+#: A new reservation holds this many times the bytes asked for (address space only).
+RESERVE_FACTOR = 32
 _HUGE = 2 << 20
 _MAP_NORESERVE = 0x4000  # Linux's value; the mmap module does not export it before 3.13
 _PAGE = mmap.PAGESIZE

@@ -345,6 +345,7 @@ class EmbeddingTable(TableIO):
         n = k.shape[0]
         a = self.arena
         with self._lock.read():
+            moves = a.moves
             if rows is None:
                 rows, misses = a.find_gather(k, raw)
             else:
@@ -366,7 +367,7 @@ class EmbeddingTable(TableIO):
                 raw[pos] = a.to_raw(self._initial(k[pos]))
             return self._result(raw, out)
         with self._lock.write():
-            self._insert_missing(k, raw, np.flatnonzero(rows < 0))
+            self._insert_missing(k, raw, rows, moves)
         return self._result(raw, out)
 
     def _result(self, raw: np.ndarray, out: np.ndarray | None) -> np.ndarray:
@@ -378,14 +379,22 @@ class EmbeddingTable(TableIO):
         np.copyto(out, f32)
         return out
 
-    def _insert_missing(self, k: np.ndarray, out: np.ndarray, missed: np.ndarray) -> None:
+    def _insert_missing(self, k: np.ndarray, out: np.ndarray, found: np.ndarray,
+                        moves: int) -> None:
         """Write-locked slow path of :meth:`lookup`: insert/admit the missing keys.
 
-        ``missed``: positions not found by the shared-lock pass; another writer may have
-        inserted some of them since, so they are all read again here.
+        ``found``: each key's row in the shared-lock pass (``-1``: missing), when the arena's
+        :attr:`~tensorkv.embedding.arena.RowArena.moves` was ``moves``. Another writer may
+        have inserted missing keys since, so those are read again; the found rows are still
+        valid unless some key has moved since (then every key is read again).
         """
         a = self.arena
-        rows = a.find(k)
+        missed = np.flatnonzero(found < 0)
+        if a.moves == moves:
+            rows = found.copy()
+            rows[missed] = a.find(k[missed])
+        else:
+            rows = a.find(k)
         miss = np.flatnonzero(rows < 0)
         n_hits, n_misses = k.shape[0] - miss.size, miss.size
         mk = k[miss]
