@@ -424,7 +424,12 @@ class EmbeddingTable(TableIO):
                 uk, first = np.unique(mk, return_index=True)
                 a.freq[new_rows[first]] += prior[first]
                 self.admission.forget(uk)
-        out[missed] = a.gather(rows[missed])
+        if missed.size == k.shape[0]:
+            a.gather(rows, out)  # straight into the result: no temporary rows
+        else:
+            sel = np.full(k.shape[0], -1, np.int64)  # rows found before are in ``out`` already
+            sel[missed] = rows[missed]
+            a.gather(sel, out)
         if rejected.size:
             out[rejected] = a.to_raw(self._initial(k[rejected]))
         with self._meta_lock:
