@@ -424,12 +424,8 @@ class EmbeddingTable(TableIO):
                 uk, first = np.unique(mk, return_index=True)
                 a.freq[new_rows[first]] += prior[first]
                 self.admission.forget(uk)
-        if missed.size == k.shape[0]:
-            a.gather(rows, out)  # straight into the result: no temporary rows
-        else:
-            sel = np.full(k.shape[0], -1, np.int64)  # rows found before are in ``out`` already
-            sel[missed] = rows[missed]
-            a.gather(sel, out)
+        # the missing keys' rows straight into the result (the others are in it already)
+        a.gather(rows if missed.size == k.shape[0] else np.where(found >= 0, -1, rows), out)
         if rejected.size:
             out[rejected] = a.to_raw(self._initial(k[rejected]))
         with self._meta_lock:
@@ -567,22 +563,7 @@ class EmbeddingTable(TableIO):
         duplicates are summed by row, without hashing keys, and the index is not probed again.
         ``unique``: the keys are distinct, nothing to sum.
         """
-        urows = None
-        if unique:
-            uniq, sums = k, np.ascontiguousarray(g, np.float32)
-            bad = nonfinite_rows(sums)
-            if rows is not None:
-                urows = rows
-        elif rows is None:
-            uniq, sums, bad, tab, pos = self._scratch.dedup_buffers(k.shape[0], self.dim)
-            u = ak.dedup_sum(k, g, uniq, sums, bad, tab, pos)  # pure: runs outside the lock
-            uniq, sums, bad = uniq[:u], sums[:u], bad[:u]
-        else:
-            uniq, sums, bad, tab, pos = self._scratch.dedup_buffers(k.shape[0], self.dim)
-            first = self._scratch.row_slots(self.arena.capacity)
-            u = ak.dedup_rows(rows, g, uniq, sums, bad, first, pos)
-            urows = uniq[:u].copy()
-            uniq, sums, bad = self.arena.row_key[urows], sums[:u], bad[:u]
+        uniq, sums, bad, urows = self._scratch.summed(k, g, rows, unique, self.arena.row_key)
         n_skip = 0
         if bad.any():
             bad_keys = uniq[bad]
