@@ -37,7 +37,8 @@ class Scratch(threading.local):
         return (self.uniq[:n], self.sums[:n], self.bad[:n], self.tab[:size], self.pos[:n])
 
     def summed(self, keys: np.ndarray, grads: np.ndarray, rows: np.ndarray | None,
-               unique: bool, row_key: np.ndarray) -> tuple[np.ndarray, ...]:
+               unique: bool, row_key: np.ndarray
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
         """Distinct keys, their summed gradients, NaN/Inf flags and rows (IndexedSlices).
 
         Returns ``(uniq, sums, bad, urows)``; ``urows`` are the distinct keys' arena rows when
