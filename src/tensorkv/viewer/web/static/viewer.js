@@ -97,17 +97,20 @@ function addPlot(opts, data, target) {
   return u;
 }
 
-function histogram(target, title, hist, xlabel) {
+// Bars of a histogram; log: a log-scaled count axis (for heavy tails such as frequency).
+function histogram(target, title, hist, xlabel, log) {
   const centers = hist.edges.slice(0, -1).map((e, i) => (e + hist.edges[i + 1]) / 2);
   if (!centers.length) { target.append(el("p", { cls: "muted", text: title + ": no rows" })); return; }
   const bars = uPlot.paths.bars({ size: [0.95, Infinity] });
+  const counts = log ? hist.counts.map((c) => (c > 0 ? c : null)) : hist.counts;
   addPlot({
-    title: title, width: 420, height: 220,
-    scales: { x: { time: false } },
-    axes: [{ label: xlabel }, { label: "rows" }],
+    title: title, width: 380, height: 220,
+    scales: { x: { time: false }, y: log ? { distr: 3 } : {} },
+    legend: { show: false },
+    axes: [{ label: xlabel }, { label: log ? "rows (log)" : "rows" }],
     series: [{ label: xlabel }, { label: "rows", fill: "rgba(37,99,235,0.45)",
                                   stroke: "#2563eb", paths: bars, points: { show: false } }],
-  }, [centers, hist.counts], target);
+  }, [centers, counts], target);
 }
 
 function scatter(target, title, pts, onPick) {
@@ -116,7 +119,7 @@ function scatter(target, title, pts, onPick) {
   const ys = order.map((i) => pts.y[i]);
   const keys = order.map((i) => pts.key[i]);
   addPlot({
-    title: title, width: 460, height: 360,
+    title: title, width: 420, height: 300,
     scales: { x: { time: false } },
     axes: [{ label: "PC 1" }, { label: "PC 2" }],
     cursor: { drag: { x: true, y: true, uni: 50 } },
@@ -134,7 +137,7 @@ function vectorPlot(target, values) {
   const xs = values.map((_, i) => i);
   addPlot({
     title: "value by dimension", width: 560, height: 200,
-    scales: { x: { time: false } },
+    scales: { x: { time: false, range: [-0.5, values.length - 0.5] } },
     axes: [{ label: "dimension" }, {}],
     series: [{ label: "dim" }, { label: "value", stroke: "#2563eb", fill: "rgba(37,99,235,0.4)",
                                   paths: uPlot.paths.bars({ size: [0.9, Infinity] }) }],
@@ -174,6 +177,7 @@ function heatmap(canvas, values, lo, hi) {
     }
   }
   ctx.putImageData(img, 0, 0);
+  return cell;
 }
 
 function legendBar(lo, hi) {
@@ -248,7 +252,11 @@ async function pageTable(tag, name, q) {
     q.toString() ? link("clear", here) : null);
   const results = el("div", { id: "results" });
   const plots = el("div", { id: "plots" });
-  const out = [el("h2", { text: name }), bar, results, el("h3", { text: "Statistics" }), plots];
+  // a search's results come first; the plain table opens on its statistics
+  const asked = q.get("keys") || q.get("nearest") || q.get("where");
+  const stat = [el("h3", { text: "Statistics" }), plots];
+  const found = [el("h3", { text: asked ? "Results" : "Rows" }), results];
+  const out = [el("h2", { text: name }), bar, ...(asked ? [...found, ...stat] : [...stat, ...found])];
 
   const fill = async () => {
     if (q.get("keys")) {
@@ -290,7 +298,7 @@ async function pageTable(tag, name, q) {
     const h2 = el("div", { cls: "panel", id: "hist-freq" });
     plots.append(h1, h2);
     histogram(h1, "norm", s.norm_hist, "L2 norm");
-    histogram(h2, "frequency", s.freq_hist, "frequency");
+    histogram(h2, "frequency", s.freq_hist, "frequency", true);
     const p = el("div", { cls: "panel", id: "pca" });
     plots.append(p);
     const pca = await api("pca", { tag, var: name });
@@ -330,6 +338,7 @@ async function pageDense(tag, name, q) {
                                 placeholder: "0:64, :" });
   const r = await api("slice", { tag, var: name, slice: q.get("slice") || "" });
   const canvas = el("canvas", { id: "heatmap", cls: "heat" });
+  const readout = el("span", { id: "heat-value", cls: "muted" });
   return {
     nodes: [
       el("h2", { text: name }),
@@ -339,10 +348,17 @@ async function pageDense(tag, name, q) {
       el("form", { cls: "toolbar", id: "slice-form",
                    onsubmit: (e) => { e.preventDefault(); location.hash = withQuery(here, { slice: sliceIn.value.trim() }); } },
          "Slice ", sliceIn, " ", el("button", { type: "submit", text: "Show" })),
-      legendBar(r.min, r.max),
+      el("div", { cls: "legend" }, legendBar(r.min, r.max), readout),
       canvas,
     ],
-    after: () => heatmap(canvas, r.values, r.min, r.max),
+    after: () => {
+      const cell = heatmap(canvas, r.values, r.min, r.max);
+      canvas.addEventListener("mousemove", (e) => {
+        const i = Math.floor(e.offsetY / cell), j = Math.floor(e.offsetX / cell);
+        const v = r.values[i] && r.values[i][j];
+        readout.textContent = v === undefined ? "" : `[${i}, ${j}] of the slice = ${fmt(v, 6)}`;
+      });
+    },
   };
 }
 
