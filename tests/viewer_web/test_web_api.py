@@ -188,3 +188,21 @@ def test_diff_of_two_tags(client, ckpt):
     largest = {int(c["key"]) for c in by["emb"]["largest"]}
     assert largest <= set(ckpt["changed"].tolist()) | set(range(10**6, 10**6 + 30))
     assert "t9" in _error(client, "diff", 404, a="t1", b="t9")
+
+
+def test_pca_matches_the_svd_of_the_sample():
+    from types import SimpleNamespace
+
+    from tensorkv.viewer.web.api import project
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((300, 6)) * np.array([5, 3, 1, 0.5, 0.2, 0.1])
+    out = project(SimpleNamespace(values=x.astype(np.float32), keys=np.arange(300)))
+    c = x.astype(np.float32).astype(np.float64)
+    c = c - c.mean(axis=0)
+    _, s, vt = np.linalg.svd(c, full_matrices=False)
+    ref = c @ vt[:2].T
+    got = np.column_stack([out["points"]["x"], out["points"]["y"]])
+    signs = np.sign((got * ref).sum(axis=0))  # a component's sign is arbitrary
+    np.testing.assert_allclose(got * signs, ref, rtol=1e-6, atol=1e-9)
+    np.testing.assert_allclose(out["explained"], s[:2] ** 2 / (s**2).sum(), rtol=1e-9)
