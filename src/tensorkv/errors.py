@@ -197,6 +197,13 @@ class QueryError(TensorKVError, ValueError):
         self.position = position
 
 
+class RowNotFoundError(TensorKVError, KeyError):
+    """A table holds no row for a key a query needs (e.g. the key to search near)."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable.
+        return str(self.args[0]) if self.args else ""
+
+
 # --- store locations (embedded backends) --------------------------------------------------
 class StorePathError(StoreError, OSError):
     """A store's path cannot be used (a parent is a file, it is not a directory, ...)."""

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import itertools
 import os
+import uuid
 from dataclasses import dataclass
 
 import numpy as np
@@ -11,8 +11,6 @@ import pytest
 from tests.checkpoint.helpers import make_table, rows_of
 
 import tensorkv
-
-_counter = itertools.count()
 
 
 @dataclass
@@ -53,7 +51,7 @@ def save_two_tags(url: str, n: int = 3000, dim: int = 8) -> Saved:
 
 def store_url(kind: str, tmp_path, request) -> str:
     """A fresh store URL of a backend."""
-    n = next(_counter)
+    n = uuid.uuid4().hex[:12]  # unique even when this module is imported twice
     if kind == "memory":
         return f"memory://viewer-{os.getpid()}-{n}"
     if kind == "lmdb":

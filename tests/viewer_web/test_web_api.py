@@ -165,7 +165,7 @@ def test_nearest_is_exact(client, ckpt):
     np.testing.assert_array_equal(_as_arrays(r["rows"])[0], ref[0][best])
     np.testing.assert_allclose(r["rows"]["score"], d[best])
     assert "metric" in _error(client, "nearest", 400, var="emb", key=str(key), metric="manhattan")
-    assert "not in table" in _error(client, "nearest", 400, var="emb", key="5")
+    assert "not in table" in _error(client, "nearest", 404, var="emb", key="5")
 
 
 def test_stats_histograms_count_every_row(client, ckpt):

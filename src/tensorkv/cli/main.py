@@ -174,6 +174,10 @@ else:
     for _cmd in checkpoint_cmds.COMMANDS:
         main.add_command(_cmd)
 
+# the viewer's commands (ls, show, search, stats, diff, export): cli/viewer_cmds.py
+for _cmd in importlib.import_module("tensorkv.cli.viewer_cmds").COMMANDS:
+    main.add_command(_cmd)
+
 
 if __name__ == "__main__":  # pragma: no cover
     main()

@@ -156,7 +156,9 @@ class Catalog:
     ----------
     url
         A store URL (every backend; opened read-only, never created) or an open KVStore
-        (used as it is and not closed by :meth:`close`).
+        (used as it is and not closed by :meth:`close`). A process that also writes to the
+        same LMDB store while the catalog is open should pass its open store: LMDB lets a
+        process open one environment either read-only or read-write.
     max_age
         Seconds the manifests read are reused before the store is asked again.
 

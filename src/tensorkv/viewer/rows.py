@@ -27,7 +27,7 @@ from tensorkv.errors import QueryError
 from tensorkv.stores.base import KVStore
 
 #: Bytes of blocks fetched from the store per read (one LMDB transaction, one Redis round trip).
-READ_GROUP_BYTES = 32 * 1024 * 1024
+READ_GROUP_BYTES = 128 * 1024 * 1024
 
 
 class Chunk(NamedTuple):

@@ -17,7 +17,7 @@ import numpy as np
 
 from tensorkv.checkpoint import tables
 from tensorkv.checkpoint.tables import Rows
-from tensorkv.errors import QueryError
+from tensorkv.errors import QueryError, RowNotFoundError
 from tensorkv.viewer.rows import TableView, as_keys, concat_rows, copy_rows
 from tensorkv.viewer.where import Predicate, parse_predicate, row_norms
 
@@ -216,7 +216,9 @@ def nearest(view: TableView, *, key: Any = None, vector: Any = None, k: int = 10
     Raises
     ------
     QueryError
-        Bad metric, k, vector, or a key the table does not hold.
+        Bad metric, k or vector.
+    RowNotFoundError
+        The table holds no row for ``key``.
     """
     if metric not in METRICS:
         raise QueryError(f"metric {metric!r} is not one of {', '.join(METRICS)}")
@@ -230,7 +232,7 @@ def nearest(view: TableView, *, key: Any = None, vector: Any = None, k: int = 10
         kk = as_keys([key])
         rows, found = view.lookup(kk)
         if not found[0]:
-            raise QueryError(f"key {int(kk[0])} is not in table {view.name!r} of tag "
+            raise RowNotFoundError(f"key {int(kk[0])} is not in table {view.name!r} of tag "
                              f"{view.tag!r}; search near a key it holds, or give a vector")
         q = np.asarray(rows.values[0], np.float32)
         skip_key = int(kk[0]) if exclude_query else None

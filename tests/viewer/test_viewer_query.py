@@ -5,7 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tensorkv.errors import QueryError, StoreNotFoundError, TagNotFoundError, VariableNotFoundError
+from tensorkv.errors import (
+    QueryError,
+    RowNotFoundError,
+    StoreNotFoundError,
+    TagNotFoundError,
+    VariableNotFoundError,
+)
 from tensorkv.viewer import Catalog, parse_index, parse_predicate, search, stats
 from tensorkv.viewer import diff as vdiff
 from tensorkv.viewer.rows import TableView
@@ -262,7 +268,7 @@ def test_nearest_with_a_predicate_and_bad_inputs(saved_lmdb):
             search.nearest(view, vector=q, metric="manhattan")
         with pytest.raises(QueryError, match="k=0"):
             search.nearest(view, vector=q, k=0)
-        with pytest.raises(QueryError, match="key 12 is not in table 'emb'"):
+        with pytest.raises(RowNotFoundError, match="key 12 is not in table 'emb'"):
             search.nearest(view, key=12)
         with pytest.raises(QueryError, match="3 numbers but the table's rows have dim 8"):
             search.nearest(view, vector="1, 2, 3")
