@@ -64,9 +64,23 @@ def test_page_markup_holds_no_store_text(client, ckpt):
 
 def test_foreign_host_header_is_refused(client):
     # a page on another site resolving its name to 127.0.0.1 (DNS rebinding) gets nothing
-    r = client.get("/api/tags", headers={"host": "attacker.example:8737"})
-    assert r.status_code == 400
-    assert client.get("/api/tags", headers={"host": "localhost:8737"}).status_code == 200
+    for host in ("attacker.example:8737", "attacker.example", "127.0.0.1.attacker.example",
+                 "[::2]:8737", ""):
+        r = client.get("/api/tags", headers={"host": host})
+        assert r.status_code == 400 and "refused" in r.text, host
+    for host in ("localhost:8737", "LOCALHOST", "127.0.0.1", "[::1]:8737", "[::1]"):
+        assert client.get("/api/tags", headers={"host": host}).status_code == 200, host
+
+
+def test_remote_viewer_answers_any_host(ckpt):
+    from starlette.testclient import TestClient
+
+    from tensorkv.viewer.web.app import create_app
+
+    app = create_app(ckpt["url"], allowed_hosts=["*"])
+    with TestClient(app, base_url="http://viewer.example:8737") as c:
+        assert c.get("/api/tags").status_code == 200
+        assert c.post("/api/tags").status_code == 405
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "::1", "[::1]", "127.0.0.2"])

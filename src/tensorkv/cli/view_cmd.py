@@ -50,9 +50,10 @@ def view(url: str, host: str, port: int | None, tag: str | None, allow_remote: b
         sock.close()
         raise
     address = server.bound_url(sock)
+    shown = app.state.viewer.catalog.url  # as the store shows it (passwords redacted)
 
     def ready() -> None:
-        click.echo(f"tensorkv viewer of {url} at {address} (read-only; Ctrl-C to stop)")
+        click.echo(f"tensorkv viewer of {shown} at {address} (read-only; Ctrl-C to stop)")
 
     with contextlib.suppress(KeyboardInterrupt):  # uvicorn handles SIGINT itself
         server.serve(app, sock, on_ready=ready)

@@ -314,7 +314,8 @@ def diff(state: ViewerState, params: dict[str, str]) -> dict[str, Any]:
             out.append(entry)
         return {"a": d.tag_a, "b": d.tag_b, "variables": out}
 
-    return state.cached(("diff", a, b, var), compute)
+    created = (state.catalog.manifest(a).get("created"), state.catalog.manifest(b).get("created"))
+    return state.cached(("diff", a, b, created, var), compute)
 
 
 def pca(state: ViewerState, params: dict[str, str]) -> dict[str, Any]:

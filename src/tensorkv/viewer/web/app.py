@@ -27,7 +27,7 @@ from tensorkv.stores.base import KVStore
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 
 #: Hosts a loopback-bound viewer answers (the Host header, port excluded).
-LOOPBACK_HOSTS = ["127.0.0.1", "localhost", "[::1]", "::1"]
+LOOPBACK_HOSTS = ["127.0.0.1", "localhost", "::1"]
 
 _HEADERS = {
     "Content-Security-Policy": (
@@ -77,6 +77,14 @@ def _floats(a: np.ndarray) -> Any:
     return out.tolist()
 
 
+def host_of(header: str) -> str:
+    """The host of a ``Host`` header, without its port or IPv6 brackets, lower case."""
+    header = header.strip().lower()
+    if header.startswith("["):  # [::1]:8737
+        return header[1:].partition("]")[0]
+    return header.rpartition(":")[0] if header.count(":") == 1 else header
+
+
 def status_of(exc: BaseException) -> int:
     """The HTTP status for an error a query raised: 404 for what does not exist, else 400."""
     if isinstance(exc, (KeyError, LookupError, FileNotFoundError)):
@@ -105,7 +113,6 @@ def create_app(url: str | KVStore, *, tag: str | None = None,
     del starlette
     from starlette.applications import Starlette
     from starlette.middleware import Middleware
-    from starlette.middleware.trustedhost import TrustedHostMiddleware
     from starlette.requests import Request
     from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, Response
     from starlette.routing import BaseRoute, Mount, Route
@@ -148,8 +155,11 @@ def create_app(url: str | KVStore, *, tag: str | None = None,
                Mount("/static", StaticFiles(directory=STATIC_DIR, follow_symlink=False),
                      name="static")]
 
+    hosts = {host_of(h) for h in (allowed_hosts if allowed_hosts is not None
+                                  else LOOPBACK_HOSTS)}
+
     class ReadOnly:
-        """Refuse every method but GET and HEAD; add the security headers to each answer."""
+        """Refuse every method but GET and HEAD and foreign Host headers; add the headers."""
 
         def __init__(self, app: Any) -> None:
             self.app = app
@@ -158,6 +168,13 @@ def create_app(url: str | KVStore, *, tag: str | None = None,
                            send: Callable[[Any], Awaitable[None]]) -> None:
             if scope["type"] != "http":
                 await self.app(scope, receive, send)
+                return
+            header = dict(scope.get("headers") or []).get(b"host", b"").decode("latin-1")
+            if "*" not in hosts and host_of(header) not in hosts:
+                refusal = PlainTextResponse(
+                    f"Host {header!r} refused: this viewer answers requests addressed to "
+                    f"{', '.join(sorted(hosts))} only", status_code=400)
+                await refusal(scope, receive, send)
                 return
             if scope["method"] not in _READ_METHODS:
                 refusal = PlainTextResponse(
@@ -184,11 +201,10 @@ def create_app(url: str | KVStore, *, tag: str | None = None,
         if owned:
             store.close()
 
-    hosts = allowed_hosts if allowed_hosts is not None else LOOPBACK_HOSTS
     app = Starlette(
         debug=bool(os.environ.get("TENSORKV_DEBUG")),
         routes=routes,
-        middleware=[Middleware(ReadOnly), Middleware(TrustedHostMiddleware, allowed_hosts=hosts)],
+        middleware=[Middleware(ReadOnly)],
         lifespan=lifespan,
     )
     app.state.viewer = state
