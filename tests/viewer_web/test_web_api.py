@@ -206,3 +206,26 @@ def test_pca_matches_the_svd_of_the_sample():
     signs = np.sign((got * ref).sum(axis=0))  # a component's sign is arbitrary
     np.testing.assert_allclose(got * signs, ref, rtol=1e-6, atol=1e-9)
     np.testing.assert_allclose(out["explained"], s[:2] ** 2 / (s**2).sum(), rtol=1e-9)
+
+
+def test_heat_map_reads_only_the_chunks_of_its_slice():
+    # a tensor of 16 chunks whose chunks past the first two are gone: a slice of the first
+    # rows still works (it never asks for the others), one of the last rows does not
+    from starlette.testclient import TestClient
+
+    import tensorkv
+    from tensorkv.checkpoint import layout
+    from tensorkv.viewer.web.app import create_app
+
+    big = np.arange(1024 * 16, dtype=np.float32).reshape(1024, 16)
+    store = tensorkv.open_store("memory://")
+    tensorkv.save({"big": big}, store, tag="t", chunk_bytes=4096)  # 64 rows a chunk
+    chunks = tensorkv.tag_info(store, "t")["dense"]["big"]["chunks"]
+    assert len(chunks) == 16
+    store.delete_many([layout.chunk_key(d) for d in chunks[2:]])
+    with TestClient(create_app(store), base_url="http://127.0.0.1") as c:
+        r = c.get("/api/slice", params={"var": "big", "slice": "0:128, ::2"})
+        assert r.status_code == 200, r.text
+        np.testing.assert_array_equal(np.array(r.json()["values"], np.float32), big[:128, ::2])
+        r = c.get("/api/slice", params={"var": "big", "slice": "1000:1010, :"})
+        assert r.status_code != 200 and "missing" in r.json()["error"]

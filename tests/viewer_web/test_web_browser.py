@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -69,12 +70,14 @@ def server(ckpt):
         assert m, f"the viewer did not start: {line}{proc.stdout.read() if proc.poll() else ''}"
         yield m.group(1)
     finally:
-        proc.terminate()
+        proc.send_signal(signal.SIGINT)  # Ctrl-C: a clean stop, exit status 0
         try:
-            proc.wait(10)
+            rc = proc.wait(10)
         except subprocess.TimeoutExpired:  # pragma: no cover - a stuck server
             proc.kill()
             proc.wait()
+            raise
+    assert rc == 0, proc.stdout.read()
 
 
 @pytest.fixture(scope="module")
