@@ -164,6 +164,12 @@ def test_nearest_is_exact(client, ckpt):
     best = np.argsort(d, kind="stable")[:5]
     np.testing.assert_array_equal(_as_arrays(r["rows"])[0], ref[0][best])
     np.testing.assert_allclose(r["rows"]["score"], d[best])
+    vec = ", ".join(repr(float(x)) for x in ref[1][7])
+    r = _get(client, "nearest", var="emb", vector=vec, k=5, metric="l2")
+    d[7] = 0.0  # a vector query keeps the row equal to it
+    best = np.argsort(d, kind="stable")[:5]
+    np.testing.assert_array_equal(_as_arrays(r["rows"])[0], ref[0][best])
+    assert "dim" in _error(client, "nearest", 400, var="emb", vector="1, 2")
     assert "metric" in _error(client, "nearest", 400, var="emb", key=str(key), metric="manhattan")
     assert "not in table" in _error(client, "nearest", 404, var="emb", key="5")
 

@@ -158,6 +158,10 @@ def test_filter_nearest_heat_map_and_diff(page, server, ckpt):
     assert page.locator("#rows tbody tr").count() == min(want, 50)
     _open(page, server, f"#/table/t2/emb?nearest={int(ref[0][3])}&k=4&metric=cosine")
     assert page.locator("#rows tbody tr").count() == 4
+    vec = "%2C".join(repr(float(x)) for x in ref[1][3])  # a vector instead of a key
+    _open(page, server, f"#/table/t2/emb?nearest={vec}&k=3&metric=l2")
+    assert page.locator("#rows tbody tr").first.locator("td").first.text_content() == str(
+        int(ref[0][3]))  # the row equal to the vector comes first
     _open(page, server, "#/dense/t2/mlp.weight?slice=0%3A20%2C%3A")
     width, height, colours = page.evaluate(CANVAS_COLOURS, "heatmap")
     assert width >= 24 and height >= 20 and colours > 10

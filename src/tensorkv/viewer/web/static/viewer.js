@@ -237,7 +237,8 @@ async function pageTable(tag, name, q) {
                                value: q.get("keys") || "" });
   const whereIn = el("input", { type: "text", cls: "wide", id: "where", value: q.get("where") || "",
                                 placeholder: "freq >= 10 and norm < 0.1" });
-  const nearIn = el("input", { type: "text", id: "nearest-key", placeholder: "key", value: q.get("nearest") || "" });
+  const nearIn = el("input", { type: "text", id: "nearest-key", placeholder: "key, or a vector 0.1, -0.2, …",
+                               value: q.get("nearest") || "" });
   const kIn = el("input", { type: "number", id: "nearest-k", value: q.get("k") || "10", min: 1, max: 1000, style: "width:5em" });
   const metricIn = el("select", { id: "metric" }, ["cosine", "l2", "dot"].map((m) =>
     el("option", { value: m, selected: (q.get("metric") || "cosine") === m, text: m })));
@@ -265,8 +266,9 @@ async function pageTable(tag, name, q) {
                                 (r.missing.length ? "; missing: " + r.missing.slice(0, 20).join(", ") : "") }),
                      rowsTable(tag, name, r.rows));
     } else if (q.get("nearest")) {
-      const r = await api("nearest", { tag, var: name, key: q.get("nearest"), k: q.get("k"),
-                                       metric: q.get("metric") });
+      const near = q.get("nearest").trim();  // a key, or a vector: "0.1, -0.2, ..."
+      const r = await api("nearest", { tag, var: name, [/[,\s]/.test(near) ? "vector" : "key"]: near,
+                                       k: q.get("k"), metric: q.get("metric") });
       results.append(el("p", { cls: "muted", text: `${r.rows.key.length} nearest rows by ${r.metric} ` +
                                 `(${fmt(r.scanned)} rows scanned)` }),
                      rowsTable(tag, name, r.rows, r.metric === "l2" ? "distance" : "score"));
