@@ -100,11 +100,11 @@ def bound_url(sock: socket.socket) -> str:
     return f"http://{shown}:{port}/"
 
 
-def serve(app: Any, sock: socket.socket, *, log_level: str = "warning",
-          on_ready: Callable[[], None] | None = None) -> None:
-    """Serve ``app`` with uvicorn on the listening ``sock`` until interrupted.
+def make_server(app: Any, *, log_level: str = "warning",
+                on_ready: Callable[[], None] | None = None) -> Any:
+    """A ``uvicorn.Server`` for ``app``; ``on_ready`` runs once it has started.
 
-    ``on_ready`` runs once uvicorn has started (the address is printed there).
+    Run it with ``server.run(sockets=[sock])``; setting ``server.should_exit`` stops it.
     """
     uvicorn = import_optional("uvicorn", "the web viewer", "view")
     config = uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="on",
@@ -119,6 +119,16 @@ def serve(app: Any, sock: socket.socket, *, log_level: str = "warning",
                 on_ready()
 
         server.startup = announced_startup
+    return server
+
+
+def serve(app: Any, sock: socket.socket, *, log_level: str = "warning",
+          on_ready: Callable[[], None] | None = None) -> None:
+    """Serve ``app`` with uvicorn on the listening ``sock`` until interrupted.
+
+    ``on_ready`` runs once uvicorn has started (the address is printed there).
+    """
+    server = make_server(app, log_level=log_level, on_ready=on_ready)
     try:
         server.run(sockets=[sock])
     finally:
