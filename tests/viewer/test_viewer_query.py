@@ -381,3 +381,16 @@ def test_every_backend_serves_queries(saved_any):
         wk, _ = _brute(ref, ref[1][np.searchsorted(ref[0], s.changed[0])], "l2",
                        skip=int(s.changed[0]))
         np.testing.assert_array_equal(nn.keys, wk[:3])
+
+
+def test_stats_of_a_sample(saved_lmdb):
+    with Catalog(saved_lmdb.url) as cat:
+        view = cat.table("emb", "a")
+        st = stats.table_stats(view, sample=500, seed=2)
+        assert st.sampled and st.rows == 500 and st.total_rows == 3000
+        assert st.histograms["norm"].counts.sum() == 500
+        assert st.as_dict()["sampled"] is True
+        full = stats.table_stats(view)
+        assert not full.sampled and full.rows == full.total_rows == 3000
+        with pytest.raises(QueryError, match="sample=0"):
+            stats.table_stats(view, sample=0)
