@@ -6,8 +6,9 @@ later runs with the same ``rows`` and ``dim``; a temporary directory, removed at
 no path is given). Then, best of ``repeat`` runs each: exact nearest neighbours of a key
 (cosine, l2) streaming the table (``tensorkv.viewer.search.nearest``), the one-pass statistics
 (``tensorkv.viewer.stats.table_stats``, also of a 100,000-row sample), a page of rows, the
-rows of 10 keys, and the ``tensorkv search --nearest`` command end to end (a new process). Baselines, same run:
-``tensorkv.load`` of the whole table followed by the numpy computation of the same answer.
+rows of 10 keys, and the ``tensorkv search --nearest`` command end to end (a new process).
+Baselines, same run: ``tensorkv.load`` of the whole table followed by the numpy computation of
+the same answer.
 ``-p`` options: ``rows``, ``dim``, ``path``, ``repeat``, ``k``. Figures: docs/benchmarks.md.
 """
 
