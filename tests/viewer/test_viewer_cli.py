@@ -310,7 +310,7 @@ def test_unreachable_store(run):
 
 
 # ---------------------------------------------------------------------------------- backends
-@pytest.mark.parametrize("kind", ["memory", "redis"])
+@pytest.mark.parametrize("kind", ["memory", "rocksdb", "leveldb", "redis"])
 def test_commands_on_other_backends(run, kind, tmp_path, request):
     url = store_url(kind, tmp_path, request)
     s = save_two_tags(url, n=400, dim=4)
