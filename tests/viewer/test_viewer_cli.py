@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 from tests import servers
+from tests.checkpoint.helpers import make_table
 from tests.viewer.conftest import save_two_tags, store_url
 
 from tensorkv.cli.main import main
@@ -366,3 +367,29 @@ def test_sgd_half_precision_and_odd_tensors(run, tmp_path):
         np.testing.assert_array_equal(np.sort(cols["keys"]), keys)
         assert cols["values"].shape == (50, 4) and cols["slots"].size == 0
         run("export", url, "bf", "--to", tmp_path / f"bf.{ext}")
+
+
+def test_error_statuses_by_kind():
+    from tensorkv.cli.viewer_cmds import EXIT_INTERNAL, exit_code_of
+    from tensorkv.errors import CorruptRecordError, QueryError, TagNotFoundError
+
+    assert exit_code_of(QueryError("x")) == EXIT_USAGE
+    assert exit_code_of(TagNotFoundError("x")) == EXIT_NOT_FOUND
+    assert exit_code_of(CorruptRecordError("x")) == EXIT_STORE
+    assert exit_code_of(PermissionError(13, "denied")) == EXIT_STORE
+    assert exit_code_of(ZeroDivisionError()) == EXIT_INTERNAL
+
+
+def test_a_damaged_store_exits_4(run, tmp_path):
+    import tensorkv
+    from tensorkv.checkpoint import layout
+
+    url = f"lmdb://{tmp_path}/damaged"
+    tensorkv.save({"emb": make_table(300, 4)}, url, "x", bucket_bits=0)
+    with tensorkv.open_store(url) as store:
+        [key] = [k for k in store.keys(layout.TABLE) if b"/b/" in k]
+        raw = bytearray(store.get(key))
+        raw[-20] ^= 0xFF
+        store.put(key, bytes(raw))
+    res = run("stats", url, "emb", code=EXIT_STORE)
+    assert res.stderr.startswith("tensorkv: error: table 'emb'") and res.stderr.count("\n") == 1
