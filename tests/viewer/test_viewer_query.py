@@ -437,3 +437,18 @@ def test_a_damaged_block_is_reported(tmp_path):
         view = cat.table("emb")
         with pytest.raises(CorruptRecordError, match="table 'emb' .*block 0"):
             search.where(view, "freq > 0", limit=1)
+
+
+def test_release_pages_gives_the_same_answers(saved_lmdb, monkeypatch):
+    from tensorkv.viewer import rows as vrows
+
+    monkeypatch.setattr(vrows, "READ_GROUP_BYTES", 50_000)  # many groups, each unmapped
+    with Catalog(saved_lmdb.url, release_pages=True) as cat:
+        view = cat.table("emb", "b")
+        assert view.release_pages
+        _assert_rows_equal(view.page(0, 10**6), saved_lmdb.rows["b"])
+        nn = search.nearest(view, key=int(saved_lmdb.changed[0]), k=4, metric="l2")
+    with Catalog(saved_lmdb.url) as cat:
+        again = search.nearest(cat.table("emb", "b"), key=int(saved_lmdb.changed[0]), k=4,
+                               metric="l2")
+    np.testing.assert_array_equal(nn.keys, again.keys)

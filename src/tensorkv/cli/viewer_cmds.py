@@ -127,7 +127,7 @@ def _keys(values: tuple[str, ...]) -> list[str]:
 def _catalog(url: str) -> Any:
     from tensorkv.viewer import Catalog
 
-    return Catalog(url)
+    return Catalog(url, release_pages=True)  # one scan per process: keep RSS small
 
 
 _url = click.argument("url")
