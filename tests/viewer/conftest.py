@@ -54,8 +54,9 @@ def store_url(kind: str, tmp_path, request) -> str:
     n = uuid.uuid4().hex[:12]  # unique even when this module is imported twice
     if kind == "memory":
         return f"memory://viewer-{os.getpid()}-{n}"
-    if kind == "lmdb":
-        return f"lmdb://{tmp_path}/viewer-{n}"
+    if kind in ("lmdb", "rocksdb", "leveldb"):
+        pytest.importorskip({"lmdb": "lmdb", "rocksdb": "rocksdict", "leveldb": "plyvel"}[kind])
+        return f"{kind}://{tmp_path}/viewer-{n}"
     if kind == "redis":
         pytest.importorskip("redis")
         server = request.getfixturevalue("redis_server")
@@ -69,7 +70,7 @@ def saved_lmdb(tmp_path_factory) -> Saved:
     return save_two_tags(f"lmdb://{tmp_path_factory.mktemp('viewer')}/store")
 
 
-@pytest.fixture(params=["memory", "lmdb", "redis"])
+@pytest.fixture(params=["memory", "lmdb", "rocksdb", "leveldb", "redis"])
 def saved_any(request, tmp_path) -> Saved:
-    """Two tags in each backend: memory, LMDB, a real redis-server."""
+    """Two tags in each backend: memory, LMDB, RocksDB, LevelDB, a real redis-server."""
     return save_two_tags(store_url(request.param, tmp_path, request), n=600, dim=4)

@@ -11,7 +11,8 @@ def test_viewer_bench_runs_and_reuses_its_checkpoint(tmp_path):
     report = Report("viewer", quick=True, echo=False)
     run(True, report, rows=3000, dim=8, path=str(path), repeat=1, k=5)
     cases = {r.case: r for r in report.results}
-    assert {r.note for r in report.results if r.case.startswith("nearest")} == {"same keys"}
+    assert {r.note for r in report.results if r.baseline == "load + numpy"
+            and r.case.startswith("nearest")} == {"same keys"}
     assert "`tensorkv search --nearest` (new process)" in cases
     assert all(r.value > 0 for r in report.results)
     mtime = (path / "data.mdb").stat().st_mtime_ns

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 from tests import servers
+from tests.checkpoint.helpers import make_table
 from tests.viewer.conftest import save_two_tags, store_url
 
 from tensorkv.cli.main import main
@@ -196,6 +197,9 @@ def test_stats(run, saved_lmdb):
     assert (doc["elements"], doc["max"], doc["zeros"]) == (60, 100.0, 1)
     assert doc["histogram"]["counts"] == np.histogram(w, 3)[0].tolist()
     run("stats", saved_lmdb.url, "emb", "--where", "norm <", code=EXIT_USAGE)
+    text = run("stats", saved_lmdb.url, "emb", "--sample", "300").stdout
+    assert text.startswith("table emb of tag b: 300 rows (a sample of the 2998), dim 8")
+    run("stats", saved_lmdb.url, "w", "--sample", "3", code=EXIT_USAGE)
 
 
 # ---------------------------------------------------------------------------------- diff
@@ -307,7 +311,7 @@ def test_unreachable_store(run):
 
 
 # ---------------------------------------------------------------------------------- backends
-@pytest.mark.parametrize("kind", ["memory", "redis"])
+@pytest.mark.parametrize("kind", ["memory", "rocksdb", "leveldb", "redis"])
 def test_commands_on_other_backends(run, kind, tmp_path, request):
     url = store_url(kind, tmp_path, request)
     s = save_two_tags(url, n=400, dim=4)
@@ -335,3 +339,57 @@ def test_ls_and_show_on_a_redis_cluster(run, request):
     assert [r["key"] for r in doc["rows"]] == s.changed[:3].tolist()
     doc = _json(run("show", url, "w", "--slice", "0:2", "--json", "--tag", "a"))
     assert np.array_equal(np.array(doc["values"]), s.dense["a"]["w"][:2])
+
+
+def test_sgd_half_precision_and_odd_tensors(run, tmp_path):
+    import ml_dtypes
+
+    import tensorkv
+    from tensorkv.embedding.table import EmbeddingTable
+
+    t = EmbeddingTable(4, dtype="float16", seed=0)  # SGD: no slot columns
+    t.lookup(np.arange(50))
+    bf = np.arange(6, dtype=np.float32).astype(ml_dtypes.bfloat16).reshape(2, 3)
+    url = f"lmdb://{tmp_path}/odd"
+    tensorkv.save({"t16": t, "s": np.float32(3.5).reshape(()), "bf": bf}, url, "x")
+    lines = run("ls", url, "x").stdout.splitlines()
+    assert lines[2].split() == ["t16", "table", "float16", "50", "x", "4", "1.6", "KiB", "sgd"]
+    assert lines[4].split()[:4] == ["s", "dense", "float32", "scalar"]
+    assert _json(run("show", url, "s", "--json"))["values"] == 3.5
+    assert _json(run("show", url, "bf", "--json"))["values"] == [[0, 1, 2], [3, 4, 5]]
+    doc = _json(run("show", url, "t16", "--head", "2", "--json"))
+    assert doc["rows"][0]["slots"] == [] and len(doc["rows"][0]["value"]) == 4
+    run("search", url, "t16", "--nearest", "3", "--k", "2")
+    keys = np.sort(np.asarray(t.keys()))
+    for ext in ("npz", "safetensors", "parquet", "csv"):
+        run("export", url, "t16", "--to", tmp_path / f"t.{ext}")
+        cols = _read(tmp_path / f"t.{ext}", ext, 4)
+        np.testing.assert_array_equal(np.sort(cols["keys"]), keys)
+        assert cols["values"].shape == (50, 4) and cols["slots"].size == 0
+        run("export", url, "bf", "--to", tmp_path / f"bf.{ext}")
+
+
+def test_error_statuses_by_kind():
+    from tensorkv.cli.viewer_cmds import EXIT_INTERNAL, exit_code_of
+    from tensorkv.errors import CorruptRecordError, QueryError, TagNotFoundError
+
+    assert exit_code_of(QueryError("x")) == EXIT_USAGE
+    assert exit_code_of(TagNotFoundError("x")) == EXIT_NOT_FOUND
+    assert exit_code_of(CorruptRecordError("x")) == EXIT_STORE
+    assert exit_code_of(PermissionError(13, "denied")) == EXIT_STORE
+    assert exit_code_of(ZeroDivisionError()) == EXIT_INTERNAL
+
+
+def test_a_damaged_store_exits_4(run, tmp_path):
+    import tensorkv
+    from tensorkv.checkpoint import layout
+
+    url = f"lmdb://{tmp_path}/damaged"
+    tensorkv.save({"emb": make_table(300, 4)}, url, "x", bucket_bits=0)
+    with tensorkv.open_store(url) as store:
+        [key] = [k for k in store.keys(layout.TABLE) if b"/b/" in k]
+        raw = bytearray(store.get(key))
+        raw[-20] ^= 0xFF
+        store.put(key, bytes(raw))
+    res = run("stats", url, "emb", code=EXIT_STORE)
+    assert res.stderr.startswith("tensorkv: error: table 'emb'") and res.stderr.count("\n") == 1

@@ -381,3 +381,74 @@ def test_every_backend_serves_queries(saved_any):
         wk, _ = _brute(ref, ref[1][np.searchsorted(ref[0], s.changed[0])], "l2",
                        skip=int(s.changed[0]))
         np.testing.assert_array_equal(nn.keys, wk[:3])
+
+
+def test_stats_of_a_sample(saved_lmdb):
+    with Catalog(saved_lmdb.url) as cat:
+        view = cat.table("emb", "a")
+        st = stats.table_stats(view, sample=500, seed=2)
+        assert st.sampled and st.rows == 500 and st.total_rows == 3000
+        assert st.histograms["norm"].counts.sum() == 500
+        assert st.as_dict()["sampled"] is True
+        full = stats.table_stats(view)
+        assert not full.sampled and full.rows == full.total_rows == 3000
+        with pytest.raises(QueryError, match="sample=0"):
+            stats.table_stats(view, sample=0)
+
+
+def test_a_sharded_save_reads_as_one_table(tmp_path):
+    from tests.checkpoint.helpers import make_table, rows_of
+
+    import tensorkv
+
+    url = f"lmdb://{tmp_path}/sharded"
+    t0, t1 = make_table(700, 4, seed=1), make_table(500, 4, seed=2, start=10_000)
+    tensorkv.save({"emb": t0}, url, "s", shard=0, num_shards=2, block_rows=128)
+    tensorkv.save({"emb": t1}, url, "s", shard=1, num_shards=2, block_rows=128)
+    ref = [np.concatenate(c) for c in zip(rows_of(t0), rows_of(t1), strict=True)]
+    order = np.argsort(ref[0])
+    ref = tuple(a[order] for a in ref)
+    with Catalog(url) as cat:
+        view = cat.table("emb", "s")
+        assert view.rows == 1200
+        _assert_rows_equal(view.page(0, 10**6), ref)
+        rows, found = view.lookup([ref[0][0], ref[0][-1]])
+        assert found.all()
+        nn = search.nearest(view, vector=np.ones(4, np.float32), k=7, metric="dot")
+        wk, _ = _brute(ref, np.ones(4, np.float32), "dot")
+        np.testing.assert_array_equal(nn.keys, wk[:7])
+
+
+def test_a_damaged_block_is_reported(tmp_path):
+    from tests.checkpoint.helpers import make_table
+
+    import tensorkv
+    from tensorkv.checkpoint import layout
+    from tensorkv.errors import CorruptRecordError
+
+    url = f"lmdb://{tmp_path}/damaged"
+    tensorkv.save({"emb": make_table(300, 4)}, url, "x", bucket_bits=0)
+    with tensorkv.open_store(url) as store:
+        [key] = [k for k in store.keys(layout.TABLE) if b"/b/" in k]
+        raw = bytearray(store.get(key))
+        raw[-20] ^= 0xFF
+        store.put(key, bytes(raw))
+    with Catalog(url) as cat:
+        view = cat.table("emb")
+        with pytest.raises(CorruptRecordError, match="table 'emb' .*block 0"):
+            search.where(view, "freq > 0", limit=1)
+
+
+def test_release_pages_gives_the_same_answers(saved_lmdb, monkeypatch):
+    from tensorkv.viewer import rows as vrows
+
+    monkeypatch.setattr(vrows, "READ_GROUP_BYTES", 50_000)  # many groups, each unmapped
+    with Catalog(saved_lmdb.url, release_pages=True) as cat:
+        view = cat.table("emb", "b")
+        assert view.release_pages
+        _assert_rows_equal(view.page(0, 10**6), saved_lmdb.rows["b"])
+        nn = search.nearest(view, key=int(saved_lmdb.changed[0]), k=4, metric="l2")
+    with Catalog(saved_lmdb.url) as cat:
+        again = search.nearest(cat.table("emb", "b"), key=int(saved_lmdb.changed[0]), k=4,
+                               metric="l2")
+    np.testing.assert_array_equal(nn.keys, again.keys)

@@ -127,7 +127,7 @@ def _keys(values: tuple[str, ...]) -> list[str]:
 def _catalog(url: str) -> Any:
     from tensorkv.viewer import Catalog
 
-    return Catalog(url)
+    return Catalog(url, release_pages=True)  # one scan per process: keep RSS small
 
 
 _url = click.argument("url")
@@ -430,10 +430,12 @@ def _parse_range(text: str) -> tuple[int | None, int | None]:
               help="Bins per histogram.")
 @click.option("--where", "where", default=None, metavar="PREDICATE",
               help="Only the rows satisfying this predicate (tables).")
+@click.option("--sample", type=click.IntRange(1), default=None, metavar="N",
+              help="Tables: measure about N rows from blocks chosen at random, not every row.")
 @_json
 @_guarded
 def stats_cmd(url: str, var: str, tag: str | None, bins: int, where: str | None,
-              as_json: bool) -> None:
+              sample: int | None, as_json: bool) -> None:
     """Statistics of variable VAR in one streaming pass.
 
     Tables: row count, NaN/Inf rows, rows never updated (still holding their initial value),
@@ -445,16 +447,18 @@ def stats_cmd(url: str, var: str, tag: str | None, bins: int, where: str | None,
     with _catalog(url) as cat:
         info = cat.variable(var, tag)
         if info.kind == "dense":
-            if where is not None:
-                raise QueryError(f"--where filters table rows; {var!r} is a dense tensor")
+            if where is not None or sample is not None:
+                raise QueryError(f"--where and --sample select table rows; {var!r} is a "
+                                 "dense tensor")
             _dense_stats(cat, info, tag, bins, as_json)
             return
-        st = stats.table_stats(cat.table(var, tag), bins=bins, where=where)
+        st = stats.table_stats(cat.table(var, tag), bins=bins, where=where, sample=sample)
     if as_json:
         _emit({**st.as_dict(), "where": where})
         return
     sel = f" where {where}" if where else ""
-    click.echo(f"table {st.name} of tag {st.tag}{sel}: {st.rows} rows, dim {st.dim}")
+    of = f" (a sample of the {st.total_rows})" if st.sampled else ""
+    click.echo(f"table {st.name} of tag {st.tag}{sel}: {st.rows} rows{of}, dim {st.dim}")
     never = "-" if st.never_updated is None else st.never_updated
     click.echo(fmt.table(["", ""], [
         ["rows", st.rows],

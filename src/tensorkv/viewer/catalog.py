@@ -161,6 +161,9 @@ class Catalog:
         process open one environment either read-only or read-write.
     max_age
         Seconds the manifests read are reused before the store is asked again.
+    release_pages
+        Passed to every :class:`~tensorkv.viewer.rows.TableView`: keep the resident memory of
+        scans over LMDB to one read group (for a long-running server).
 
     Raises
     ------
@@ -168,7 +171,8 @@ class Catalog:
         No store at the URL, or its server cannot be reached.
     """
 
-    def __init__(self, url: str | KVStore, *, max_age: float = DEFAULT_MAX_AGE):
+    def __init__(self, url: str | KVStore, *, max_age: float = DEFAULT_MAX_AGE,
+                 release_pages: bool = False):
         if isinstance(url, KVStore):
             self.store, self._owned = url, False
         else:
@@ -177,6 +181,7 @@ class Catalog:
             self.store, self._owned = open_store(url, create=False, readonly=True), True
         self.url = self.store.url
         self.max_age = float(max_age)
+        self.release_pages = release_pages
         self._docs: dict[str, dict[str, Any]] | None = None
         self._read_at = 0.0
 
@@ -269,7 +274,7 @@ class Catalog:
                     f"its tables: {sorted(doc['tables']) or 'none'}"
                 )
             variable_info_of(doc, name)  # raises, listing what exists
-        return TableView(self.store, doc, name)
+        return TableView(self.store, doc, name, release_pages=self.release_pages)
 
     def dense(self, name: str, tag: str | None = None, index: Any = None) -> np.ndarray:
         """A dense tensor, or ``tensor[index]`` reading only the chunks that hold it.

@@ -122,8 +122,7 @@ def _write_dense(arr: np.ndarray, name: str, path: str, f: str) -> None:
         pa = import_optional("pyarrow", "export to .parquet", "viewer")
         pq = import_optional("pyarrow.parquet", "export to .parquet", "viewer")
         a2 = arr.reshape(arr.shape[0] if arr.ndim else 1, -1)
-        col = pa.FixedSizeListArray.from_arrays(pa.array(a2.reshape(-1)), a2.shape[1])
-        pq.write_table(pa.table({name: col}), path)
+        pq.write_table(pa.table({name: _list_column(pa, a2)}), path)
     else:
         a2 = arr.reshape(arr.shape[0] if arr.ndim else 1, -1)
         fmt = "%d" if a2.dtype.kind in "iub" else "%.9g"
@@ -223,10 +222,7 @@ def _write_parquet(view: TableView, path: str, pred: Predicate | None,
         for fl, a in zip(FIELDS, rows, strict=True):
             a = np.ascontiguousarray(a)
             if a.ndim == 2:
-                flat = a.reshape(-1)
-                if flat.dtype.name == "bfloat16":
-                    flat = flat.astype(np.float32)
-                cols[fl] = pa.FixedSizeListArray.from_arrays(pa.array(flat), a.shape[1])
+                cols[fl] = _list_column(pa, a)
             else:
                 cols[fl] = pa.array(a)
         return pa.table(cols)
@@ -247,6 +243,20 @@ def _write_parquet(view: TableView, path: str, pred: Predicate | None,
         if writer is not None:
             writer.close()
     return n, nbytes
+
+
+def _list_column(pa: Any, a: np.ndarray) -> Any:
+    """A ``[rows, width]`` array as a parquet column of fixed-size lists (width 0: empty lists).
+
+    bfloat16, which Arrow lacks, is written as float32.
+    """
+    flat = np.ascontiguousarray(a).reshape(-1)
+    if flat.dtype.name == "bfloat16":
+        flat = flat.astype(np.float32)
+    if a.shape[1] == 0:
+        return pa.ListArray.from_arrays(pa.array(np.zeros(a.shape[0] + 1, np.int32)),
+                                        pa.array(flat))
+    return pa.FixedSizeListArray.from_arrays(pa.array(flat), a.shape[1])
 
 
 def _write_csv(view: TableView, path: str, pred: Predicate | None,

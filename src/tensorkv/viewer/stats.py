@@ -9,12 +9,14 @@ seed and the key), which is computed for every row too.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from tensorkv.viewer.rows import TableView
+from tensorkv.errors import QueryError
+from tensorkv.viewer.rows import Chunk, TableView
 from tensorkv.viewer.where import Predicate, parse_predicate, row_norms
 
 
@@ -69,6 +71,10 @@ class TableStats:
         Summaries of the value's L2 norm, the frequency and the version.
     histograms
         ``norm``, ``freq`` and ``version`` histograms.
+    total_rows
+        Rows of the table (``rows`` counts those measured).
+    sampled
+        Whether the figures come from a sample of the rows (``sample=``).
     """
 
     name: str
@@ -85,12 +91,14 @@ class TableStats:
     freq: Summary
     version: Summary
     histograms: dict[str, Histogram]
+    total_rows: int = 0
+    sampled: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready."""
         d = {k: getattr(self, k) for k in (
             "name", "tag", "dim", "rows", "nonfinite_rows", "nan_values", "inf_values",
-            "nonfinite_slot_rows", "never_updated", "zero_rows")}
+            "nonfinite_slot_rows", "never_updated", "zero_rows", "total_rows", "sampled")}
         d.update({k: getattr(self, k).as_dict() for k in ("norm", "freq", "version")})
         d["histograms"] = {k: h.as_dict() for k, h in self.histograms.items()}
         return d
@@ -146,7 +154,8 @@ def histogram(a: np.ndarray, bins: int, integer: bool = False) -> Histogram:
 
 
 def table_stats(view: TableView, *, bins: int = 20, where: str | Predicate | None = None,
-                never_updated: bool = True) -> TableStats:
+                never_updated: bool = True, sample: int | None = None,
+                seed: int = 0) -> TableStats:
     """Statistics of every row of a table (or of those satisfying ``where``), in one pass.
 
     Parameters
@@ -157,14 +166,23 @@ def table_stats(view: TableView, *, bins: int = 20, where: str | Predicate | Non
         Only rows satisfying this predicate.
     never_updated
         Count the rows still holding their initial value (computes each row's initial value).
+    sample
+        Measure about this many rows taken from whole blocks chosen at random
+        (:meth:`TableView.sample`) instead of every row: a fast, approximate picture of a
+        large table (a web page's histograms).
+    seed
+        Seed of the sample.
     """
+    if sample is not None and sample < 1:
+        raise QueryError(f"sample={sample} must be >= 1 (or None for every row)")
     pred = parse_predicate(where) if isinstance(where, str) else where
     initial = _initial_values(view) if never_updated else None
     norms: list[np.ndarray] = []
     freqs: list[np.ndarray] = []
     versions: list[np.ndarray] = []
     nonfinite = nan_v = inf_v = slot_bad = zero = fresh = 0
-    it = view.chunks()
+    it: Iterator[Any] = (iter([Chunk(0, view.sample(sample, seed))]) if sample is not None
+                         else view.chunks())
     try:
         for ch in it:
             rows = ch.rows
@@ -193,7 +211,9 @@ def table_stats(view: TableView, *, bins: int = 20, where: str | Predicate | Non
                 init = np.asarray(initial(rows.keys)).astype(v.dtype, copy=False)
                 fresh += int((v == init).all(axis=1).sum())
     finally:
-        it.close()
+        close = getattr(it, "close", None)
+        if close is not None:
+            close()
     norm = np.concatenate(norms) if norms else np.empty(0, np.float32)
     freq = np.concatenate(freqs) if freqs else np.empty(0, np.int64)
     version = np.concatenate(versions) if versions else np.empty(0, np.int64)
@@ -204,4 +224,5 @@ def table_stats(view: TableView, *, bins: int = 20, where: str | Predicate | Non
         zero_rows=zero, norm=_summary(norm), freq=_summary(freq), version=_summary(version),
         histograms={"norm": histogram(norm, bins), "freq": histogram(freq, bins, True),
                     "version": histogram(version, bins, True)},
+        total_rows=view.rows, sampled=sample is not None,
     )
