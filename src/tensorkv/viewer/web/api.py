@@ -41,7 +41,9 @@ class ViewerState:
     """What the app keeps between requests: the catalog and caches of table views/results."""
 
     def __init__(self, store: KVStore, default_tag: str | None = None, cache_size: int = 64):
-        self.catalog = Catalog(store)
+        # a long-running server: table scans unmap what they read from an LMDB map, so the
+        # process keeps one read group resident, not every page a scan touched
+        self.catalog = Catalog(store, release_pages=True)
         self.default_tag = default_tag
         if default_tag is not None:
             self.catalog.resolve(default_tag)  # an unknown tag fails now, listing the tags
