@@ -113,7 +113,8 @@ def _settled(page):
 
 def test_tags_and_variables_show_names_as_text(page, server):
     _open(page, server, "#/")
-    assert page.locator("main table a").all_text_contents() == ["t1", "t2"]
+    assert page.locator("main table td:first-child a").all_text_contents() == ["t1", "t2"]
+    assert page.locator("main table td:last-child a").all_text_contents() == ["diff with t1"]
     _go(page, lambda: page.click("text=t1"))
     names = page.locator("main table tbody tr td:first-child").all_text_contents()
     assert EVIL in names and "emb" in names

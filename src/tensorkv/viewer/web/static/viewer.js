@@ -198,9 +198,13 @@ async function pageTags() {
   if (!tags.length) return [el("p", { text: "This store holds no tags." })];
   return [
     el("h2", { text: "Tags" }),
-    table(["tag", "step", "created (UTC)", "parent", "dense", "tables", "dense bytes", "table rows"],
-      tags.map((t) => [link(t.tag, route("tag", t.tag)), t.step, when(t.created),
-                       t.parent ?? "–", t.dense, t.tables, bytes(t.dense_bytes), t.table_rows])),
+    table(["tag", "step", "created (UTC)", "parent", "dense", "tables", "bytes", "table rows", ""],
+      tags.map((t, i) => [link(t.tag, route("tag", t.tag)), t.step, when(t.created),
+                          t.parent ?? "–", t.dense, t.tables, bytes(t.bytes ?? t.dense_bytes),
+                          t.table_rows,
+                          i ? link("diff with " + (t.parent || tags[i - 1].tag),
+                                   route("diff", t.parent || tags[i - 1].tag, t.tag)) : ""]),
+      [0, 3, 8]),
   ];
 }
 
@@ -262,9 +266,12 @@ async function pageTable(tag, name, q) {
   const fill = async () => {
     if (q.get("keys")) {
       const r = await api("search", { tag, var: name, keys: q.get("keys") });
-      results.append(el("p", { cls: "muted", text: `${r.rows.key.length} of ${r.asked} keys found` +
-                                (r.missing.length ? "; missing: " + r.missing.slice(0, 20).join(", ") : "") }),
-                     rowsTable(tag, name, r.rows));
+      const said = r.asked === null
+        ? `${r.rows.key.length} rows with a key in ${r.keys}` +
+          (r.complete ? "" : " (the first ones found; narrow the range to see the others)")
+        : `${r.rows.key.length} of ${r.asked} keys found` +
+          (r.missing.length ? "; missing: " + r.missing.slice(0, 20).join(", ") : "");
+      results.append(el("p", { cls: "muted", text: said }), rowsTable(tag, name, r.rows));
     } else if (q.get("nearest")) {
       const near = q.get("nearest").trim();  // a key, or a vector: "0.1, -0.2, ..."
       const r = await api("nearest", { tag, var: name, [/[,\s]/.test(near) ? "vector" : "key"]: near,
