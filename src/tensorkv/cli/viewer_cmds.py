@@ -394,11 +394,12 @@ def search_cmd(url: str, var: str, tag: str | None, keys: tuple[str, ...],
                    "capped": capped, "rows": fmt.rows_json(rows, offsets=offs),
                    "missing": [int(x) for x in m.missing]})
         else:
-            more = "" if m.complete else "+ (stopped at --head; drop --no-count to count all)"
+            more = "" if m.complete else "+"
             scanned = "" if m.scanned < 0 else f" of {m.scanned} rows scanned"
+            stop = "" if m.complete else " (stopped at --head; drop --no-count to count all)"
             noun = "row" if m.matched == 1 and m.complete else "rows"
             click.echo(f"{m.matched}{more} {noun} matched in table {var} of tag {view.tag}"
-                       f"{scanned}")
+                       f"{scanned}{stop}")
             if len(rows.keys):
                 click.echo(fmt.rows_text(rows, full=full,
                                          offsets=None if mode == "keys" else offs))
