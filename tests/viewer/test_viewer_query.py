@@ -452,3 +452,16 @@ def test_release_pages_gives_the_same_answers(saved_lmdb, monkeypatch):
         again = search.nearest(cat.table("emb", "b"), key=int(saved_lmdb.changed[0]), k=4,
                                metric="l2")
     np.testing.assert_array_equal(nn.keys, again.keys)
+
+
+def test_export_draws_a_progress_bar(saved_lmdb, tmp_path, monkeypatch, capsys):
+    from tensorkv import config
+    from tensorkv.viewer.export import export_variable
+
+    monkeypatch.setattr(config, "PROGRESS_MIN_SECONDS", 0.0)  # draw at once
+    with Catalog(saved_lmdb.url) as cat:
+        res = export_variable(cat, "emb", str(tmp_path / "e.npz"), progress=True)
+        assert res.rows == 2998
+        assert "export emb" in capsys.readouterr().err
+        export_variable(cat, "emb", str(tmp_path / "f.npz"), progress=False)
+        assert "export emb" not in capsys.readouterr().err

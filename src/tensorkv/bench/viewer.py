@@ -39,7 +39,7 @@ def _best(fn: Callable[[], Any], repeat: int) -> float:
     return best
 
 
-def _ensure_checkpoint(url: str, rows: int, dim: int) -> None:
+def ensure_checkpoint(url: str, rows: int, dim: int) -> None:
     """Save the benchmark's table into ``url`` unless a tag there already holds it."""
     import tensorkv
     from tensorkv.errors import TensorKVError
@@ -94,7 +94,7 @@ def run(
     report.params.update(rows=rows, dim=dim, path=store, repeat=repeat, k=k, optimizer="sgd")
     try:
         t0 = time.perf_counter()
-        _ensure_checkpoint(url, rows, dim)
+        ensure_checkpoint(url, rows, dim)
         report.params["setup_s"] = round(time.perf_counter() - t0, 1)
         s_cos = 0.0
         with Catalog(url) as cat:

@@ -352,8 +352,9 @@ def search_cmd(url: str, var: str, tag: str | None, keys: tuple[str, ...],
                        "rows": fmt.rows_json(out_rows, scores=nn.scores[:shown])})
             else:
                 q = f"key {nearest}" if nearest is not None else "the vector"
-                click.echo(f"{len(nn.keys)} nearest rows to {q} by {metric} in table {var} of "
-                           f"tag {view.tag} ({nn.scanned} rows compared)")
+                noun = "row" if len(nn.keys) == 1 else "rows"
+                click.echo(f"{len(nn.keys)} nearest {noun} to {q} by {metric} in table {var} "
+                           f"of tag {view.tag} ({nn.scanned} rows compared)")
                 if shown:
                     name = "distance" if metric == "l2" else metric
                     click.echo(fmt.rows_text(out_rows, full=full, scores=nn.scores[:shown],
@@ -393,10 +394,12 @@ def search_cmd(url: str, var: str, tag: str | None, keys: tuple[str, ...],
                    "capped": capped, "rows": fmt.rows_json(rows, offsets=offs),
                    "missing": [int(x) for x in m.missing]})
         else:
-            more = "" if m.complete else "+ (stopped at --head; drop --no-count to count all)"
+            more = "" if m.complete else "+"
             scanned = "" if m.scanned < 0 else f" of {m.scanned} rows scanned"
-            click.echo(f"{m.matched}{more} rows matched in table {var} of tag {view.tag}"
-                       f"{scanned}")
+            stop = "" if m.complete else " (stopped at --head; drop --no-count to count all)"
+            noun = "row" if m.matched == 1 and m.complete else "rows"
+            click.echo(f"{m.matched}{more} {noun} matched in table {var} of tag {view.tag}"
+                       f"{scanned}{stop}")
             if len(rows.keys):
                 click.echo(fmt.rows_text(rows, full=full,
                                          offsets=None if mode == "keys" else offs))
