@@ -238,10 +238,12 @@ class TableView:
         if getattr(self.store, "zero_copy_reads", False):
             for group in groups:
                 with self.store.get_many_buffers([p.key for p in group]) as vals:
-                    for p, v in zip(group, vals, strict=True):
-                        yield p, self._decode(p, v, hash_range)
-                    if self.release_pages:
-                        _unmap([v for v in vals if v is not None])
+                    try:
+                        for p, v in zip(group, vals, strict=True):
+                            yield p, self._decode(p, v, hash_range)
+                    finally:  # also when the caller stops early (a page, a sample)
+                        if self.release_pages:
+                            _unmap([v for v in vals if v is not None])
             return
         if not groups:
             return
