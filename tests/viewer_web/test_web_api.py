@@ -182,6 +182,19 @@ def test_stats_histograms_count_every_row(client, ckpt):
     assert sum(s["freq_hist"]["counts"]) == len(ref[0])
     assert len(s["norm_hist"]["edges"]) == len(s["norm_hist"]["counts"]) + 1
     assert s is not None and _get(client, "stats", var="emb") == s  # cached, same answer
+    assert not s["sampled"]
+
+
+def test_stats_of_large_tables_sample_unless_exact(client, ckpt, monkeypatch):
+    from tensorkv.viewer.web import api
+
+    n = len(rows_of(ckpt["table"])[0])
+    monkeypatch.setattr(api, "STATS_SAMPLE", n // 4)
+    s = _get(client, "stats", var="emb")
+    assert s["sampled"] and s["total_rows"] == n and 0 < s["rows"] < n
+    assert sum(s["norm_hist"]["counts"]) == s["rows"]
+    exact = _get(client, "stats", var="emb", exact="1")
+    assert not exact["sampled"] and exact["rows"] == n
 
 
 def test_diff_of_two_tags(client, ckpt):

@@ -26,6 +26,8 @@ MAX_PAGE = 500
 HEAD_VALUES = 8
 #: Keys one key search may name.
 MAX_KEYS = 1000
+#: Rows above which the statistics are measured on a sample of this many rows by default.
+STATS_SAMPLE = 200_000
 #: Rows the PCA scatter samples (the most a request may ask for).
 PCA_SAMPLE = 2000
 MAX_PCA_SAMPLE = 20000
@@ -273,19 +275,25 @@ def nearest(state: ViewerState, params: dict[str, str]) -> dict[str, Any]:
 
 
 def stats(state: ViewerState, params: dict[str, str]) -> dict[str, Any]:
-    """Counts and histograms of norm, frequency and version (one pass, cached per tag)."""
+    """Counts and histograms of norm, frequency and version (cached per tag).
+
+    Tables above :data:`STATS_SAMPLE` rows are measured on a sample of that many rows unless
+    ``exact=1`` (a full pass: seconds at 10M rows); the answer says ``sampled``.
+    """
     from tensorkv.viewer.stats import table_stats
 
     view = state.table(params)
     bins = integer(params, "bins", 30, 2, 200)
+    exact = integer(params, "exact", 0, 0, 1) == 1
+    sample = None if exact or len(view) <= STATS_SAMPLE else STATS_SAMPLE
 
     def compute() -> dict[str, Any]:
-        d = table_stats(view, bins=bins).as_dict()
+        d = table_stats(view, bins=bins, sample=sample).as_dict()
         h = d.pop("histograms")
         return {**d, "count": d["rows"], "nan": d["nan_values"], "inf": d["inf_values"],
                 "norm_hist": h["norm"], "freq_hist": h["freq"], "version_hist": h["version"]}
 
-    return state.cached(("stats", view.tag, view.doc.get("created"), view.name, bins),
+    return state.cached(("stats", view.tag, view.doc.get("created"), view.name, bins, sample),
                         compute)
 
 

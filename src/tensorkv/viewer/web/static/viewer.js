@@ -301,6 +301,10 @@ async function pageTable(tag, name, q) {
   };
   const stats = async () => {
     const s = await api("stats", { tag, var: name });
+    if (s.sampled) {
+      plots.append(el("p", { cls: "note", text: `statistics of a sample of ${fmt(s.rows)} ` +
+        `of ${fmt(s.total_rows)} rows` }));
+    }
     plots.append(table(["rows", "NaN values", "Inf values", "never updated", "dim"],
                        [[s.count, s.nan, s.inf, s.never_updated, s.dim]]));
     const h1 = el("div", { cls: "panel", id: "hist-norm" });
