@@ -400,19 +400,20 @@ class RedisRowEngine:
         while True:
             cursor, flat = self.store.execute(
                 [(name, ("HSCAN", name, cursor, "COUNT", chunk_rows))], read=False)[0]
-            if flat:
-                fields = flat[0::2]
+            if flat:  # redis-py answers HSCAN with a dict (a flat list without its callbacks)
+                fields = list(flat) if isinstance(flat, dict) else flat[0::2]
+                values = list(flat.values()) if isinstance(flat, dict) else flat[1::2]
                 keys = np.frombuffer(b"".join(fields), "<i8").astype(np.int64)
                 if len(fields) * 8 != sum(map(len, fields)):
                     raise CorruptRecordError(f"bucket {name!r} holds fields that are not "
                                              "8-byte keys: it was written by something else")
-                _, recs = self.decode(flat[1::2], keys, repr(name))
+                _, recs = self.decode(values, keys, repr(name))
                 fresh = ~np.isin(keys, seen)
                 if not fresh.all():
                     keys, recs = keys[fresh], recs[fresh]
                 seen = np.concatenate([seen, keys])
-                if keys.size:
-                    yield keys, recs
+                for a in range(0, keys.size, chunk_rows):  # COUNT is only a hint
+                    yield keys[a:a + chunk_rows], recs[a:a + chunk_rows]
             if int(cursor) == 0:
                 return
 

@@ -1,0 +1,42 @@
+"""Real Redis servers for the Redis-resident table tests, and a table factory.
+
+Each test names its own model tag (``tag``), so tests share one server without flushing
+between them; servers start once per session and stop at its end.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+import pytest
+
+import servers
+import tensorkv
+
+_counter = itertools.count()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(request):
+    """A Redis Cluster of 3 masters (no replicas)."""
+    return servers.session_server(request, servers.RedisCluster)
+
+
+@pytest.fixture
+def tag() -> str:
+    """A model tag no other test in this session uses."""
+    return f"m{os.getpid()}x{next(_counter)}"
+
+
+@pytest.fixture(autouse=True)
+def _no_redis_config_env(monkeypatch):
+    """Keep a TENSORKV_REDIS_CONFIG_PATH from the caller's shell out of the tests."""
+    monkeypatch.delenv("TENSORKV_REDIS_CONFIG_PATH", raising=False)
+
+
+def redis_table(url: str, dim: int, *, table_kwargs: dict | None = None,
+                **options) -> tensorkv.EmbeddingTable:
+    """``EmbeddingTable(dim, storage=StorageOption("REDIS", url, redis_options=options))``."""
+    opt = tensorkv.StorageOption("REDIS", storage_path=url, redis_options=options)
+    return tensorkv.EmbeddingTable(dim, storage=opt, **(table_kwargs or {}))
