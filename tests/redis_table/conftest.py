@@ -12,7 +12,6 @@ import os
 import pytest
 
 import servers
-import tensorkv
 
 _counter = itertools.count()
 
@@ -34,9 +33,3 @@ def _no_redis_config_env(monkeypatch):
     """Keep a TENSORKV_REDIS_CONFIG_PATH from the caller's shell out of the tests."""
     monkeypatch.delenv("TENSORKV_REDIS_CONFIG_PATH", raising=False)
 
-
-def redis_table(url: str, dim: int, *, table_kwargs: dict | None = None,
-                **options) -> tensorkv.EmbeddingTable:
-    """``EmbeddingTable(dim, storage=StorageOption("REDIS", url, redis_options=options))``."""
-    opt = tensorkv.StorageOption("REDIS", storage_path=url, redis_options=options)
-    return tensorkv.EmbeddingTable(dim, storage=opt, **(table_kwargs or {}))

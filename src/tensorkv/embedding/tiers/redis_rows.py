@@ -349,7 +349,7 @@ class RedisRowEngine:
         pending = buckets.tolist()
         held: list[int] = []
         deadline = time.monotonic() + self.options.lock_wait_seconds
-        pause = 0.0005
+        pause = 0.0002
         while pending:
             res = self.store.execute([(b.locks[k], ("SET", b.locks[k], token, "NX", "PX", ttl))
                                       for k in pending])
@@ -371,7 +371,7 @@ class RedisRowEngine:
                     "Retry, or check for a stuck writer (its lock expires after "
                     f"lock_ttl_seconds={self.options.lock_ttl_seconds})")
             time.sleep(pause * (1 + random.random()))
-            pause = min(pause * 2, 0.02)
+            pause = min(pause * 2, 0.004)
         return token
 
     def unlock(self, buckets: np.ndarray, token: bytes) -> None:
