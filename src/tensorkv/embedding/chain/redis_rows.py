@@ -257,6 +257,11 @@ class RedisRows(ArenaRows):
     def clear_lower(self) -> None:  # noqa: D102
         self.engine.clear()
 
+    @property
+    def rows_in_checkpoint(self) -> bool:
+        """Whether :meth:`export` carries the rows (``table_store_mode=0``)."""
+        return self.options.table_store_mode == 0
+
     # --- lifecycle -----------------------------------------------------------------------------
     def close(self) -> None:
         """Close the connection."""

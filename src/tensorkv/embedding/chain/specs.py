@@ -319,9 +319,9 @@ class StorageOption:
             from tensorkv.embedding.tiers.redis_options import resolve_table_options
 
             self.redis = resolve_table_options(storage_path, redis_options)
-            self.storage_type = "REDIS"
-            self.storage_path = self.redis.url
-            self._specs = [DRAM()]  # the working set of each operation
+            self.storage_type: str | None = "REDIS"
+            self.storage_path: str | None = self.redis.url
+            self._specs: list[TierSpec] = [DRAM()]  # the working set of each operation
             return
         if redis_options is not None:
             raise ConfigError("redis_options is for storage_type='REDIS' (a table whose rows "

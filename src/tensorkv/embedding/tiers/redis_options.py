@@ -116,7 +116,7 @@ class RedisTableOptions:
         for name in ("redis_hash_tags_runtime", "redis_hash_tags_import"):
             tags = getattr(self, name)
             n = self.storage_slice if name.endswith("runtime") else self.storage_slice_import
-            object.__setattr__(self, name, _check_tags(name, tags, n))
+            object.__setattr__(self, name, _check_tags(name, tags, int(n or 0)))
         if self.table_store_mode not in (0, 1, 2) or isinstance(self.table_store_mode, bool):
             raise ConfigError(f"table_store_mode={self.table_store_mode!r} must be 0 (rows in "
                               "the checkpoint), 1 (dump files) or 2 (Redis only)")
@@ -187,7 +187,7 @@ def _check_tags(name: str, tags: Any, n: int) -> tuple[str, ...] | None:
     return tags
 
 
-def resolve_table_options(storage_path: str | None,
+def resolve_table_options(storage_path: str | os.PathLike[str] | None,
                           options: dict[str, Any] | None) -> RedisTableOptions:
     """Build :class:`RedisTableOptions` from ``storage_path`` and explicit ``options``.
 
@@ -220,7 +220,8 @@ def resolve_table_options(storage_path: str | None,
     if "url" not in merged:
         raise ConfigError("a Redis-resident table needs its URL: storage_path='redis://host:6379/0'"
                           " or a JSON config file with \"url\"")
-    store = {k: merged.pop(k) for k in list(merged) if k in STORE_OPTION_NAMES}
+    store = {k: merged.pop(k) for k in list(merged)
+             if k in STORE_OPTION_NAMES and k not in TABLE_OPTION_NAMES}
     unknown = sorted(set(merged) - set(TABLE_OPTION_NAMES))
     if unknown:
         raise ConfigError(
@@ -230,8 +231,6 @@ def resolve_table_options(storage_path: str | None,
     for name in ("redis_hash_tags_runtime", "redis_hash_tags_import"):
         if isinstance(merged.get(name), list):
             merged[name] = tuple(merged[name])
-    if "keys_sending_size" in merged:
-        store.setdefault("keys_sending_size", merged["keys_sending_size"])
     if merged.get("redis_read_access_slave"):
         store["read_from_replicas"] = True
     return RedisTableOptions(**merged, store_options=tuple(sorted(store.items())))

@@ -204,7 +204,7 @@ class RedisRowEngine:
             raise ConfigError(
                 f"{where} holds rows bucketed with storage_slice={meta.get('storage_slice')}, "
                 f"using_hash_storage_slice={meta.get('using_hash_storage_slice')} and hash tags "
-                f"{meta.get('tags')[:4]}...; {what} differs in {', '.join(diff)}. To rehash them, "
+                f"{(meta.get('tags') or [])[:4]}...; {what} differs in {', '.join(diff)}. To rehash them, "
                 "give the stored values as storage_slice_import / redis_hash_tags_import")
 
     def write_meta(self, b: Buckets) -> None:
