@@ -33,3 +33,15 @@ def _no_redis_config_env(monkeypatch):
     """Keep a TENSORKV_REDIS_CONFIG_PATH from the caller's shell out of the tests."""
     monkeypatch.delenv("TENSORKV_REDIS_CONFIG_PATH", raising=False)
 
+
+
+@pytest.fixture(scope="session")
+def redis_acl_server(request):
+    """A redis-server whose default user is disabled; user ``app`` / password ``s3cret``."""
+    return servers.session_server(request, servers.RedisServer, username="app", password="s3cret")
+
+
+@pytest.fixture(scope="session")
+def redis_tls_server(request):
+    """A TLS-only redis-server that requires client certificates."""
+    return servers.session_server(request, servers.RedisServer, tls=True)

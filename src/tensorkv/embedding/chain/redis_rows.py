@@ -79,6 +79,7 @@ class RedisRows(ArenaRows):
         self._token: bytes | None = None
         self._locked = _NO_KEYS
         self._loaded: list[np.ndarray] = []
+        self._corrupt: list[np.ndarray] = []
         self._cache: RowArena | None = None
         self._cache_at = 0.0
         if self.options.read_cache_rows:
@@ -97,10 +98,11 @@ class RedisRows(ArenaRows):
         rows = self.arena.find(keys)
         return None if (rows < 0).any() else rows
 
-    def promote(self, keys: np.ndarray) -> None:  # noqa: D102
-        self._load(keys)
+    def promote(self, keys: np.ndarray) -> None:
+        """Read the rows an upsert, import or remove replaces (a corrupt row reads as absent)."""
+        self._load(keys, replace=True)
 
-    def _load(self, keys: np.ndarray) -> None:
+    def _load(self, keys: np.ndarray, replace: bool = False) -> None:
         a = self.arena
         if keys.shape[0] == 0:
             return
@@ -112,7 +114,10 @@ class RedisRows(ArenaRows):
         sink = RowSink(a, self.layout)
         if self._cache is not None:
             want = self._from_cache(want, sink)
-        found, recs = self.engine.get(want, read=self.options.read_only)
+        bad: list[np.ndarray] | None = [] if replace else None
+        found, recs = self.engine.get(want, read=self.options.read_only, bad_out=bad)
+        if bad:  # written over or removed at the commit
+            self._corrupt.append(np.concatenate(bad))
         got = want[found]
         self._counts["rows_read"] += int(want.size)
         if got.size:
@@ -167,7 +172,7 @@ class RedisRows(ArenaRows):
             a = self.arena
             if len(a):
                 a.remove(a.keys())
-            self._loaded = []
+            self._loaded, self._corrupt = [], []
             token, locked = self._token, self._locked
             self._token, self._locked = None, _NO_KEYS
             if token is not None and locked.size:
@@ -184,6 +189,8 @@ class RedisRows(ArenaRows):
         changed = live[a.seq[live] != _LOADED]
         keys = a.row_key[changed].copy()
         loaded = np.concatenate(self._loaded) if self._loaded else _NO_KEYS
+        if self._corrupt:  # rows that failed their checks go, unless written over
+            loaded = np.concatenate([loaded, *self._corrupt])
         deleted = loaded[a.find(loaded) < 0] if loaded.size else _NO_KEYS
         if keys.size == 0 and deleted.size == 0:
             return

@@ -204,8 +204,9 @@ class RedisRowEngine:
             raise ConfigError(
                 f"{where} holds rows bucketed with storage_slice={meta.get('storage_slice')}, "
                 f"using_hash_storage_slice={meta.get('using_hash_storage_slice')} and hash tags "
-                f"{(meta.get('tags') or [])[:4]}...; {what} differs in {', '.join(diff)}. To rehash them, "
-                "give the stored values as storage_slice_import / redis_hash_tags_import")
+                f"{(meta.get('tags') or [])[:4]}...; {what} differs in {', '.join(diff)}. To "
+                "rehash them, give the stored values as storage_slice_import / "
+                "redis_hash_tags_import")
 
     def write_meta(self, b: Buckets) -> None:
         """Record ``b``'s layout (overwriting)."""
@@ -223,16 +224,26 @@ class RedisRowEngine:
         out[:, self.record_bytes:].view(np.int64)[:, 0] = record_checksums(out, self.record_bytes)
         return out
 
-    def decode(self, replies: list[Any], keys: np.ndarray | None,
-               where: str) -> tuple[np.ndarray, np.ndarray]:
+    def decode(self, replies: list[Any], keys: np.ndarray | None, where: str,
+               bad_out: list[np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
         """``(found, records uint8[found, width])`` of HMGET/HSCAN values, checksums checked.
 
         ``keys``: the key each value was asked for (checked against the record's key field).
+        A row failing its checks raises :class:`CorruptRecordError`, or, with ``bad_out``,
+        reads as absent and its key is appended to ``bad_out``.
         """
         n = len(replies)
         found = np.fromiter(map(operator.is_not, replies, itertools.repeat(None)), bool, n)
         nf = int(found.sum())
         blob = b"".join(itertools.compress(replies, found))
+        if len(blob) != nf * self.width and bad_out is not None and keys is not None:
+            lens = np.fromiter(map(len, itertools.compress(replies, found)), np.int64, nf)
+            wrong = np.flatnonzero(found)[lens != self.width]
+            bad_out.append(keys[wrong])
+            replies = list(replies)
+            for i in wrong.tolist():  # rows of the wrong size only
+                replies[i] = None
+            return self.decode(replies, keys, where, bad_out)
         if len(blob) != nf * self.width:
             bad = [len(v) for v in itertools.compress(replies, found) if len(v) != self.width]
             raise CorruptRecordError(
@@ -245,12 +256,17 @@ class RedisRowEngine:
         if keys is not None and nf:
             rk = recs[:, :8].copy().view(np.int64)[:, 0]
             bad_rows = np.union1d(bad_rows, np.flatnonzero(rk != keys[found]))
+        if bad_rows.size and bad_out is not None and keys is not None:
+            pos = np.flatnonzero(found)[bad_rows]
+            bad_out.append(keys[pos])
+            found[pos] = False
+            return found, np.delete(recs, bad_rows, axis=0)
         if bad_rows.size:
             rk = recs[bad_rows, :8].copy().view(np.int64)[:, 0]
             raise CorruptRecordError(
                 f"{bad_rows.size} rows in {where} fail their checksum or hold another key "
                 f"(keys {rk[:8].tolist()}): half-written or changed outside tensorkv. Nothing "
-                "was read; remove those keys (table.remove) or restore them from a checkpoint")
+                "was read. table.remove, upsert or import_ of those keys replaces them")
         return found, recs
 
     # ----------------------------------------------------------------- batches
@@ -264,9 +280,13 @@ class RedisRowEngine:
         chunks = [(int(sb[a]), a, c) for a, c in zip(cuts[:-1], cuts[1:], strict=True)]
         return order, sb, chunks
 
-    def get(self, keys: np.ndarray, b: Buckets | None = None,
-            read: bool = True) -> tuple[np.ndarray, np.ndarray]:
-        """``(found bool[n], records uint8[n, width])`` of ``keys`` (absent rows zero)."""
+    def get(self, keys: np.ndarray, b: Buckets | None = None, read: bool = True,
+            bad_out: list[np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """``(found bool[n], records uint8[n, width])`` of ``keys`` (absent rows zero).
+
+        ``read``: may read from replicas (``redis_read_access_slave``); ``bad_out``: see
+        :meth:`decode`.
+        """
         b = b or self.runtime
         n = keys.shape[0]
         out = np.zeros((n, self.width), np.uint8)
@@ -279,7 +299,8 @@ class RedisRowEngine:
         self.counters["round_trips"] += 1
         self.counters["reads"] += n
         flat = list(itertools.chain.from_iterable(replies))
-        found_s, recs = self.decode(flat, keys[order], f"{self.options.url!r} ({b.model_tag})")
+        found_s, recs = self.decode(flat, keys[order], f"{self.options.url!r} ({b.model_tag})",
+                                    bad_out)
         found = np.zeros(n, bool)
         found[order] = found_s
         out[order[found_s]] = recs
