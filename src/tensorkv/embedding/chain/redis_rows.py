@@ -115,13 +115,12 @@ class RedisRows(ArenaRows):
         if self._cache is not None:
             want = self._from_cache(want, sink)
         bad: list[np.ndarray] | None = [] if replace else None
-        found, recs = self.engine.get(want, read=self.options.read_only, bad_out=bad)
+        pos, recs = self.engine.get_found(want, read=self.options.read_only, bad_out=bad)
         if bad:  # written over or removed at the commit
             self._corrupt.append(np.concatenate(bad))
-        got = want[found]
+        got = want[pos]
         self._counts["rows_read"] += int(want.size)
         if got.size:
-            recs = recs[found]
             rows, _ = a.insert(got)
             sink.write(recs, None, rows)
             a.seq[rows] = _LOADED

@@ -287,24 +287,34 @@ class RedisRowEngine:
         ``read``: may read from replicas (``redis_read_access_slave``); ``bad_out``: see
         :meth:`decode`.
         """
+        n = keys.shape[0]
+        pos, recs = self.get_found(keys, b, read, bad_out)
+        found = np.zeros(n, bool)
+        found[pos] = True
+        out = np.zeros((n, self.width), np.uint8)
+        out[pos] = recs
+        return found, out
+
+    def get_found(self, keys: np.ndarray, b: Buckets | None = None, read: bool = True,
+                  bad_out: list[np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """``(positions, records)``: where in ``keys`` a row was found, and those rows.
+
+        The records (``uint8[m, width]``, read-only) come in reply order, without a copy.
+        """
         b = b or self.runtime
         n = keys.shape[0]
-        out = np.zeros((n, self.width), np.uint8)
         if n == 0:
-            return np.zeros(0, bool), out
+            return np.zeros(0, np.int64), np.zeros((0, self.width), np.uint8)
         order, _, chunks = self._grouped(b, keys)
-        fields = encode_fields(keys[order])
+        sk = keys[order]
+        fields = encode_fields(sk)
         cmds = [(b.names[k], ("HMGET", b.names[k], *fields[a:c])) for k, a, c in chunks]
         replies = self.store.execute(cmds, read=read and self.options.redis_read_access_slave)
         self.counters["round_trips"] += 1
         self.counters["reads"] += n
         flat = list(itertools.chain.from_iterable(replies))
-        found_s, recs = self.decode(flat, keys[order], f"{self.options.url!r} ({b.model_tag})",
-                                    bad_out)
-        found = np.zeros(n, bool)
-        found[order] = found_s
-        out[order[found_s]] = recs
-        return found, out
+        found_s, recs = self.decode(flat, sk, f"{self.options.url!r} ({b.model_tag})", bad_out)
+        return order[found_s], recs
 
     def write(self, keys: np.ndarray, sealed: np.ndarray, deleted: np.ndarray,
               token: bytes | None = None) -> int:
