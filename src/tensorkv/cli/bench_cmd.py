@@ -56,7 +56,7 @@ def _plain(text: str) -> str:
 def summary(name: str) -> str:
     """One line on what workload ``name`` measures (its docstring's first line)."""
     first = _module_doc(name).strip().split("\n", 1)[0]
-    return _plain(re.sub(r"^``tensorkv bench \w+``:\s*", "", first))
+    return _plain(re.sub(r"^``tensorkv bench [\w-]+``:\s*", "", first))
 
 
 def param_docs(run_fn: Callable[..., object]) -> dict[str, str]:
