@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import operator
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from itertools import chain, repeat
@@ -589,10 +590,51 @@ class RedisStore(KVStore):
                 slots = key_slots([k for k, _ in commands]).tolist()
                 return self._cluster_run(
                     [(s, c) for s, (_, c) in zip(slots, commands, strict=True)], read=read)
-            pipe = (self._reader if read else self._client).pipeline(transaction=False)
-            for _, args in commands:
-                pipe.execute_command(*args)
-            return pipe.execute()
+            return self._send_all(self._reader if read else self._client,
+                                  [c for _, c in commands])
+
+    def _send_all(self, client: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
+        """One connection: every command packed by hiredis and sent at once, raw replies.
+
+        Replies are not post-processed (HSCAN gives ``[cursor, [field, value, ...]]``). A
+        dropped connection is retried ``retries`` times (the commands must be idempotent).
+        """
+        import hiredis
+
+        def pack(cmd: tuple[Any, ...]) -> bytes:
+            try:
+                return hiredis.pack_command(cmd)
+            except TypeError:  # numbers: as redis-py sends them
+                return hiredis.pack_command(tuple(
+                    a if isinstance(a, (bytes, str)) else bytes(a)
+                    if isinstance(a, (bytearray, memoryview)) else repr(a).encode()
+                    for a in cmd))
+
+        packed = b"".join(map(pack, commands))
+        pool = client.connection_pool
+        o = self.options
+        for attempt in range(o.retries + 1):
+            conn = pool.get_connection()
+            try:
+                conn.send_packed_command([packed])
+                out: list[Any] = []
+                for _ in commands:
+                    try:
+                        out.append(conn.read_response())
+                    except rex.ResponseError as exc:
+                        out.append(exc)
+                break
+            except (rex.ConnectionError, rex.TimeoutError, OSError):
+                conn.disconnect()
+                if attempt == o.retries:
+                    raise
+                time.sleep(o.retry_backoff * 2 ** attempt)
+            finally:
+                pool.release(conn)
+        for r in out:
+            if isinstance(r, rex.ResponseError):
+                raise r
+        return out
 
     def identity(self) -> str | None:
         """The run ids of the primaries serving the data (they change on restart or failover)."""

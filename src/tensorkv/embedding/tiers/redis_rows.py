@@ -334,8 +334,8 @@ class RedisRowEngine:
                 if token is None:
                     cmds.append((b.names[k], ("HSET", b.names[k], *pairs)))
                 else:
-                    cmds.append((b.names[k], ("EVAL", _FENCED_WRITE, 2, b.names[k], b.locks[k],
-                                              token, c - a, *pairs)))
+                    cmds.append((b.names[k], ("EVAL", _FENCED_WRITE, b"2", b.names[k],
+                                              b.locks[k], token, b"%d" % (c - a), *pairs)))
         n_set = len(cmds)
         if deleted.shape[0]:
             order, _, chunks = self._grouped(b, deleted)
@@ -344,8 +344,8 @@ class RedisRowEngine:
                 if token is None:
                     cmds.append((b.names[k], ("HDEL", b.names[k], *fields[a:c])))
                 else:
-                    cmds.append((b.names[k], ("EVAL", _FENCED_WRITE, 2, b.names[k], b.locks[k],
-                                              token, 0, *fields[a:c])))
+                    cmds.append((b.names[k], ("EVAL", _FENCED_WRITE, b"2", b.names[k],
+                                              b.locks[k], token, b"0", *fields[a:c])))
         if not cmds:
             return 0
         res = self.store.execute(cmds)
@@ -474,7 +474,7 @@ class RedisRowEngine:
         order, _, chunks = self._grouped(b, keys)
         fields = encode_fields(keys[order])
         vals = sealed[order].view(f"V{self.width}").ravel().tolist()
-        cmds = [(b.names[k], ("EVAL", _SET_ABSENT, 1, b.names[k],
+        cmds = [(b.names[k], ("EVAL", _SET_ABSENT, b"1", b.names[k],
                               *_interleave(fields[a:c], vals[a:c]))) for k, a, c in chunks]
         return int(sum(int(r) for r in self.store.execute(cmds)))
 
