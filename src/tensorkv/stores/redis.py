@@ -601,16 +601,7 @@ class RedisStore(KVStore):
         """
         import hiredis
 
-        def pack(cmd: tuple[Any, ...]) -> bytes:
-            try:
-                return hiredis.pack_command(cmd)
-            except TypeError:  # numbers: as redis-py sends them
-                return hiredis.pack_command(tuple(
-                    a if isinstance(a, (bytes, str)) else bytes(a)
-                    if isinstance(a, (bytearray, memoryview)) else repr(a).encode()
-                    for a in cmd))
-
-        packed = b"".join(map(pack, commands))
+        packed = b"".join(map(hiredis.pack_command, commands))  # str, bytes and numbers
         pool = client.connection_pool
         o = self.options
         for attempt in range(o.retries + 1):
