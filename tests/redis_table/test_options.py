@@ -121,6 +121,9 @@ def test_model_tag_import_copies_then_diverges(where, tag):
         assert 0 < c.ttl(name) <= 3600
     finally:
         c.close()
+    with pytest.raises(ConfigError, match="holds no table"):
+        redis_table(url, 4, model_tag_runtime=f"{tag}new2", model_tag_import=f"{tag}typo",
+                    table_kwargs=ADAGRAD)
     again = redis_table(url, 4, model_tag_runtime=f"{tag}new", model_tag_import=f"{tag}old",
                         table_kwargs=ADAGRAD)  # imported once: not copied again
     assert_same(snapshot(again), snapshot(new))

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from tensorkv.embedding.tiers.redis_rows import RedisRowEngine, dump_path
-from tensorkv.errors import CorruptRecordError, RowLockError
+from tensorkv.errors import ConfigError, CorruptRecordError, RowLockError
 
 MIGRATION_CHUNK = 8192  # rows per step of a migration
 
@@ -77,7 +77,13 @@ def migrate(engine: RedisRowEngine) -> int:
                                f"{o.lock_wait_seconds}; retry when it is done")
         time.sleep(0.05)
     try:
-        engine.check_meta(src, engine.read_meta(src), "the import options")
+        src_meta = engine.read_meta(src)
+        if src_meta is None and src.model_tag != rt.model_tag:
+            raise ConfigError(
+                f"model_tag_import={src.model_tag!r} holds no table {o.table_name!r} at "
+                f"{o.url!r} (no layout record {src.meta_key!r}); check the tag and table_name, "
+                "or drop model_tag_import to start empty")
+        engine.check_meta(src, src_meta, "the import options")
         m = _marker(engine)
         start = 0
         if m is not None and m.get("source") == _source_id(engine) and not m.get("done"):
