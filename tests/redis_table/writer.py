@@ -1,8 +1,11 @@
-"""A trainer process of the concurrency tests: SGD(lr=1) steps of integer gradients.
+"""A trainer process of the concurrency tests.
 
-``python writer.py URL TAG CONSISTENCY SEED STEPS``: opens the shared table, then for each
-step looks up a batch of keys and applies integer-valued gradients (exact in float32, so
-the sum over every writer does not depend on the order). Prints ``done``.
+``python writer.py URL TAG CONSISTENCY OPTIMIZER SEED STEPS``: opens the shared table, then
+for each step looks up a batch of keys and applies gradients. With ``sgd`` (lr 1) the
+gradients are small integers (exact in float32, so the sum over every writer does not depend
+on the order); with ``adagrad`` the table has one bucket (one lock, so commits are totally
+ordered) and each apply's commit appends ``SEED:STEP`` to the Redis list ``<TAG>:order``
+while the lock is still held: the test replays the batches in that order. Prints ``done``.
 """
 
 import sys
@@ -10,27 +13,53 @@ import sys
 import numpy as np
 
 import tensorkv
+from tensorkv.embedding.tiers import redis_rows
+
+
+def open_table(url: str, tag: str, consistency: str, optimizer: str) -> tensorkv.EmbeddingTable:
+    opt = tensorkv.StorageOption("REDIS", storage_path=url, redis_options={
+        "model_tag_runtime": tag, "storage_slice": 4 if optimizer == "sgd" else 1,
+        "consistency": consistency, "keys_sending_size": 16})
+    return tensorkv.EmbeddingTable(4, **table_kwargs(optimizer), storage=opt)
+
+
+def table_kwargs(optimizer: str) -> dict:
+    if optimizer == "sgd":
+        return {"optimizer": tensorkv.SGD(lr=1.0), "initializer": "zeros"}
+    return {"optimizer": tensorkv.Adagrad(lr=0.1), "seed": 4}
 
 
 def main() -> None:
-    url, tag, consistency, seed, steps = sys.argv[1:6]
-    opt = tensorkv.StorageOption("REDIS", storage_path=url, redis_options={
-        "model_tag_runtime": tag, "storage_slice": 4, "consistency": consistency,
-        "keys_sending_size": 16})
-    with tensorkv.EmbeddingTable(4, optimizer=tensorkv.SGD(lr=1.0), initializer="zeros",
-                                 storage=opt) as table:
-        for keys, grads in batches(int(seed), int(steps)):
+    url, tag, consistency, optimizer, seed, steps = sys.argv[1:7]
+    current: list[str] = []
+    real_write = redis_rows.RedisRowEngine.write
+
+    def logged_write(self, keys, sealed, deleted, token=None):
+        n = real_write(self, keys, sealed, deleted, token)
+        if current and keys.size:  # still under the bucket lock: the commit order
+            key = f"{tag}:order".encode()
+            self.store.execute([(key, ("RPUSH", key, current[0].encode()))])
+        return n
+
+    redis_rows.RedisRowEngine.write = logged_write
+    with open_table(url, tag, consistency, optimizer) as table:
+        for i, (keys, grads) in enumerate(batches(int(seed), int(steps), optimizer)):
             table.lookup(keys)
+            current[:] = [f"{seed}:{i}"]
             table.apply_gradients(keys, grads)
+            current.clear()
     print("done", flush=True)
 
 
-def batches(seed: int, steps: int):
-    """The (keys, gradients) of one writer: overlapping keys, small integer gradients."""
+def batches(seed: int, steps: int, optimizer: str = "sgd"):
+    """The (keys, gradients) of one writer: overlapping keys."""
     rng = np.random.default_rng(seed)
     for _ in range(steps):
         keys = rng.integers(0, 40, 24)
-        yield keys, rng.integers(-3, 4, (24, 4)).astype(np.float32)
+        if optimizer == "sgd":
+            yield keys, rng.integers(-3, 4, (24, 4)).astype(np.float32)
+        else:
+            yield keys, rng.standard_normal((24, 4)).astype(np.float32)
 
 
 if __name__ == "__main__":
