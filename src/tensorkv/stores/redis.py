@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import operator
 import threading
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from itertools import chain, repeat
@@ -44,6 +43,7 @@ from tensorkv.stores.redis_keys import (
     key_slots,
     range_prefix,
     redact_url,
+    send_packed,
     take,
     value_sizes,
 )
@@ -575,9 +575,10 @@ class RedisStore(KVStore):
         """Run raw Redis commands, each routed by one key it touches, pipelined; replies in order.
 
         On a cluster the commands are grouped by the node serving each routing key's slot
-        (one pipeline per node); otherwise one pipeline. ``read``: reads may go to replicas
-        (``read_from_replicas``). Keys are used as given (the namespace ``prefix`` is not
-        added). Errors are raised as tensorkv errors.
+        (one pipeline per node); otherwise they go out at once on one connection
+        (:func:`~tensorkv.stores.redis_keys.send_packed`, raw replies). ``read``: reads may
+        go to replicas (``read_from_replicas``). Keys are used as given (the namespace
+        ``prefix`` is not added). Errors are raised as tensorkv errors.
         """
         self._check_open()
         if not read:
@@ -590,42 +591,9 @@ class RedisStore(KVStore):
                 slots = key_slots([k for k, _ in commands]).tolist()
                 return self._cluster_run(
                     [(s, c) for s, (_, c) in zip(slots, commands, strict=True)], read=read)
-            return self._send_all(self._reader if read else self._client,
-                                  [c for _, c in commands])
-
-    def _send_all(self, client: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
-        """One connection: every command packed by hiredis and sent at once, raw replies.
-
-        Replies are not post-processed (HSCAN gives ``[cursor, [field, value, ...]]``). A
-        dropped connection is retried ``retries`` times (the commands must be idempotent).
-        """
-        import hiredis
-
-        packed = b"".join(map(hiredis.pack_command, commands))  # str, bytes and numbers
-        pool = client.connection_pool
-        o = self.options
-        for attempt in range(o.retries + 1):
-            conn = pool.get_connection()
-            try:
-                conn.send_packed_command([packed])
-                out: list[Any] = []
-                for _ in commands:
-                    try:
-                        out.append(conn.read_response())
-                    except rex.ResponseError as exc:
-                        out.append(exc)
-                break
-            except (rex.ConnectionError, rex.TimeoutError, OSError):
-                conn.disconnect()
-                if attempt == o.retries:
-                    raise
-                time.sleep(o.retry_backoff * 2 ** attempt)
-            finally:
-                pool.release(conn)
-        for r in out:
-            if isinstance(r, rex.ResponseError):
-                raise r
-        return out
+            client = self._reader if read else self._client
+            return send_packed(client.connection_pool, [c for _, c in commands],
+                               retries=self.options.retries, backoff=self.options.retry_backoff)
 
     def identity(self) -> str | None:
         """The run ids of the primaries serving the data (they change on restart or failover)."""
