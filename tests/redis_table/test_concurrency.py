@@ -20,17 +20,17 @@ from tests.redis_table.helpers import redis_table
 import tensorkv
 
 WRITERS = 4
-STEPS = 20
+STEPS = 12
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import writer  # noqa: E402
 
 
-def run_writers(url: str, tag: str, consistency: str, optimizer: str) -> None:
+def run_writers(url: str, tag: str, consistency: str) -> None:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p])
     procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "writer.py"), url, tag,
-                               consistency, optimizer, str(seed), str(STEPS)],
+                               consistency, str(seed), str(STEPS)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
              for seed in range(WRITERS)]
     for p in procs:
@@ -38,10 +38,18 @@ def run_writers(url: str, tag: str, consistency: str, optimizer: str) -> None:
         assert p.returncode == 0 and b"done" in out, err.decode()[-3000:]
 
 
+@pytest.fixture(scope="module")
+def written(redis_server) -> tuple[str, str]:
+    """``(url, tag)`` after four writer processes trained an SGD and an Adagrad table."""
+    url, tag = f"redis://127.0.0.1:{redis_server.port}/0", f"conc{os.getpid()}"
+    run_writers(url, tag, "exact")
+    return url, tag
+
+
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
-def test_four_writers_lose_no_update(redis_server, tag, optimizer):
-    url = f"redis://127.0.0.1:{redis_server.port}/0"
-    run_writers(url, tag, "exact", optimizer)
+def test_four_writers_lose_no_update(written, redis_server, optimizer):
+    url, tag = written
+    tag += optimizer
     work = {seed: list(writer.batches(seed, STEPS, optimizer)) for seed in range(WRITERS)}
     ref = tensorkv.EmbeddingTable(4, **writer.table_kwargs(optimizer))
     if optimizer == "sgd":

@@ -1,7 +1,8 @@
 """A trainer process of the concurrency tests.
 
-``python writer.py URL TAG CONSISTENCY OPTIMIZER SEED STEPS``: opens the shared table, then
-for each step looks up a batch of keys and applies gradients. With ``sgd`` (lr 1) the
+``python writer.py URL TAG CONSISTENCY SEED STEPS``: for each optimizer (``sgd``, then
+``adagrad``) opens the shared table under the model tag ``<TAG><optimizer>``, then for each
+step looks up a batch of keys and applies gradients. With ``sgd`` (lr 1) the
 gradients are small integers (exact in float32, so the sum over every writer does not depend
 on the order); with ``adagrad`` the table has one bucket (one lock, so commits are totally
 ordered) and each apply's commit appends ``SEED:STEP`` to the Redis list ``<TAG>:order``
@@ -30,24 +31,25 @@ def table_kwargs(optimizer: str) -> dict:
 
 
 def main() -> None:
-    url, tag, consistency, optimizer, seed, steps = sys.argv[1:7]
+    url, tag, consistency, seed, steps = sys.argv[1:6]
     current: list[str] = []
     real_write = redis_rows.RedisRowEngine.write
 
     def logged_write(self, keys, sealed, deleted, token=None):
         n = real_write(self, keys, sealed, deleted, token)
         if current and keys.size:  # still under the bucket lock: the commit order
-            key = f"{tag}:order".encode()
+            key = f"{current[1]}:order".encode()
             self.store.execute([(key, ("RPUSH", key, current[0].encode()))])
         return n
 
     redis_rows.RedisRowEngine.write = logged_write
-    with open_table(url, tag, consistency, optimizer) as table:
-        for i, (keys, grads) in enumerate(batches(int(seed), int(steps), optimizer)):
-            table.lookup(keys)
-            current[:] = [f"{seed}:{i}"]
-            table.apply_gradients(keys, grads)
-            current.clear()
+    for optimizer in ("sgd", "adagrad"):
+        with open_table(url, tag + optimizer, consistency, optimizer) as table:
+            for i, (keys, grads) in enumerate(batches(int(seed), int(steps), optimizer)):
+                table.lookup(keys)
+                current[:] = [f"{seed}:{i}", tag + optimizer]
+                table.apply_gradients(keys, grads)
+                current.clear()
     print("done", flush=True)
 
 
