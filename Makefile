@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 COV_FLOOR ?= 94
 COV_ARGS := --cov=tensorkv --cov-report=term-missing:skip-covered --cov-fail-under=$(COV_FLOOR)
 
-.PHONY: demo test venv install install-test redis-server lint bench-quick bench-kv clean
+.PHONY: demo test venv install install-test redis-server chromium vendor lint bench-quick bench-kv clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,20 @@ redis-server:
 		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq redis-server redis-tools; \
 	fi
 
+# The web viewer's browser test drives Debian's chromium through Playwright's Python package
+# (executable_path=/usr/bin/chromium; no `playwright install` download).
+chromium:
+	@if ! command -v chromium >/dev/null 2>&1; then \
+		echo "installing chromium (Debian package)"; \
+		SUDO=""; [ "$$(id -u)" = "0" ] || SUDO="sudo"; \
+		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium; \
+	fi
+
+# Re-fetch the web viewer's plotting library (uPlot, pinned in the script) with npm into
+# src/tensorkv/viewer/web/static/vendor/ and record its version and sha256 in VENDOR.md.
+vendor:
+	./scripts/vendor_uplot.sh
+
 demo: install
 	$(VENV)/bin/tensorkv demo --path ./tensorkv-data
 
@@ -42,7 +56,7 @@ demo: install
 # pytest exits 5 when it collects no tests; that is not a failure of the suite. (With
 # coverage on, a run that collects nothing fails the floor instead; add --no-cov to
 # PYTEST_ARGS to run a subset, see CONTRIBUTING.md.)
-test: install-test redis-server
+test: install-test redis-server chromium
 	$(VENV)/bin/ruff check src tests
 	$(VENV)/bin/mypy
 	$(PY) -m pytest -q $(COV_ARGS) $(PYTEST_ARGS) || rc=$$?; \

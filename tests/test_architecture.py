@@ -57,7 +57,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("stores",),
     ("embedding",),
     ("checkpoint",),
-    ("torch", "repository", "distributed", "viewer"),  # future packages
+    ("torch", "repository", "distributed", "viewer"),
     (ROOT,),
     ("testing",),
     ("bench",),

@@ -12,6 +12,9 @@ Environment variable                   Default     Meaning
 ``TENSORKV_ASSIST_THREAD``             1           ``0``: tiered tables never share kernels
                                                    with the helper thread
                                                    (embedding.chain.assist)
+``TENSORKV_PREFAULT``                  1           ``0``: growing tables do not fault their
+                                                   next rows' memory in ahead, on a
+                                                   background thread (embedding.growable)
 =====================================  ==========  =========================================
 """
 
@@ -65,6 +68,8 @@ REDIS_TABLE_LOCK_WAIT = 60.0  # seconds an exact-mode writer waits for a bucket 
 # --- embedding tables and optimizer kernels --------------------------------------------------
 TABLE_INITIAL_CAPACITY = 1024  # rows
 TABLE_MAX_LOAD_FACTOR = 0.5  # hash slots in use / slots before the index doubles
+ENV_PREFAULT = "TENSORKV_PREFAULT"  # 0: no background prefault of a table's next rows
+PREFAULT_AHEAD = 8  # growth steps of a row array whose memory is faulted in ahead
 OPTIMIZER_PARALLEL_MIN_ELEMENTS = 1 << 16  # rows*dim of one update before rows run on threads
 ENV_PARALLEL_KERNELS = "TENSORKV_PARALLEL_KERNELS"  # 0: optimizer kernels always run serially
 

@@ -183,6 +183,33 @@ class TagNotFoundError(CheckpointError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class VariableNotFoundError(CheckpointError, KeyError):
+    """A tag holds no variable (dense tensor or table) of that name; the message lists them."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable.
+        return str(self.args[0]) if self.args else ""
+
+
+# --- the viewer ----------------------------------------------------------------------------
+class QueryError(TensorKVError, ValueError):
+    """A viewer query (predicate, key list, slice, vector, option) is malformed.
+
+    ``position`` is the 0-based character offset in ``text`` where the problem is, or None.
+    """
+
+    def __init__(self, message: str, text: str | None = None, position: int | None = None):
+        super().__init__(message)
+        self.text = text
+        self.position = position
+
+
+class RowNotFoundError(TensorKVError, KeyError):
+    """A table holds no row for a key a query needs (e.g. the key to search near)."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable.
+        return str(self.args[0]) if self.args else ""
+
+
 # --- store locations (embedded backends) --------------------------------------------------
 class StorePathError(StoreError, OSError):
     """A store's path cannot be used (a parent is a file, it is not a directory, ...)."""

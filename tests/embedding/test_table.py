@@ -384,3 +384,39 @@ def test_lookup_torch_of_a_dram_table_equals_lookup(dtype):
     np.testing.assert_array_equal(a.lookup_torch(np.array([77]), insert=False).numpy(),
                                   b.lookup(np.array([77]), insert=False))
     assert len(a) == len(b) == 3
+
+
+def _dump(t):
+    """Every row of ``t`` sorted by key: keys, values, slots, freq, version."""
+    chunks = list(t.export())
+    order = np.argsort(np.concatenate([c.keys for c in chunks]))
+    return {name: np.concatenate([getattr(c, name) for c in chunks])[order]
+            for name in ("keys", "values", "slots", "freq", "version")}
+
+
+@pytest.mark.parametrize("storage", [None, "DRAM_SSDHASH"])
+def test_unique_gradients_skip_the_sum_with_equal_results(storage, tmp_path):
+    """``unique=True`` (distinct keys) updates exactly as the summing path does."""
+    rng = np.random.default_rng(3)
+    def make(name):
+        opts = {"storage_size": ["4KiB"], "storage_path": str(tmp_path / name)} \
+            if storage else {}
+        return EmbeddingTable(8, optimizer=Adagrad(lr=0.1), seed=5, storage=storage, **opts)
+
+    a, b = make("a"), make("b")
+    for step in range(6):
+        keys = rng.choice(500, 120, replace=False).astype(np.int64)
+        grads = rng.standard_normal((120, 8)).astype(np.float32)
+        for t in (a, b):
+            t.lookup(keys[: 60 + step])
+        a.apply_gradients(keys, grads)
+        b.apply_gradients(keys, grads, unique=True)
+    da, db = _dump(a), _dump(b)
+    for name in ("keys", "values", "slots", "freq", "version"):
+        np.testing.assert_array_equal(da[name], db[name])
+    bad = np.ones((2, 8), np.float32)
+    bad[1, 3] = np.nan
+    with pytest.raises(tensorkv.errors.NonFiniteGradientError, match="keys"):
+        b.apply_gradients(np.array([1, 2]), bad, unique=True)
+    a.close()
+    b.close()

@@ -69,12 +69,13 @@ def storage(opt: str, kind: str, spill_dir: str) -> dict:
             "storage_size": [TIER0_ROWS * rec]}
 
 
-def dynamic(opt: str, kind: str = "dram", spill_dir: str = ""):
-    """The dynamic model and its tensorkv.torch.Optimizer."""
+def dynamic(opt: str, kind: str = "dram", spill_dir: str = "", fused: bool = False):
+    """The dynamic model and its tensorkv.torch.Optimizer (``fused``: updates in backward)."""
     bag = tt.DynamicEmbeddingBag(DIM, "sum", optimizer=OPTIMIZERS[opt][0](),
                                  initializer="normal", seed=7, **storage(opt, kind, spill_dir))
     model = Model(bag)
-    return model, tt.Optimizer(model, dense=OPTIMIZERS[opt][2](model.lin.parameters()))
+    return model, tt.Optimizer(model, dense=OPTIMIZERS[opt][2](model.lin.parameters()),
+                               fused=fused)
 
 
 def static(opt: str):

@@ -51,6 +51,24 @@ def test_dynamic_bag_trains_like_static_sparse_bag(opt, kind, tmp_path):
         dyn.bag.table.close()
 
 
+@pytest.mark.parametrize("kind", ["dram", "ssdhash"])
+def test_fused_updates_in_backward_give_identical_results(kind, tmp_path):
+    """Optimizer(fused=True) applies the table step inside backward: bit-identical training."""
+    runs = [pm.dynamic("adagrad", kind, str(tmp_path / f"spill{fused}"), fused=fused)
+            for fused in (False, True)]
+    try:
+        for step in range(40):
+            losses = [pm.train_step(m, [o], step, False) for m, o in runs]
+            assert losses[0] == losses[1], f"step {step}"
+            assert runs[1][0].bag.pending_gradients() == 0  # nothing waits for step()
+        rows = [m.bag.table.lookup(pm.KEYS, insert=False) for m, _ in runs]
+        np.testing.assert_array_equal(rows[0], rows[1])
+        assert "fused=True" in repr(runs[1][1])
+    finally:
+        for m, _ in runs:
+            m.bag.table.close()
+
+
 def test_training_continues_identically_after_restore_in_a_fresh_process(tmp_path):
     opt, kind = "adam", "ssdhash"  # table slots and global step, dense Adam state, tiers
     half, rest = 60, 40

@@ -13,6 +13,7 @@ import click
 from tensorkv import __version__
 from tensorkv.cli.bench_cmd import bench
 from tensorkv.cli.demo import demo
+from tensorkv.cli.view_cmd import view
 from tensorkv.errors import MissingDependencyError, TensorKVError
 from tensorkv.stores import Capabilities, schemes
 from tensorkv.stores.registry import backend_class
@@ -162,6 +163,7 @@ def stores() -> None:
 main.add_command(demo)
 main.add_command(bench)
 main.add_command(stores)
+main.add_command(view)
 
 try:  # checkpoint tools live in their own module, added when it exists
     checkpoint_cmds = importlib.import_module("tensorkv.cli.checkpoint_cmds")
@@ -171,6 +173,10 @@ except ImportError as exc:  # tolerate only the module's absence, not a broken i
 else:
     for _cmd in checkpoint_cmds.COMMANDS:
         main.add_command(_cmd)
+
+# the viewer's commands (ls, show, search, stats, diff, export): cli/viewer_cmds.py
+for _cmd in importlib.import_module("tensorkv.cli.viewer_cmds").COMMANDS:
+    main.add_command(_cmd)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import itertools
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
 from tensorkv import config
+from tensorkv.embedding.growable import resized
 from tensorkv.errors import CapacityError, ConfigError
 from tensorkv.kernels import arena as ak
 from tensorkv.kernels import hashindex as hk
@@ -24,7 +26,8 @@ from tensorkv.kernels import records as kr
 #: Storage dtypes of value rows. 16-bit ones are held as raw ``uint16`` bit patterns (numba has
 #: no float16/bfloat16 scalars) and converted to and from float32 with numpy / ml_dtypes.
 STORAGE_DTYPES = ("float32", "float16", "bfloat16")
-ROW_GROWTH = 1.0625  # row capacity multiplier on growth (in-place realloc keeps it cheap)
+_MOVES = itertools.count(1)
+ROW_GROWTH = 1.0625  # row capacity multiplier on growth (in place: see embedding/growable.py)
 
 
 def pow2_at_least(n: int) -> int:
@@ -140,8 +143,7 @@ class RowArena:
     def _resize_row_arrays(self, new: int) -> None:
         """Resize ``values`` and ``slots`` to ``new`` rows, keeping the contents that fit."""
         for name in ("values", "slots"):
-            arr = getattr(self, name)
-            arr.resize((new, arr.shape[1]), refcheck=False)
+            setattr(self, name, resized(getattr(self, name), new))
 
     def _alloc(self, cap: int) -> None:
         cap = max(int(cap), 1)
@@ -154,6 +156,16 @@ class RowArena:
         n_slots = pow2_at_least(int(cap / self.max_load) + 1)
         self.index = hk.new_index(n_slots)
         self.state = np.array([0, 0, -1, 0], np.int64)
+        self.note_moves()
+
+    def note_moves(self) -> None:
+        """Say that some present key may now have another row, or none.
+
+        :attr:`moves` changes with each (removals, detaches, repacking, a new index): row
+        numbers found while it stays the same are still valid (inserts and growth keep
+        them). Its values come from one process-wide counter, so no two arenas share one.
+        """
+        self.moves = next(_MOVES)
 
     @property
     def capacity(self) -> int:
@@ -192,7 +204,7 @@ class RowArena:
         with self.resize_guard:  # the arrays move: no other thread may be reading them
             self._resize_row_arrays(new)
             for name in ("freq", "version", "seq", "row_key", "live"):
-                getattr(self, name).resize(new, refcheck=False)
+                setattr(self, name, resized(getattr(self, name), new))
 
     def shrink_rows(self, rows: int) -> int:
         """Give back row capacity above ``rows`` (never below :attr:`high_water`).
@@ -285,6 +297,7 @@ class RowArena:
     def remove(self, keys: np.ndarray) -> np.ndarray:
         """Remove keys; returns the freed row of each key (``-1`` where it was absent)."""
         rows = np.empty(keys.shape[0], np.int64)
+        self.note_moves()
         hk.index_remove(self.index, keys, rows, self.state, self.row_key,
                         self.live)
         return rows
@@ -296,6 +309,7 @@ class RowArena:
         rows it moves down, so its background writer can read them after the call returns.
         """
         rows = np.empty(keys.shape[0], np.int64)
+        self.note_moves()
         hk.index_detach(self.index, keys, rows, self.state, self.row_key, self.live)
         return rows
 
@@ -336,6 +350,7 @@ class RowArena:
         hw = self.high_water
         if hw == n:
             return np.empty(0, np.int64), np.empty(0, np.int64)
+        self.note_moves()
         live = self.live[:hw].view(np.bool_)
         src = np.flatnonzero(live[n:]) + n
         dst = np.flatnonzero(~live[:n])
@@ -573,6 +588,7 @@ class RowArena:
         index[:, 0] = 0
         index[:, 1] = -1
         self.index = index
+        self.note_moves()
 
     def index_rows(self, start: int, stop: int) -> int:
         """Map the keys of rows ``start .. stop-1`` to those rows; returns keys mapped before.
@@ -580,6 +596,7 @@ class RowArena:
         A key mapped before moves to its new row (a later duplicate wins); the earlier row
         is freed by :meth:`finish_bulk_load`.
         """
+        self.note_moves()
         return int(ak.bulk_index(self.index, self.row_key, self.live, start, stop, self.state))
 
     def finish_bulk_load(self) -> None:

@@ -12,8 +12,21 @@ from typing import Any
 
 import numpy as np
 
+from tensorkv import config
 from tensorkv.errors import ConfigError
 from tensorkv.kernels import initializers as ik
+from tensorkv.kernels.optimizers import parallel_enabled
+
+
+def _parts(n_values: int) -> int:
+    """Ranges to split an initialisation of ``n_values`` values into (1: serial kernel).
+
+    Large batches of new keys run on numba's threads, as large optimizer updates do
+    (``config.OPTIMIZER_PARALLEL_MIN_ELEMENTS``, ``TENSORKV_PARALLEL_KERNELS``).
+    """
+    if n_values < config.OPTIMIZER_PARALLEL_MIN_ELEMENTS or not parallel_enabled():
+        return 1
+    return max(1, min(ik.threads(), n_values * 4 // config.OPTIMIZER_PARALLEL_MIN_ELEMENTS))
 
 
 class Initializer:
@@ -98,8 +111,12 @@ class Uniform(Initializer):
         self.high = float(high)
 
     def fill(self, out, rows, keys, seed):  # noqa: D102
-        ik.init_uniform(out, rows, keys, np.uint64(seed & 0xFFFFFFFFFFFFFFFF), self.low,
-                        self.high)
+        s = np.uint64(seed & 0xFFFFFFFFFFFFFFFF)
+        parts = _parts(keys.shape[0] * out.shape[1])
+        if parts > 1:
+            ik.init_uniform_parallel(out, rows, keys, s, self.low, self.high, parts)
+        else:
+            ik.init_uniform(out, rows, keys, s, self.low, self.high)
 
     def config(self):  # noqa: D102
         return {"name": self.name, "low": self.low, "high": self.high}
@@ -118,8 +135,13 @@ class Normal(Initializer):
         self.std = float(std)
 
     def fill(self, out, rows, keys, seed):  # noqa: D102
-        ik.init_normal(out, rows, keys, np.uint64(seed & 0xFFFFFFFFFFFFFFFF), self.mean,
-                       self.std, self._truncated)
+        s = np.uint64(seed & 0xFFFFFFFFFFFFFFFF)
+        parts = _parts(keys.shape[0] * out.shape[1])
+        if parts > 1:
+            ik.init_normal_parallel(out, rows, keys, s, self.mean, self.std, self._truncated,
+                                    parts)
+        else:
+            ik.init_normal(out, rows, keys, s, self.mean, self.std, self._truncated)
 
     def config(self):  # noqa: D102
         return {"name": self.name, "mean": self.mean, "std": self.std}

@@ -9,6 +9,7 @@ import threading
 
 import numpy as np
 
+from tensorkv.embedding.chunks import nonfinite_rows
 from tensorkv.kernels import arena as ak
 
 
@@ -34,6 +35,28 @@ class Scratch(threading.local):
             self.n, self.dim = cap, dim
         size = ak.dedup_table_size(n)
         return (self.uniq[:n], self.sums[:n], self.bad[:n], self.tab[:size], self.pos[:n])
+
+    def summed(self, keys: np.ndarray, grads: np.ndarray, rows: np.ndarray | None,
+               unique: bool, row_key: np.ndarray
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+        """Distinct keys, their summed gradients, NaN/Inf flags and rows (IndexedSlices).
+
+        Returns ``(uniq, sums, bad, urows)``; ``urows`` are the distinct keys' arena rows when
+        ``rows`` (every key's row, all present) were given, else None. ``unique``: the keys
+        are distinct already, nothing is summed. ``row_key``: the arena's key of each row.
+        The sums are views of this thread's buffers, valid until its next call.
+        """
+        if unique:
+            sums = np.ascontiguousarray(grads, np.float32)
+            return keys, sums, nonfinite_rows(sums), rows
+        uniq, sums, bad, tab, pos = self.dedup_buffers(keys.shape[0], grads.shape[1])
+        if rows is None:
+            u = ak.dedup_sum(keys, grads, uniq, sums, bad, tab, pos)  # pure: no lock needed
+            return uniq[:u], sums[:u], bad[:u], None
+        first = self.row_slots(row_key.shape[0])
+        u = ak.dedup_rows(rows, grads, uniq, sums, bad, first, pos)
+        urows = uniq[:u].copy()
+        return row_key[urows], sums[:u], bad[:u], urows
 
     def row_slots(self, capacity: int) -> np.ndarray:
         """An ``int64[>= capacity]`` array of ``-1``: the row map of ``dedup_rows``.

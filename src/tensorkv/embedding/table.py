@@ -345,6 +345,7 @@ class EmbeddingTable(TableIO):
         n = k.shape[0]
         a = self.arena
         with self._lock.read():
+            moves = a.moves
             if rows is None:
                 rows, misses = a.find_gather(k, raw)
             else:
@@ -366,7 +367,7 @@ class EmbeddingTable(TableIO):
                 raw[pos] = a.to_raw(self._initial(k[pos]))
             return self._result(raw, out)
         with self._lock.write():
-            self._insert_missing(k, raw, np.flatnonzero(rows < 0))
+            self._insert_missing(k, raw, rows, moves)
         return self._result(raw, out)
 
     def _result(self, raw: np.ndarray, out: np.ndarray | None) -> np.ndarray:
@@ -378,14 +379,22 @@ class EmbeddingTable(TableIO):
         np.copyto(out, f32)
         return out
 
-    def _insert_missing(self, k: np.ndarray, out: np.ndarray, missed: np.ndarray) -> None:
+    def _insert_missing(self, k: np.ndarray, out: np.ndarray, found: np.ndarray,
+                        moves: int) -> None:
         """Write-locked slow path of :meth:`lookup`: insert/admit the missing keys.
 
-        ``missed``: positions not found by the shared-lock pass; another writer may have
-        inserted some of them since, so they are all read again here.
+        ``found``: each key's row in the shared-lock pass (``-1``: missing), when the arena's
+        :attr:`~tensorkv.embedding.arena.RowArena.moves` was ``moves``. Another writer may
+        have inserted missing keys since, so those are read again; the found rows are still
+        valid unless some key has moved since (then every key is read again).
         """
         a = self.arena
-        rows = a.find(k)
+        missed = np.flatnonzero(found < 0)
+        if a.moves == moves:
+            rows = found.copy()
+            rows[missed] = a.find(k[missed])
+        else:
+            rows = a.find(k)
         miss = np.flatnonzero(rows < 0)
         n_hits, n_misses = k.shape[0] - miss.size, miss.size
         mk = k[miss]
@@ -415,7 +424,8 @@ class EmbeddingTable(TableIO):
                 uk, first = np.unique(mk, return_index=True)
                 a.freq[new_rows[first]] += prior[first]
                 self.admission.forget(uk)
-        out[missed] = a.gather(rows[missed])
+        # the missing keys' rows straight into the result (the others are in it already)
+        a.gather(rows if missed.size == k.shape[0] else np.where(found >= 0, -1, rows), out)
         if rejected.size:
             out[rejected] = a.to_raw(self._initial(k[rejected]))
         with self._meta_lock:
@@ -506,7 +516,8 @@ class EmbeddingTable(TableIO):
         """Counter bumped by every mutating call; rows remember the value of their last change."""
         return self._mseq
 
-    def apply_gradients(self, keys: Any, grads: Any, step: int | None = None) -> int:
+    def apply_gradients(self, keys: Any, grads: Any, step: int | None = None, *,
+                        unique: bool = False) -> int:
         """Apply one sparse optimizer step to the rows of ``keys``.
 
         Gradients of duplicate keys are summed first (IndexedSlices semantics); only the
@@ -522,6 +533,10 @@ class EmbeddingTable(TableIO):
         step
             The step of this update (for lr schedules and ``version``); default: the
             table's step + 1.
+        unique
+            The caller guarantees the keys are distinct (IndexedSlices already summed, as
+            the PyTorch modules' are): the summing pass is skipped. Duplicates then update
+            their row once per occurrence.
 
         Returns
         -------
@@ -536,27 +551,19 @@ class EmbeddingTable(TableIO):
         with rows_.op:
             rows = rows_.promote_update(k)
             with rows_.holding_meta():
-                n = self._apply(k, g, step, rows)
+                n = self._apply(k, g, step, rows, unique=bool(unique))
             rows_.after_batch(k)
         return n
 
     def _apply(self, k: np.ndarray, g: np.ndarray, step: int | None,
-               rows: np.ndarray | None = None) -> int:
+               rows: np.ndarray | None = None, unique: bool = False) -> int:
         """:meth:`apply_gradients` of validated input; ``rows``: every key's row, if known.
 
         With the rows of a batch just looked up (all present, under the same operation lock)
         duplicates are summed by row, without hashing keys, and the index is not probed again.
+        ``unique``: the keys are distinct, nothing to sum.
         """
-        uniq, sums, bad, tab, pos = self._scratch.dedup_buffers(k.shape[0], self.dim)
-        urows = None
-        if rows is None:
-            u = ak.dedup_sum(k, g, uniq, sums, bad, tab, pos)  # pure: runs outside the lock
-            uniq, sums, bad = uniq[:u], sums[:u], bad[:u]
-        else:
-            first = self._scratch.row_slots(self.arena.capacity)
-            u = ak.dedup_rows(rows, g, uniq, sums, bad, first, pos)
-            urows = uniq[:u].copy()
-            uniq, sums, bad = self.arena.row_key[urows], sums[:u], bad[:u]
+        uniq, sums, bad, urows = self._scratch.summed(k, g, rows, unique, self.arena.row_key)
         n_skip = 0
         if bad.any():
             bad_keys = uniq[bad]

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import math
 
+import numba
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 from tensorkv.kernels.hashindex import mix64
 
@@ -167,6 +168,36 @@ def init_normal(out, rows, keys, seed, mean, std, truncated):  # pragma: no cove
             b = k * dim
             for c in range(dim):
                 out[r, c] = mean + std * z[b + c]
+
+
+def threads() -> int:
+    """Threads of numba's pool (what the ``*_parallel`` kernels split work over)."""
+    return int(numba.get_num_threads())
+
+
+@njit(nogil=True, cache=True, parallel=True)
+def init_normal_parallel(out, rows, keys, seed, mean, std, truncated,
+                         parts):  # pragma: no cover - compiled
+    """:func:`init_normal` over ``parts`` contiguous ranges of keys on numba's threads.
+
+    A key's value depends on (seed, key, column) only, so the result equals the serial
+    kernel's bit for bit.
+    """
+    n = keys.shape[0]
+    for j in prange(parts):
+        lo = n * j // parts
+        hi = n * (j + 1) // parts
+        init_normal(out, rows[lo:hi], keys[lo:hi], seed, mean, std, truncated)
+
+
+@njit(nogil=True, cache=True, parallel=True)
+def init_uniform_parallel(out, rows, keys, seed, lo, hi, parts):  # pragma: no cover - compiled
+    """:func:`init_uniform` over ``parts`` contiguous ranges of keys on numba's threads."""
+    n = keys.shape[0]
+    for j in prange(parts):
+        a = n * j // parts
+        b = n * (j + 1) // parts
+        init_uniform(out, rows[a:b], keys[a:b], seed, lo, hi)
 
 
 @njit(nogil=True, cache=True)

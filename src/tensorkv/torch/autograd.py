@@ -16,8 +16,10 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F  # noqa: N812
 
 from tensorkv.kernels import hashindex as hk
+from tensorkv.kernels import pooling as pk
 
 Sink = Callable[[torch.Tensor], None]
 
@@ -41,6 +43,76 @@ class RowGrad(torch.autograd.Function):
         """Give ``grad`` (``[u, dim]``) to the sink; no gradient flows to ``rows``."""
         ctx.sink(grad)
         return None, None
+
+
+def _host_f32(t: torch.Tensor) -> np.ndarray:
+    """A float32 C-contiguous numpy view of a CPU tensor (a copy only when it must)."""
+    return np.ascontiguousarray(t.detach().to(torch.float32).numpy())
+
+
+class GatherRows(torch.autograd.Function):
+    """``F.embedding(inv, rows)`` whose backward sums the gradient per row in one numba pass.
+
+    ``GatherRows.apply(rows, inv, pad, sink)``: ``rows`` float32 ``[u (+1), dim]`` on the CPU,
+    ``inv`` int64 positions (any shape), ``pad`` the padding row or None. Backward hands the
+    ``[u (+1), dim]`` row gradient to ``sink`` and returns none to ``rows``: torch's dense
+    embedding backward (a sort of every id) is avoided.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, rows: torch.Tensor, inv: torch.Tensor, pad: int | None,
+                sink: Sink) -> torch.Tensor:
+        """Rows of ``inv``: ``[*inv.shape, dim]``."""
+        ctx.sink, ctx.inv, ctx.pad, ctx.shape = sink, inv.reshape(-1).numpy(), pad, rows.shape
+        return F.embedding(inv, rows.detach(), padding_idx=pad)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None, None]:
+        """Scatter-add ``grad`` onto the rows and give the sum to the sink."""
+        out = np.empty(tuple(ctx.shape), np.float32)
+        pk.scatter_rows(_host_f32(grad).reshape(-1, out.shape[1]), ctx.inv,
+                        -1 if ctx.pad is None else ctx.pad, out)
+        ctx.sink(torch.from_numpy(out))
+        return None, None, None, None
+
+
+class PoolRows(torch.autograd.Function):
+    """``F.embedding_bag`` (sum or mean) whose backward is one numba pass over the ids.
+
+    ``PoolRows.apply(rows, inv, offsets, weights, mode, include_last, pad, sink)`` with a 1-D
+    ``inv`` and its ``offsets`` (``nn.EmbeddingBag``'s 1-D form; callers flatten the 2-D form),
+    ``weights`` the per-sample weights or None (not differentiated: callers whose weights need
+    a gradient use torch's own backward).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, rows: torch.Tensor, inv: torch.Tensor, offsets: torch.Tensor,
+                weights: torch.Tensor | None, mode: str, include_last: bool, pad: int | None,
+                sink: Sink) -> torch.Tensor:
+        """Pooled rows of each bag: ``[bags, dim]``."""
+        out = F.embedding_bag(inv, rows.detach(), offsets, mode=mode,
+                              per_sample_weights=weights, include_last_offset=include_last,
+                              padding_idx=pad)
+        off = offsets.numpy().astype(np.int64, copy=False)
+        n = inv.shape[0]
+        if include_last:
+            starts, ends = off[:-1], np.minimum(off[1:], n)
+        else:
+            starts, ends = off, np.append(off[1:], n)
+        ctx.sink, ctx.shape, ctx.mean = sink, rows.shape, mode == "mean"
+        ctx.inv, ctx.starts, ctx.ends = inv.numpy(), starts, ends
+        ctx.weights = (np.empty(0, np.float32) if weights is None else _host_f32(weights))
+        ctx.pad = -1 if pad is None else pad
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, ...]:
+        """Scatter-add ``grad`` onto the rows and give the sum to the sink."""
+        out = np.empty(tuple(ctx.shape), np.float32)
+        pk.scatter_bags(_host_f32(grad), ctx.inv, ctx.starts, ctx.ends, ctx.weights, ctx.mean,
+                        ctx.pad, out)
+        ctx.sink(torch.from_numpy(out))
+        return (None,) * 8
 
 
 class _Scratch(threading.local):
@@ -100,4 +172,4 @@ def dedup(keys: np.ndarray, padding: int | None) -> tuple[np.ndarray, np.ndarray
     return uniq, inverse, True
 
 
-__all__ = ["RowGrad", "Sink", "dedup"]
+__all__ = ["GatherRows", "PoolRows", "RowGrad", "Sink", "dedup"]

@@ -20,7 +20,7 @@ from torch import nn
 from tensorkv.embedding import EmbeddingTable
 from tensorkv.embedding.table_io import is_int
 from tensorkv.errors import ConcurrentUseError, ConfigError, ShapeError
-from tensorkv.torch.autograd import RowGrad, dedup
+from tensorkv.torch.autograd import GatherRows, PoolRows, RowGrad, dedup
 
 _BAG_MODES = ("sum", "mean", "max")
 
@@ -67,6 +67,9 @@ class DynamicModule(nn.Module):
         self._busy = threading.Lock()
         self._grad_lock = threading.Lock()
         self._pending: list[tuple[np.ndarray, np.ndarray]] = []
+        #: Apply each backward pass's gradients to the table at once, inside backward
+        #: (set by ``tensorkv.torch.Optimizer(..., fused=True)``).
+        self.fused = False
 
     # --- gradients ----------------------------------------------------------------------------
     def take_gradients(self) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -110,11 +113,12 @@ class DynamicModule(nn.Module):
         keys = self.table.as_keys(ids)
         return keys, (keys.shape[0],)
 
-    def _rows(self, keys: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, int | None]:
+    def _rows(self, keys: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, int | None, Any]:
         """Distinct rows of ``keys`` (``[u (+1 zero padding row), dim]``) ready for torch.
 
-        Returns ``(weight, inverse, pad_row)``: ``weight`` goes through :class:`RowGrad`
-        when gradients are recorded; ``inverse`` indexes it for every key.
+        Returns ``(rows, inverse, pad_row, sink)``: ``inverse`` indexes ``rows`` for every
+        key; ``sink`` receives the rows' gradient in backward, None when no gradient is
+        recorded (``eval()``, ``no_grad``).
         """
         train = self.training and torch.is_grad_enabled()
         uniq, inverse, has_pad = dedup(keys, self.padding_idx)
@@ -134,15 +138,18 @@ class DynamicModule(nn.Module):
         inv = torch.from_numpy(inverse).to(rows.device)
         pad_row = u if has_pad else None
         if not train:
-            return rows, inv, pad_row
+            return rows, inv, pad_row, None
         rows.requires_grad_(True)
-        return RowGrad.apply(rows, self._sink(uniq)), inv, pad_row
+        return rows, inv, pad_row, self._sink(uniq)
 
     def _sink(self, uniq: np.ndarray) -> Any:
         u = uniq.shape[0]
 
         def sink(grad: torch.Tensor) -> None:
             g = grad.detach()[:u].to("cpu", torch.float32).contiguous().numpy()
+            if self.fused:
+                self.table.apply_gradients(uniq, g, unique=True)
+                return
             with self._grad_lock:
                 self._pending.append((uniq, g))
 
@@ -199,8 +206,13 @@ class DynamicEmbedding(DynamicModule):
         self._enter()
         try:
             keys, shape = self._keys(ids)
-            weight, inv, pad_row = self._rows(keys)
-            out = F.embedding(inv, weight, padding_idx=pad_row)
+            rows, inv, pad_row, sink = self._rows(keys)
+            if sink is None:
+                out = F.embedding(inv, rows, padding_idx=pad_row)
+            elif rows.device.type == "cpu":
+                out = GatherRows.apply(rows, inv, pad_row, sink)
+            else:
+                out = F.embedding(inv, RowGrad.apply(rows, sink), padding_idx=pad_row)
             return out.reshape(*shape, self.dim)
         finally:
             self._busy.release()
@@ -250,15 +262,28 @@ class DynamicEmbeddingBag(DynamicModule):
         try:
             keys, shape = self._keys(input)
             self._check_bags(shape, offsets, per_sample_weights)
-            weight, inv, pad_row = self._rows(keys)
-            dev = weight.device
+            rows, inv, pad_row, sink = self._rows(keys)
+            dev = rows.device
             if offsets is not None:
                 offsets = torch.as_tensor(offsets).to(dev, torch.int64)
-            if per_sample_weights is not None:
-                per_sample_weights = per_sample_weights.to(dev, torch.float32)
+            psw = per_sample_weights
+            if psw is not None:
+                psw = psw.to(dev, torch.float32)
+            if sink is not None and dev.type == "cpu" and self.mode != "max" and not (
+                    psw is not None and psw.requires_grad) and (offsets is not None
+                                                                or shape[1] > 0):
+                if offsets is None:  # the 2-D form: bags of equal length
+                    offsets = torch.arange(0, inv.shape[0], shape[1], dtype=torch.int64)
+                    include_last = False
+                    psw = None if psw is None else psw.reshape(-1)
+                else:
+                    include_last = self.include_last_offset
+                return PoolRows.apply(rows, inv, offsets, psw, self.mode, include_last,
+                                      pad_row, sink)
+            if sink is not None:
+                rows = RowGrad.apply(rows, sink)
             return F.embedding_bag(
-                inv.reshape(shape), weight, offsets, mode=self.mode,
-                per_sample_weights=per_sample_weights,
+                inv.reshape(shape), rows, offsets, mode=self.mode, per_sample_weights=psw,
                 include_last_offset=self.include_last_offset, padding_idx=pad_row)
         finally:
             self._busy.release()

@@ -29,6 +29,13 @@ class Optimizer:
         modules anywhere in its tree (found when the optimizer is made).
     dense
         A ``torch.optim.Optimizer`` over the model's dense parameters, or None.
+    fused
+        Apply each table's update inside backward, as soon as its row gradients exist (as
+        TorchRec/FBGEMM do), instead of in :meth:`step`; :meth:`step` then steps the dense
+        optimizer only. Same results as the default when every table is used by one module
+        once per step; gradients do not accumulate over several backward passes (each pass
+        is a table step), and a NaN/Inf gradient under ``nan_policy="raise"`` raises from
+        ``backward()`` with the table unchanged.
 
     Notes
     -----
@@ -40,7 +47,8 @@ class Optimizer:
     so a refused step leaves every table as it was and the gradients waiting.
     """
 
-    def __init__(self, model: nn.Module, dense: torch.optim.Optimizer | None = None) -> None:
+    def __init__(self, model: nn.Module, dense: torch.optim.Optimizer | None = None, *,
+                 fused: bool = False) -> None:
         if not isinstance(model, nn.Module):
             raise ConfigError(f"model={type(model).__name__} must be a torch nn.Module")
         if dense is not None and not isinstance(dense, torch.optim.Optimizer):
@@ -52,6 +60,9 @@ class Optimizer:
         if not self.modules and dense is None:
             raise ConfigError("the model holds no DynamicEmbedding/DynamicEmbeddingBag and no "
                               "dense optimizer was given; pass dense=torch.optim.X(...)")
+        self.fused = bool(fused)
+        for m in self.modules:
+            m.fused = self.fused
 
     @property
     def tables(self) -> list[EmbeddingTable]:
@@ -80,13 +91,16 @@ class Optimizer:
             for m, items in taken:
                 m.restore_gradients(items)
             raise
-        for table, keys, grads in batches:
-            table.apply_gradients(keys, grads)
+        for table, keys, grads, unique in batches:
+            table.apply_gradients(keys, grads, unique=unique)
         if self.dense is not None:
             self.dense.step()
 
-    def _group(self, taken: list[tuple[DynamicModule, list]]) -> list[tuple[Any, Any, Any]]:
-        """One ``(table, keys, grads)`` per table with gradients, checked for NaN/Inf."""
+    def _group(self, taken: list[tuple[DynamicModule, list]]) -> list[tuple[Any, Any, Any, bool]]:
+        """One ``(table, keys, grads, unique)`` per table with gradients, checked for NaN/Inf.
+
+        ``unique``: one backward pass of one module, whose ids are distinct already.
+        """
         by_table: dict[int, tuple[EmbeddingTable, list, list]] = {}
         for m, items in taken:
             for keys, grads in items:
@@ -104,7 +118,7 @@ class Optimizer:
                     f"{np.unique(bad)[:8].tolist()}); no table or dense parameter changed and "
                     "the gradients still wait. Fix the loss or clip gradients and call "
                     "zero_grad(), or create the table with nan_policy='skip'")
-            out.append((table, k, g))
+            out.append((table, k, g, len(keys) == 1))
         return out
 
     def state_dict(self) -> dict[str, Any]:
@@ -123,7 +137,8 @@ class Optimizer:
 
     def __repr__(self) -> str:
         return (f"tensorkv.torch.Optimizer(tables={len(self.tables)}, "
-                f"dense={type(self.dense).__name__ if self.dense is not None else None})")
+                f"dense={type(self.dense).__name__ if self.dense is not None else None}"
+                f"{', fused=True' if self.fused else ''})")
 
 
 __all__ = ["Optimizer"]

@@ -1,0 +1,294 @@
+"""Searches over a table's rows: keys, key ranges, predicates, exact nearest neighbours.
+
+Every search streams the table in chunks (:meth:`TableView.chunks`) and works on each chunk
+with whole-array numpy operations; only the matches kept are copied. Nearest neighbours are
+exact: each chunk's scores come from one matrix-vector product, the chunk's best candidates
+are picked with ``np.argpartition`` and scored again in float64, and a running top-k keeps
+the best ``k`` (ties broken by the smaller key).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from tensorkv.checkpoint import tables
+from tensorkv.checkpoint.tables import Rows
+from tensorkv.errors import QueryError, RowNotFoundError
+from tensorkv.viewer.rows import TableView, as_keys, concat_rows, copy_rows
+from tensorkv.viewer.where import Predicate, parse_predicate, row_norms
+
+#: The metrics of :func:`nearest`: cosine and dot are similarities (larger is nearer), l2 a
+#: distance (smaller is nearer).
+METRICS = ("cosine", "l2", "dot")
+
+
+@dataclass
+class Matches:
+    """Rows a search found.
+
+    Attributes
+    ----------
+    rows
+        The rows kept (copies), at most the search's ``limit``, in scan order (key searches:
+        in the order the keys were given).
+    offsets
+        Scan position of each row kept (-1 for key searches, which read no positions).
+    matched
+        Rows that matched: all of them when ``complete``, else at least ``len(rows)``.
+    scanned
+        Rows read.
+    complete
+        Whether every row was examined (False when the search stopped at ``limit``).
+    missing
+        Key searches: the keys asked for that the table lacks.
+    """
+
+    rows: Rows
+    offsets: np.ndarray
+    matched: int
+    scanned: int
+    complete: bool
+    missing: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
+
+    def __len__(self) -> int:
+        return int(self.rows.keys.shape[0])
+
+
+def by_keys(view: TableView, keys: Any) -> Matches:
+    """The rows of the given keys (reads only the blocks that can hold them)."""
+    k = as_keys(keys)
+    rows, found = view.lookup(k)
+    missing = np.unique(k[~found])
+    return Matches(rows, np.full(len(rows.keys), -1, np.int64), len(rows.keys), -1, True,
+                   missing)
+
+
+def scan(view: TableView, mask: Callable[[Rows], np.ndarray], *, limit: int,
+         count: bool = True, start: int = 0) -> Matches:
+    """Rows for which ``mask(rows)`` is True, from scan position ``start`` on.
+
+    Parameters
+    ----------
+    mask
+        A vectorised test of a chunk's rows (a :class:`Predicate` is one).
+    limit
+        Keep at most this many rows.
+    count
+        Go on counting matches after ``limit`` rows were kept (to the end of the table);
+        False stops there.
+    """
+    if limit < 0:
+        raise QueryError(f"limit={limit} must be >= 0")
+    kept: list[Rows] = []
+    offs: list[np.ndarray] = []
+    n_kept = matched = scanned = 0
+    complete = True
+    it = view.chunks(start=start)
+    try:
+        for ch in it:
+            if n_kept >= limit and not count:
+                complete = False
+                break
+            m = np.asarray(mask(ch.rows), dtype=bool)
+            scanned += len(m)
+            hit = np.flatnonzero(m)
+            matched += len(hit)
+            if n_kept < limit and len(hit):
+                hit = hit[: limit - n_kept]
+                kept.append(copy_rows(tables.take(ch.rows, hit)))
+                offs.append(ch.offset + hit)
+                n_kept += len(hit)
+    finally:
+        it.close()
+    offsets = np.concatenate(offs) if offs else np.empty(0, np.int64)
+    return Matches(concat_rows(kept, view.empty()), offsets, matched, scanned, complete)
+
+
+def key_range(view: TableView, lo: int | None, hi: int | None, *, limit: int,
+              count: bool = True) -> Matches:
+    """Rows whose key lies in ``[lo, hi]`` (inclusive; None: unbounded), in scan order."""
+    lo_v = -(2**63) if lo is None else int(as_keys([lo])[0])
+    hi_v = 2**63 - 1 if hi is None else int(as_keys([hi])[0])
+    if lo_v > hi_v:
+        raise QueryError(f"key range {lo}..{hi} is empty: the low end is above the high end")
+    return scan(view, lambda r: (r.keys >= lo_v) & (r.keys <= hi_v), limit=limit, count=count)
+
+
+def where(view: TableView, predicate: str | Predicate, *, limit: int,
+          count: bool = True) -> Matches:
+    """Rows satisfying a predicate (``"freq >= 10 and norm < 0.1"``, see :mod:`.where`)."""
+    pred = parse_predicate(predicate) if isinstance(predicate, str) else predicate
+    return scan(view, pred, limit=limit, count=count)
+
+
+@dataclass
+class Neighbours:
+    """The nearest rows to a query, best first.
+
+    Attributes
+    ----------
+    keys, scores
+        Keys and scores (float64: cosine similarity, dot product, or L2 distance).
+    rows
+        The rows (copies), in the same order.
+    metric
+        ``cosine``, ``l2`` or ``dot``.
+    query
+        The query vector (float32).
+    scanned
+        Rows compared.
+    """
+
+    keys: np.ndarray
+    scores: np.ndarray
+    rows: Rows
+    metric: str
+    query: np.ndarray
+    scanned: int
+
+
+def parse_vector(text: str, dim: int) -> np.ndarray:
+    """A query vector from ``"0.1, -0.2, ..."`` (commas or spaces), checked against ``dim``."""
+    parts = [p for p in text.replace(",", " ").split() if p]
+    try:
+        vec = np.array([float(p) for p in parts], np.float32)
+    except ValueError:
+        bad = next(p for p in parts if not _is_float(p))
+        raise QueryError(f"vector {text!r}: {bad!r} at character {text.find(bad)} is not a "
+                         "number", text, text.find(bad)) from None
+    if vec.shape[0] != dim:
+        raise QueryError(f"vector has {vec.shape[0]} numbers but the table's rows have dim "
+                         f"{dim}", text, None)
+    return vec
+
+
+def _is_float(s: str) -> bool:
+    try:
+        float(s)
+    except ValueError:
+        return False
+    return True
+
+
+def _exact(metric: str, v: np.ndarray, q64: np.ndarray, qn: float) -> np.ndarray:
+    """Scores of rows ``v`` in float64 (cosine: 0-norm rows get NaN)."""
+    v64 = v.astype(np.float64)
+    if metric == "l2":
+        d = v64 - q64
+        return np.sqrt(np.einsum("ij,ij->i", d, d))
+    dot = v64 @ q64
+    if metric == "dot":
+        return dot
+    norms = np.sqrt(np.einsum("ij,ij->i", v64, v64))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return dot / (norms * qn)
+
+
+def _order(scores: np.ndarray, keys: np.ndarray, larger_better: bool) -> np.ndarray:
+    """Indices best first: by score (NaN last), then by key."""
+    s = np.where(np.isnan(scores), -np.inf if larger_better else np.inf, scores)
+    return np.lexsort((keys, -s if larger_better else s))
+
+
+def nearest(view: TableView, *, key: Any = None, vector: Any = None, k: int = 10,
+            metric: str = "cosine", exclude_query: bool = True,
+            where: str | Predicate | None = None) -> Neighbours:
+    """The ``k`` rows nearest to a key's value or to a vector, over every row (exact).
+
+    Parameters
+    ----------
+    key, vector
+        The query: a key of the table (its value is the vector), or a vector of ``dim``
+        numbers (an array, or text such as ``"0.1, 0.2, ..."``). Give exactly one.
+    k
+        How many neighbours.
+    metric
+        ``cosine`` (similarity), ``l2`` (distance) or ``dot`` (inner product).
+    exclude_query
+        Leave the query key itself out of the result.
+    where
+        Consider only the rows satisfying this predicate.
+
+    Raises
+    ------
+    QueryError
+        Bad metric, k or vector.
+    RowNotFoundError
+        The table holds no row for ``key``.
+    """
+    if metric not in METRICS:
+        raise QueryError(f"metric {metric!r} is not one of {', '.join(METRICS)}")
+    if not isinstance(k, (int, np.integer)) or k < 1:
+        raise QueryError(f"k={k!r} must be an int >= 1")
+    if (key is None) == (vector is None):
+        raise QueryError("give a key or a vector to search near (exactly one)")
+    pred = parse_predicate(where) if isinstance(where, str) else where
+    skip_key = None
+    if key is not None:
+        kk = as_keys([key])
+        rows, found = view.lookup(kk)
+        if not found[0]:
+            raise RowNotFoundError(f"key {int(kk[0])} is not in table {view.name!r} of tag "
+                             f"{view.tag!r}; search near a key it holds, or give a vector")
+        q = np.asarray(rows.values[0], np.float32)
+        skip_key = int(kk[0]) if exclude_query else None
+    elif isinstance(vector, str):
+        q = parse_vector(vector, view.dim)
+    else:
+        q = np.asarray(vector, np.float32).reshape(-1)
+        if q.shape[0] != view.dim:
+            raise QueryError(f"vector has {q.shape[0]} numbers but the table's rows have dim "
+                             f"{view.dim}")
+    larger = metric != "l2"
+    q64 = q.astype(np.float64)
+    qn = float(np.sqrt(q64 @ q64))
+    if metric == "cosine" and qn == 0:
+        raise QueryError("the query vector is all zeros: cosine similarity is undefined; "
+                         "use --metric l2 or dot")
+    pool = max(4 * k, 64)  # candidates per chunk re-scored exactly
+    best_s = np.empty(0, np.float64)
+    best_k = np.empty(0, np.int64)
+    best_rows: Rows = view.empty()
+    scanned = 0
+    it = view.chunks()
+    try:
+        for ch in it:
+            rows = ch.rows
+            if pred is not None or skip_key is not None:
+                m = np.ones(len(rows.keys), bool) if pred is None else pred(rows)
+                if skip_key is not None:
+                    m &= rows.keys != skip_key
+                if not m.all():
+                    rows = tables.take(rows, m)
+            n = len(rows.keys)
+            scanned += n
+            if n == 0:
+                continue
+            v = rows.values if rows.values.dtype == np.float32 else rows.values.astype(np.float32)
+            s = v @ q
+            if metric == "cosine":
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    s = s / row_norms(v)
+                s = np.where(np.isnan(s), -np.inf, s)
+            elif metric == "l2":
+                nv = np.einsum("ij,ij->i", v, v)
+                s = nv - 2 * s  # ordering of |v - q|^2 (|q|^2 is the same for every row)
+            if n > pool:
+                cand = np.argpartition(-s if larger else s, pool - 1)[:pool]
+            else:
+                cand = np.arange(n)
+            exact = _exact(metric, v[cand], q64, qn)
+            ks = rows.keys[cand]
+            all_s = np.concatenate((best_s, exact))
+            all_k = np.concatenate((best_k, ks))
+            top = _order(all_s, all_k, larger)[:k]
+            new_rows = copy_rows(tables.take(rows, cand))
+            merged = concat_rows([best_rows, new_rows]) if len(best_k) else new_rows
+            best_s, best_k, best_rows = all_s[top], all_k[top], tables.take(merged, top)
+    finally:
+        it.close()
+    return Neighbours(best_k, best_s, best_rows, metric, q, scanned)
