@@ -38,8 +38,9 @@ def test_bench_help_lists_every_workload_with_its_summary():
     assert result.exit_code == 0, result.output
     out = _flat(result.output)
     for name in names:
-        first = importlib.import_module(f"tensorkv.bench.{name}").__doc__.strip().splitlines()[0]
-        summary = re.sub(r"^``tensorkv bench \w+``:\s*", "", first).replace("``", "`")
+        module = importlib.import_module(f"tensorkv.bench.{name.replace('-', '_')}")
+        first = module.__doc__.strip().splitlines()[0]
+        summary = re.sub(r"^``tensorkv bench [\w-]+``:\s*", "", first).replace("``", "`")
         assert f"{name} {summary}" in out, f"{name!r}: {summary!r} not in\n{result.output}"
 
 

@@ -6,6 +6,7 @@ Environment variable                   Default     Meaning
 ``TENSORKV_EVICTION_THREADS``          1           threads in the shared tier write-back pool
 ``TENSORKV_SSDHASH_ASYNC_COMPACTION``  0           1: SSDHASH compacts on its own thread
 ``TENSORKV_REDIS_CONFIG_PATH``         (unset)     JSON file with Redis connection options
+                                                   (and Redis-resident table options)
 ``TENSORKV_PROGRESS``                  auto        ``0`` disables progress bars everywhere
 ``TENSORKV_PARALLEL_KERNELS``          1           ``0``: optimizer kernels always run serial
 ``TENSORKV_ASSIST_THREAD``             1           ``0``: tiered tables never share kernels
@@ -55,6 +56,14 @@ REDIS_RETRY_BACKOFF = 0.05  # seconds, doubled after each retry
 REDIS_WAIT_TIMEOUT = 10.0  # seconds flush() waits for wait_replicas acknowledgements
 REDIS_STATS_COUNT_LIMIT = 1_000_000  # stats() counts namespace keys only below this db size
 ENV_REDIS_CONFIG_PATH = "TENSORKV_REDIS_CONFIG_PATH"
+
+# --- Redis-resident embedding tables (docs/redis_table.md) ---------------------------------
+REDIS_TABLE_NAME = "default"  # table name in the bucket keys <model_tag>:<table>{<tag>}
+REDIS_TABLE_MODEL_TAG = "default"  # model tag of the rows (model_tag_runtime)
+REDIS_TABLE_STORAGE_SLICE = 16  # buckets (Redis hashes) per table
+REDIS_TABLE_READ_CACHE_SECONDS = 10.0  # seconds a read-only table's DRAM cache keeps rows
+REDIS_TABLE_LOCK_TTL = 30.0  # seconds before an exact-mode bucket lock expires by itself
+REDIS_TABLE_LOCK_WAIT = 60.0  # seconds an exact-mode writer waits for a bucket lock
 
 # --- embedding tables and optimizer kernels --------------------------------------------------
 TABLE_INITIAL_CAPACITY = 1024  # rows

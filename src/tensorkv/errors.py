@@ -82,6 +82,12 @@ class StoreRestartedError(StoreUnavailableError):
     retryable = True
 
 
+class RowLockError(StoreUnavailableError):
+    """A Redis-resident table's row lock was busy too long, or lost before the commit; retry."""
+
+    retryable = True
+
+
 class ReplicationError(StoreUnavailableError):
     """Fewer replicas than asked acknowledged the writes within the timeout; retry it."""
 

@@ -485,7 +485,7 @@ def load(
                 obj[n] = imports[n].table
                 continue
             target = tables_t[n]
-            if n in staged_tables:
+            if n in staged_tables and getattr(target, "rows_in_checkpoint", True):
                 rows, removed, _is_chain = staged_tables[n]
                 old = np.asarray(target.keys())
                 if len(old):

@@ -29,11 +29,11 @@ _POSITIONAL = ("quick", "report")
 
 
 def workloads() -> list[str]:
-    """Names of the available workloads (modules of :mod:`tensorkv.bench`)."""
+    """Names of the available workloads (modules of :mod:`tensorkv.bench`, ``_`` -> ``-``)."""
     import tensorkv.bench as pkg
 
     return sorted(
-        m.name
+        m.name.replace("_", "-")
         for m in pkgutil.iter_modules(pkg.__path__)
         if not m.name.startswith("_") and m.name not in NOT_WORKLOADS and not m.ispkg
     )
@@ -41,7 +41,7 @@ def workloads() -> list[str]:
 
 def _module_doc(name: str) -> str:
     """The docstring of ``tensorkv.bench.NAME``, read from its source (nothing is imported)."""
-    spec = importlib.util.find_spec(f"tensorkv.bench.{name}")
+    spec = importlib.util.find_spec(f"tensorkv.bench.{name.replace('-', '_')}")
     if spec is None or spec.origin is None:
         return ""
     with open(spec.origin, encoding="utf-8") as f:
@@ -56,7 +56,7 @@ def _plain(text: str) -> str:
 def summary(name: str) -> str:
     """One line on what workload ``name`` measures (its docstring's first line)."""
     first = _module_doc(name).strip().split("\n", 1)[0]
-    return _plain(re.sub(r"^``tensorkv bench \w+``:\s*", "", first))
+    return _plain(re.sub(r"^``tensorkv bench [\w-]+``:\s*", "", first))
 
 
 def param_docs(run_fn: Callable[..., object]) -> dict[str, str]:
@@ -151,7 +151,7 @@ def _header(name: str, quick: bool) -> str:
 def _load(name: str) -> tuple[ModuleType, Callable[..., object]]:
     """Import workload ``name``; a clear error where a dependency is missing."""
     try:
-        module = importlib.import_module(f"tensorkv.bench.{name}")
+        module = importlib.import_module(f"tensorkv.bench.{name.replace('-', '_')}")
     except ImportError as exc:  # an optional dependency of the workload is missing
         raise click.ClickException(f"bench {name} cannot run here: {exc}") from exc
     run_fn = getattr(module, "run", None)

@@ -205,6 +205,16 @@ class TableIO:
         return total
 
     @property
+    def rows_in_checkpoint(self) -> bool:
+        """Whether a checkpoint carries this table's rows (False: they live elsewhere).
+
+        A Redis-resident table with ``table_store_mode`` 1 or 2 keeps its rows in Redis (or
+        dump files): :meth:`export` yields none, and loading a checkpoint into the table
+        restores its settings and step but leaves its rows alone.
+        """
+        return bool(getattr(self._rows, "rows_in_checkpoint", True))
+
+    @property
     def can_bulk_import(self) -> bool:
         """Whether :meth:`bulk_import` serves this table (rows all in a host row arena)."""
         return self.exports_in_place

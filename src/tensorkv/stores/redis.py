@@ -43,6 +43,7 @@ from tensorkv.stores.redis_keys import (
     key_slots,
     range_prefix,
     redact_url,
+    send_packed,
     take,
     value_sizes,
 )
@@ -568,6 +569,31 @@ class RedisStore(KVStore):
                     res += pipe.execute()
         r = np.asarray(res, dtype=np.int64).reshape(-1, 2)
         return np.where(r[:, 0] > 0, r[:, 1], -1)
+
+    def execute(self, commands: Sequence[tuple[bytes, tuple[Any, ...]]], *,
+                read: bool = False) -> list[Any]:
+        """Run raw Redis commands, each routed by one key it touches, pipelined; replies in order.
+
+        On a cluster the commands are grouped by the node serving each routing key's slot
+        (one pipeline per node); otherwise they go out at once on one connection
+        (:func:`~tensorkv.stores.redis_keys.send_packed`, raw replies). ``read``: reads may
+        go to replicas (``read_from_replicas``). Keys are used as given (the namespace
+        ``prefix`` is not added). Errors are raised as tensorkv errors.
+        """
+        self._check_open()
+        if not read:
+            self._check_writable()
+            self._unwaited = True
+        if not commands:
+            return []
+        with self._errors():
+            if self.mode == "cluster":
+                slots = key_slots([k for k, _ in commands]).tolist()
+                return self._cluster_run(
+                    [(s, c) for s, (_, c) in zip(slots, commands, strict=True)], read=read)
+            client = self._reader if read else self._client
+            return send_packed(client.connection_pool, [c for _, c in commands],
+                               retries=self.options.retries, backoff=self.options.retry_backoff)
 
     def identity(self) -> str | None:
         """The run ids of the primaries serving the data (they change on restart or failover)."""

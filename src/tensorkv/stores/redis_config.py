@@ -91,6 +91,16 @@ CONFIG_OPTIONS = ("config", "config_env")
 OPTION_NAMES = tuple(f.name for f in fields(RedisOptions))
 VALID_OPTIONS = tuple(sorted(OPTION_NAMES + CONFIG_OPTIONS))
 
+#: Keys a config file may hold for a Redis-resident table (docs/redis_table.md); the store
+#: ignores them, so one file can configure both.
+TABLE_FILE_KEYS = frozenset({
+    "url", "table_name", "model_tag_runtime", "model_tag_import", "storage_slice",
+    "storage_slice_import", "using_hash_storage_slice", "redis_hash_tags_runtime",
+    "redis_hash_tags_import", "expire_model_tag_in_seconds", "table_store_mode",
+    "model_lib_abs_dir", "redis_read_access_slave", "consistency", "read_only",
+    "read_cache_rows", "read_cache_seconds", "lock_ttl_seconds", "lock_wait_seconds",
+})
+
 _STR_OPTIONS = {"ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs", "username",
                 "password", "config", "config_env"}
 _BOOL_OPTIONS = {"read_from_replicas", "ssl_check_hostname", "readonly"}
@@ -238,6 +248,7 @@ def load_config_file(path: str, source: str) -> dict[str, Any]:
             f"not {type(data).__name__}"
         )
     where = f"config file {path}"
+    data = {k: v for k, v in data.items() if k not in TABLE_FILE_KEYS}
     check_names(data, where, allow_config=False)
     return {k: convert_option(k, v, where) for k, v in data.items()}
 

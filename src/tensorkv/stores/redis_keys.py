@@ -9,6 +9,7 @@ from __future__ import annotations
 import operator
 import re
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,8 +17,8 @@ import numpy as np
 
 from tensorkv.stores.base import prefix_upper_bound
 
-__all__ = ["bounds", "glob_escape", "key_slots", "range_prefix", "redact_url", "take",
-           "value_sizes"]
+__all__ = ["bounds", "glob_escape", "key_slots", "range_prefix", "redact_url", "send_packed",
+           "take", "value_sizes"]
 
 _GLOB_SPECIAL = frozenset(b"\\*?[]")
 
@@ -165,3 +166,42 @@ def value_sizes(values: Sequence[Any]) -> np.ndarray:
     """Byte length of each value to be written (int64 array)."""
     # check_value hands over bytes or 1-D unsigned-byte memoryviews, so len() is bytes
     return np.fromiter(map(len, values), dtype=np.int64, count=len(values))
+
+
+def send_packed(pool: Any, commands: list[tuple[Any, ...]], *, retries: int,
+                backoff: float) -> list[Any]:
+    """Send ``commands`` at once on one connection of ``pool``; return the raw replies.
+
+    Every command is packed by hiredis (str, bytes and numbers), skipping redis-py's
+    per-argument work; replies are not post-processed (HSCAN gives ``[cursor, [field, value,
+    ...]]``). A dropped connection is retried ``retries`` times after ``backoff`` seconds,
+    doubled each time (the commands must be idempotent). A command's error reply is raised
+    once every reply has been read.
+    """
+    import hiredis
+    from redis import exceptions as rex
+
+    packed = b"".join(map(hiredis.pack_command, commands))
+    out: list[Any] = []
+    for attempt in range(retries + 1):
+        conn = pool.get_connection()
+        try:
+            conn.send_packed_command([packed])
+            out = []
+            for _ in commands:
+                try:
+                    out.append(conn.read_response())
+                except rex.ResponseError as exc:
+                    out.append(exc)
+            break
+        except (rex.ConnectionError, rex.TimeoutError, OSError):
+            conn.disconnect()
+            if attempt == retries:
+                raise
+            time.sleep(backoff * 2 ** attempt)
+        finally:
+            pool.release(conn)
+    for r in out:
+        if isinstance(r, rex.ResponseError):
+            raise r
+    return out

@@ -16,6 +16,7 @@ from tensorkv.embedding.chain import assist
 from tensorkv.embedding.chain.rows import ChainRows
 from tensorkv.embedding.chain.specs import DRAM, HBM, KV, PMEM, StorageOption
 from tensorkv.embedding.chain.tierchain import DEFAULT_MAX_PENDING_BYTES, TierChain
+from tensorkv.embedding.rows import ArenaRows
 from tensorkv.embedding.tiers.base import LowerTier, RecordLayout
 from tensorkv.embedding.tiers.hbm import DRAMTier, HBMArena
 from tensorkv.embedding.tiers.ssdhash_files import make_dirs
@@ -110,8 +111,11 @@ def open_rows(
     capacity: int | None = None,
     max_pending_bytes: int | str = DEFAULT_MAX_PENDING_BYTES,
     device: Any = "cuda",
-) -> ChainRows:
-    """Open the tiers of ``storage`` for rows of ``dim`` and return them as :class:`ChainRows`.
+) -> ArenaRows:
+    """Open the tiers of ``storage`` for rows of ``dim``: :class:`ChainRows`, or Redis rows.
+
+    ``StorageOption("REDIS", ...)`` opens a table whose rows live in Redis
+    (:class:`~tensorkv.embedding.chain.redis_rows.RedisRows`).
 
     Parameters
     ----------
@@ -126,6 +130,11 @@ def open_rows(
     device
         torch device of an HBM tier 0 (ignored for a DRAM tier 0).
     """
+    if storage.redis is not None:  # rows live in Redis: a working set per operation
+        from tensorkv.embedding.chain.redis_rows import open_redis_rows
+
+        return open_redis_rows(storage, dim=dim, dtype=dtype, num_slots=num_slots,
+                               capacity=capacity)
     pending = config.parse_size(max_pending_bytes, what="max_pending_bytes")
     if pending < 1:
         raise ConfigError(f"max_pending_bytes={max_pending_bytes!r} must be at least 1 byte")

@@ -22,6 +22,7 @@ from tensorkv.errors import ConfigError
 
 if TYPE_CHECKING:
     from tensorkv.embedding.tiers.base import LowerTier, RecordLayout
+    from tensorkv.embedding.tiers.redis_options import RedisTableOptions
 
 CACHE_STRATEGIES = ("lfu", "lru")
 
@@ -256,6 +257,9 @@ class StorageOption:
         A DeepRec-style name such as ``"DRAM"``, ``"HBM_DRAM"``, ``"DRAM_SSDHASH"``,
         ``"DRAM_LEVELDB"``, ``"DRAM_PMEM_SSDHASH"``, ``"HBM_DRAM_SSDHASH"``, ``"DRAM_ROCKSDB"``,
         ``"DRAM_LMDB"``, ``"DRAM_REDIS"`` (case-insensitive). Ignored when ``tiers`` is given.
+        ``"REDIS"``: a table whose rows live in Redis, shared by every process that opens
+        the same options (docs/redis_table.md); ``storage_path`` is the Redis URL or a JSON
+        config file.
     storage_path
         Directory of the on-device tier(s) (for two such tiers, ``pmem.tier`` and ``ssdhash/``
         inside it), or a store URL; for ``*_REDIS`` the Redis URL. A relative path is
@@ -274,6 +278,11 @@ class StorageOption:
         (:class:`~tensorkv.errors.SpillDataExistsError`); spill data is never reopened as a
         table, since the rows held in memory at close, the step and the optimizer state
         are not in it (checkpoints keep a table).
+    redis_options
+        With ``storage_type="REDIS"``: the table's options
+        (:class:`~tensorkv.embedding.tiers.redis_options.RedisTableOptions`: ``table_name``,
+        ``model_tag_runtime``, ``storage_slice``, ``consistency``...) and Redis store
+        options (``password``, ``ssl_ca_certs``...), overriding a config file's.
 
     Examples
     --------
@@ -290,6 +299,7 @@ class StorageOption:
         cache_strategy: str = "lfu",
         tiers: list[TierSpec] | None = None,
         overwrite: bool = False,
+        redis_options: dict[str, Any] | None = None,
     ) -> None:
         if not isinstance(cache_strategy, str) or cache_strategy.lower() not in CACHE_STRATEGIES:
             raise ConfigError(
@@ -299,6 +309,24 @@ class StorageOption:
         if not isinstance(overwrite, bool):
             raise ConfigError(f"overwrite={overwrite!r} must be True or False")
         self.overwrite = overwrite
+        #: The options of a Redis-resident table (``storage_type="REDIS"``), else None.
+        self.redis: RedisTableOptions | None = None
+        if tiers is None and isinstance(storage_type, str) and storage_type.upper() == "REDIS":
+            if storage_size is not None:
+                raise ConfigError("storage_type='REDIS' keeps every row in Redis: drop "
+                                  "storage_size (a read cache is redis_options="
+                                  "{'read_only': True, 'read_cache_rows': N})")
+            from tensorkv.embedding.tiers.redis_options import resolve_table_options
+
+            self.redis = resolve_table_options(storage_path, redis_options)
+            self.storage_type: str | None = "REDIS"
+            self.storage_path: str | None = self.redis.url
+            self._specs: list[TierSpec] = [DRAM()]  # the working set of each operation
+            return
+        if redis_options is not None:
+            raise ConfigError("redis_options is for storage_type='REDIS' (a table whose rows "
+                              "live in Redis); DRAM_REDIS spills to a Redis URL given as "
+                              "storage_path")
         if tiers is not None:
             if storage_path is not None or storage_size is not None:
                 raise ConfigError(
@@ -370,6 +398,9 @@ class StorageOption:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable form (see :meth:`from_dict`)."""
+        if self.redis is not None:
+            return {"storage_type": "REDIS", "redis": self.redis.to_dict(),
+                    "cache_strategy": self.cache_strategy, "tiers": [], "overwrite": False}
         return {
             "storage_type": self.storage_type,
             "cache_strategy": self.cache_strategy,
@@ -380,12 +411,20 @@ class StorageOption:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> StorageOption:
         """Rebuild from :meth:`to_dict` output."""
+        if d.get("redis") is not None:
+            r = dict(d["redis"])
+            r.update(r.pop("store_options", None) or {})
+            return cls("REDIS", storage_path=r.pop("url"), redis_options=r)
         opt = cls(tiers=[spec_from_dict(t) for t in d["tiers"]], cache_strategy=d["cache_strategy"],
                   overwrite=bool(d.get("overwrite", False)))
         opt.storage_type = d.get("storage_type")
         return opt
 
     def __repr__(self) -> str:
+        if self.redis is not None:
+            r = self.redis
+            return (f"StorageOption('REDIS', storage_path={r.url!r}, model_tag_runtime="
+                    f"{r.model_tag_runtime!r}, table_name={r.table_name!r})")
         inner = ", ".join(repr(s) for s in self._specs)
         more = ", overwrite=True" if self.overwrite else ""
         return f"StorageOption(tiers=[{inner}], cache_strategy={self.cache_strategy!r}{more})"
@@ -393,6 +432,8 @@ class StorageOption:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, StorageOption):
             return NotImplemented
+        if self.redis is not None or other.redis is not None:
+            return self.redis == other.redis
         return self.to_dict()["tiers"] == other.to_dict()["tiers"] and (
             self.cache_strategy == other.cache_strategy
         )

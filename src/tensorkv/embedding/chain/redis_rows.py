@@ -1,0 +1,309 @@
+"""A table whose rows live in Redis: :class:`RedisRows`, the hooks the table runs.
+
+Tier 0 is a working set: each operation reads its keys' rows from Redis into it (in exact
+mode after locking their buckets), the table runs its own logic there, and the operation's
+end writes the rows it changed (and deletes the rows it removed) back, then empties it. So
+the table computes exactly as the DRAM table does, and nothing stays in memory between
+operations (but an optional read cache of a read-only table). See docs/redis_table.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from tensorkv.embedding.arena import RowArena
+from tensorkv.embedding.chunks import ExportChunk
+from tensorkv.embedding.filters import Eviction
+from tensorkv.embedding.rows import ArenaRows, Place, place_chunks
+from tensorkv.embedding.tiers import redis_migrate
+from tensorkv.embedding.tiers.base import RecordLayout, RowSink, RowSource
+from tensorkv.embedding.tiers.redis_options import RedisTableOptions
+from tensorkv.embedding.tiers.redis_rows import RedisRowEngine
+
+_NO_KEYS = np.empty(0, np.int64)
+_LOADED = -1  # the change sequence of a row read from Redis and not changed since
+
+
+class _Operation:
+    """A reentrant operation lock; the outermost exit commits (or, on error, drops) the set."""
+
+    def __init__(self, rows: RedisRows) -> None:
+        self._lock = threading.RLock()
+        self._depth = 0
+        self._rows = rows
+
+    def __enter__(self) -> None:
+        self._lock.acquire()
+        self._depth += 1
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        try:
+            if self._depth == 1:
+                self._rows.finish(ok=exc_type is None)
+        finally:
+            self._depth -= 1
+            self._lock.release()
+
+
+class RedisRows(ArenaRows):
+    """A table's rows in Redis buckets, read into a working set per operation.
+
+    Built by :func:`open_redis_rows`.
+
+    Parameters
+    ----------
+    engine
+        The Redis side (:class:`~tensorkv.embedding.tiers.redis_rows.RedisRowEngine`).
+    arena
+        Tier 0: the working set of one operation.
+    storage
+        The :class:`~tensorkv.embedding.chain.specs.StorageOption` it was opened from.
+    """
+
+    tiered = True
+
+    def __init__(self, engine: RedisRowEngine, arena: RowArena, storage: Any) -> None:
+        super().__init__(arena)
+        self.engine = engine
+        self.options: RedisTableOptions = engine.options
+        self.layout: RecordLayout = engine.layout
+        self.storage = storage
+        self.op = _Operation(self)
+        self._exact = self.options.consistency == "exact" and not self.options.read_only
+        self._token: bytes | None = None
+        self._locked = _NO_KEYS
+        self._loaded: list[np.ndarray] = []
+        self._corrupt: list[np.ndarray] = []
+        self._cache: RowArena | None = None
+        self._cache_at = 0.0
+        if self.options.read_cache_rows:
+            self._cache = RowArena(arena.dim, arena.slot_width, dtype=arena.dtype)
+        self._counts = {"cache_hits": 0, "rows_read": 0, "rows_written": 0}
+
+    # --- around one batch operation ------------------------------------------------------------
+    def promote_lookup(self, keys: np.ndarray) -> np.ndarray:
+        """Read the lookup's rows into the working set; returns every key's row (-1: none)."""
+        self._load(keys)
+        return self.arena.find(keys)
+
+    def promote_update(self, keys: np.ndarray) -> np.ndarray | None:
+        """Read an update's rows; returns their rows when every key has one, else None."""
+        self._load(keys)
+        rows = self.arena.find(keys)
+        return None if (rows < 0).any() else rows
+
+    def promote(self, keys: np.ndarray) -> None:
+        """Read the rows an upsert, import or remove replaces (a corrupt row reads as absent)."""
+        self._load(keys, replace=True)
+
+    def _load(self, keys: np.ndarray, replace: bool = False) -> None:
+        a = self.arena
+        if keys.shape[0] == 0:
+            return
+        if self._exact:
+            self._lock_buckets(keys)
+        want = np.unique(keys[a.find(keys) < 0])
+        if want.size == 0:
+            return
+        sink = RowSink(a, self.layout)
+        if self._cache is not None:
+            want = self._from_cache(want, sink)
+        bad: list[np.ndarray] | None = [] if replace else None
+        pos, recs = self.engine.get_found(want, read=self.options.read_only, bad_out=bad)
+        if bad:  # written over or removed at the commit
+            self._corrupt.append(np.concatenate(bad))
+        got = want[pos]
+        self._counts["rows_read"] += int(want.size)
+        if got.size:
+            rows, _ = a.insert(got)
+            sink.write(recs, None, rows)
+            a.seq[rows] = _LOADED
+            self._loaded.append(got)
+            if self._cache is not None:
+                self._to_cache(got, recs)
+
+    def _lock_buckets(self, keys: np.ndarray) -> None:
+        need = np.setdiff1d(np.unique(self.engine.runtime.of(keys)), self._locked)
+        if need.size:
+            self._token = self.engine.lock(need, self._token)
+            self._locked = np.union1d(self._locked, need)
+
+    def _from_cache(self, want: np.ndarray, sink: RowSink) -> np.ndarray:
+        """Move cached rows of ``want`` into the working set; returns the keys still wanted."""
+        c = self._cache
+        assert c is not None
+        if time.monotonic() - self._cache_at > self.options.read_cache_seconds:
+            c.clear()
+            self._cache_at = time.monotonic()
+        crow = c.find(want)
+        hit = crow >= 0
+        if hit.any():
+            hk = want[hit]
+            buf = RowSource(c, self.layout, hk, crow[hit]).pack()
+            rows, _ = self.arena.insert(hk)
+            sink.write(buf, None, rows)
+            self.arena.seq[rows] = _LOADED
+            self._counts["cache_hits"] += int(hk.size)
+        return want[~hit]
+
+    def _to_cache(self, keys: np.ndarray, recs: np.ndarray) -> None:
+        c = self._cache
+        assert c is not None
+        cap = self.options.read_cache_rows
+        if len(c) + keys.size > cap:
+            c.clear()
+            keys, recs = keys[:cap], recs[:cap]
+        rows, _ = c.insert(keys)
+        RowSink(c, self.layout).write(np.ascontiguousarray(recs), None, rows)
+
+    def finish(self, ok: bool) -> None:
+        """End of an operation: write back what changed (if ``ok``), empty the working set."""
+        try:
+            if ok and not self.options.read_only:
+                self._commit()
+        finally:
+            a = self.arena
+            if len(a):
+                a.remove(a.keys())
+            self._loaded, self._corrupt = [], []
+            token, locked = self._token, self._locked
+            self._token, self._locked = None, _NO_KEYS
+            if token is not None and locked.size:
+                if ok:
+                    self.engine.unlock(locked, token)
+                else:
+                    with contextlib.suppress(Exception):  # the first error is the one to see
+                        self.engine.unlock(locked, token)
+
+    def _commit(self) -> None:
+        a = self.arena
+        hw = a.high_water
+        live = np.flatnonzero(a.live[:hw].view(np.bool_))
+        changed = live[a.seq[live] != _LOADED]
+        keys = a.row_key[changed].copy()
+        loaded = np.concatenate(self._loaded) if self._loaded else _NO_KEYS
+        if self._corrupt:  # rows that failed their checks go, unless written over
+            loaded = np.concatenate([loaded, *self._corrupt])
+        deleted = loaded[a.find(loaded) < 0] if loaded.size else _NO_KEYS
+        if keys.size == 0 and deleted.size == 0:
+            return
+        buf = np.zeros((keys.size, self.engine.width), np.uint8)
+        if keys.size:
+            RowSource(a, self.layout, keys, changed).pack(buf)
+            self.engine.seal(buf)
+        self.engine.write(keys, buf, deleted, self._token)
+        self._counts["rows_written"] += int(keys.size)
+
+    # --- rows below tier 0 ---------------------------------------------------------------------
+    def read_lower(self, keys: np.ndarray) -> tuple[np.ndarray, Any]:  # noqa: D102
+        found, recs = self.engine.get(keys, read=self.options.read_only)
+        return found, self.layout.unpack(np.ascontiguousarray(recs[:, :self.layout.record_bytes]))
+
+    def lower_len(self) -> int:  # noqa: D102
+        return len(self.engine)
+
+    def lower_keys(self) -> np.ndarray:  # noqa: D102
+        return self.engine.keys()
+
+    def _chunks(self, chunk_rows: int, since: int) -> Iterator[ExportChunk]:
+        rb = self.layout.record_bytes
+        for keys, recs in self.engine.scan(chunk_rows):
+            f = self.layout.unpack(np.ascontiguousarray(recs[:, :rb]))
+            keep = f.change_seq > since
+            if not keep.all():
+                f = type(f)(*(x[keep] for x in f))
+                keys = keys[keep]
+            if keys.size:
+                yield ExportChunk(keys.copy(), f.values.copy(), f.slots.copy(), f.freq.copy(),
+                                  f.version.copy(), f.change_seq.copy())
+
+    def export(self, chunk_rows: int, since: int | None) -> Iterator[ExportChunk]:
+        """Chunks of the rows in Redis changed after ``since``, by ``table_store_mode``.
+
+        Mode 0: the rows; mode 1: the rows are dumped to files under ``model_lib_abs_dir``
+        and nothing is yielded; mode 2: nothing (the rows stay in Redis only).
+        """
+        mode = self.options.table_store_mode
+        if mode == 1:
+            redis_migrate.dump(self.engine, chunk_rows)
+        if mode != 0:
+            return iter(())
+        return self._chunks(chunk_rows, -1 if since is None else int(since))
+
+    def export_into(self, place: Place, chunk_rows: int, since: int | None) -> Iterator[int]:
+        """:meth:`export` into buffers from ``place``."""
+        return place_chunks(place, self.export(chunk_rows, since))
+
+    def evict_keys(self, eviction: Eviction, step: int) -> np.ndarray:
+        """Keys ``eviction`` removes at ``step``, judged over every row (a full scan)."""
+        a = self.arena
+        whole = RowArena(a.dim, a.slot_width, dtype=a.dtype)
+        sink = RowSink(whole, self.layout)
+        for keys, recs in self.engine.scan():
+            out = a.find(keys) >= 0  # rows of the working set are newer
+            if out.any():
+                keys, recs = keys[~out], np.ascontiguousarray(recs[~out])
+            rows, _ = whole.insert(keys)
+            sink.write(recs, None, rows)
+        held = a.keys()
+        if held.size:
+            rows, _ = whole.insert(held)
+            sink.write(RowSource(a, self.layout, held, a.find(held)).pack(), None, rows)
+        return whole.row_key[eviction.select(whole, step)].copy()
+
+    def remove_lower(self, keys: np.ndarray) -> int:  # noqa: D102
+        return self.engine.delete(keys) if keys.size else 0
+
+    def clear_lower(self) -> None:  # noqa: D102
+        self.engine.clear()
+
+    @property
+    def rows_in_checkpoint(self) -> bool:
+        """Whether :meth:`export` carries the rows (``table_store_mode=0``)."""
+        return self.options.table_store_mode == 0
+
+    # --- lifecycle -----------------------------------------------------------------------------
+    def close(self) -> None:
+        """Close the connection."""
+        with self.op:
+            self.engine.close()
+
+    def add_stats(self, stats: dict[str, Any]) -> None:
+        """``rows`` in Redis and ``redis``: the layout and counters."""
+        stats["tier0_rows"] = stats["rows"]
+        stats["rows"] = len(self.engine)
+        stats["redis"] = {**self.engine.stats(), **self._counts}
+
+    def spill_locations(self) -> list[str]:
+        """The Redis URL."""
+        return [str(self.engine.store.url)]
+
+    def add_meta(self, meta: dict[str, Any]) -> None:  # noqa: D102
+        meta["storage"] = self.storage.to_dict()
+
+
+def open_redis_rows(storage: Any, *, dim: int, dtype: str, num_slots: int,
+                    capacity: int | None = None) -> RedisRows:
+    """Open the Redis rows of ``storage`` (``StorageOption("REDIS", ...)``) for a table.
+
+    Checks the layout record in Redis, imports an older tag or bucket layout on first open,
+    and restores an empty tag from mode-1 dump files (:func:`redis_migrate.prepare`).
+    """
+    layout = RecordLayout(dim, dtype, num_slots)
+    engine = RedisRowEngine(storage.redis, layout)
+    try:
+        redis_migrate.prepare(engine)
+    except BaseException:
+        engine.close()
+        raise
+    arena = RowArena(dim, num_slots * dim, capacity=capacity, dtype=dtype)
+    return RedisRows(engine, arena, storage)
+
+
+__all__ = ["RedisRows", "open_redis_rows"]

@@ -1,0 +1,498 @@
+"""The engine of a Redis-resident table: rows packed into bucket hashes, with checksums.
+
+Every row is one field of a Redis hash (a *bucket*) named ``<model_tag>:<table>{<tag>}``:
+the field is the key's 8 little-endian bytes, the value the row's record
+(:class:`~tensorkv.embedding.tiers.base.RecordLayout`: key, freq, version, change sequence,
+values, slots) followed by the XXH64 checksum of the record. A batch goes out as HMGET /
+HSET / HDEL commands of at most ``keys_sending_size`` fields, pipelined per node, and replies
+are decoded whole with numpy. Exact mode adds bucket locks (``<bucket>:lock``, same slot)
+and fenced writes. Layout, locks and migration: docs/redis_table.md.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+import operator
+import os
+import random
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from tensorkv.embedding.tiers.base import RecordLayout
+from tensorkv.embedding.tiers.redis_options import RedisTableOptions
+from tensorkv.errors import ConfigError, CorruptRecordError, RowLockError, ShapeError
+from tensorkv.kernels.checksums import record_checksums
+from tensorkv.stores import open_store
+from tensorkv.stores.redis_keys import bounds, key_slots
+
+#: Fields per Lua script call (Lua's unpack() limit is ~8000 values).
+SCRIPT_FIELDS = 2000
+#: Redis Cluster hash slots.
+SLOTS = 16384
+
+# KEYS: bucket, lock. ARGV: token, n (fields to set), n field/value pairs, fields to delete.
+_FENCED_WRITE = """
+if redis.call('GET', KEYS[2]) ~= ARGV[1] then return -1 end
+local n = tonumber(ARGV[2])
+if n > 0 then redis.call('HSET', KEYS[1], unpack(ARGV, 3, 2 + 2 * n)) end
+if #ARGV > 2 + 2 * n then return redis.call('HDEL', KEYS[1], unpack(ARGV, 3 + 2 * n, #ARGV)) end
+return 0
+"""
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+_SET_ABSENT = """
+local n = 0
+for i = 1, #ARGV, 2 do n = n + redis.call('HSETNX', KEYS[1], ARGV[i], ARGV[i + 1]) end
+return n
+"""
+
+
+@functools.lru_cache(maxsize=1)
+def _tag_of_slot() -> np.ndarray:
+    """For every Cluster slot, the smallest decimal number whose text hashes to it."""
+    n = 1 << 18
+    while True:
+        slots = key_slots([b"%d" % i for i in range(n)])
+        uniq, first = np.unique(slots, return_index=True)
+        if uniq.size == SLOTS:
+            return first
+        n *= 2  # pragma: no cover - 2**18 numbers cover every slot
+
+
+def generated_tags(n: int) -> tuple[str, ...]:
+    """``n`` hash tags whose Cluster slots are spread evenly over the 16384 slots."""
+    table = _tag_of_slot()
+    targets = (2 * np.arange(n, dtype=np.int64) + 1) * SLOTS // (2 * n)
+    tags = [str(int(t)) for t in table[targets % SLOTS]]
+    if len(set(tags)) != n:  # more buckets than slots: suffix the repeats
+        tags = [f"{t}.{i}" if n > SLOTS else t for i, t in enumerate(tags)]
+    return tuple(tags)
+
+
+def _mix(keys: np.ndarray) -> np.ndarray:
+    """splitmix64 finaliser of the keys' bits (uint64): an even spread of any key set."""
+    z = keys.view(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+class Buckets:
+    """The bucket hashes of one model tag: names, lock names and the bucket of each key.
+
+    Parameters
+    ----------
+    prefix
+        The store's namespace.
+    model_tag, table
+        Bucket names are ``<model_tag>:<table>{<tag>}``.
+    n
+        Number of buckets (``storage_slice``).
+    tags
+        One hash tag per bucket (None: :func:`generated_tags`).
+    by_hash
+        A key's bucket by :func:`_mix` (else ``key mod n``).
+    """
+
+    def __init__(self, prefix: bytes, model_tag: str, table: str, n: int,
+                 tags: Sequence[str] | None, by_hash: bool) -> None:
+        self.n = n
+        self.by_hash = by_hash
+        self.tags = tuple(tags) if tags is not None else generated_tags(n)
+        self.model_tag = model_tag
+        base = prefix + f"{model_tag}:{table}".encode()
+        self.names = [base + b"{" + t.encode() + b"}" for t in self.tags]
+        self.locks = [b + b":lock" for b in self.names]
+        self.meta_key = base + b":layout"
+        self.marker_key = base + b":migration"
+
+    def of(self, keys: np.ndarray) -> np.ndarray:
+        """Bucket of each key (int64)."""
+        if self.by_hash:
+            return (_mix(keys) % np.uint64(self.n)).astype(np.int64)
+        return np.mod(keys, self.n)
+
+    def describe(self) -> dict[str, Any]:
+        """What the bucket layout depends on (kept in Redis beside the rows)."""
+        return {"model_tag": self.model_tag, "storage_slice": self.n, "tags": list(self.tags),
+                "using_hash_storage_slice": self.by_hash}
+
+
+def encode_fields(keys: np.ndarray) -> list[bytes]:
+    """Hash fields of int64 keys: their 8 little-endian bytes."""
+    return keys.astype("<i8").view("V8").tolist()
+
+
+def _interleave(a: list[Any], b: list[Any]) -> list[Any]:
+    out: list[Any] = [None] * (2 * len(a))
+    out[0::2] = a
+    out[1::2] = b
+    return out
+
+
+class RedisRowEngine:
+    """Rows of one table in Redis: batched reads, writes, locks, scans and migration.
+
+    Parameters
+    ----------
+    options
+        The table's options.
+    layout
+        Record layout of the rows.
+    """
+
+    def __init__(self, options: RedisTableOptions, layout: RecordLayout) -> None:
+        from tensorkv.stores.redis import RedisStore
+
+        self.options = options
+        self.layout = layout
+        self.record_bytes = layout.record_bytes
+        self.width = layout.record_bytes + 8  # record, then its checksum
+        store = open_store(options.url, **dict(options.store_options))
+        if not isinstance(store, RedisStore):  # pragma: no cover - the URL check forbids it
+            store.close()
+            raise ConfigError(f"{options.url!r} is not a Redis URL")
+        self.store = store
+        o = options
+        prefix = store.options.prefix
+        self.runtime = Buckets(prefix, o.model_tag_runtime, o.table_name, o.storage_slice,
+                               o.redis_hash_tags_runtime, o.using_hash_storage_slice)
+        self.source = Buckets(prefix, str(o.model_tag_import), o.table_name,
+                              int(o.storage_slice_import or o.storage_slice),
+                              o.redis_hash_tags_import, o.using_hash_storage_slice)
+        self._ks = max(1, min(o.keys_sending_size, SCRIPT_FIELDS))
+        self.counters = {"reads": 0, "writes": 0, "deletes": 0, "round_trips": 0,
+                         "lock_waits": 0, "migrated": 0}
+
+    def close(self) -> None:
+        """Close the connection."""
+        self.store.close()
+
+    # ----------------------------------------------------------------- layout metadata
+    def layout_meta(self, b: Buckets) -> dict[str, Any]:
+        """The JSON kept at ``<model_tag>:<table>:layout``."""
+        return {"format": "tensorkv-redis-table", "version": 1,
+                "layout": self.layout.to_dict(), **b.describe()}
+
+    def read_meta(self, b: Buckets) -> dict[str, Any] | None:
+        """The layout record of ``b``'s tag, or None."""
+        raw = self.store.execute([(b.meta_key, ("GET", b.meta_key))], read=False)[0]
+        return None if raw is None else json.loads(raw)
+
+    def check_meta(self, b: Buckets, meta: dict[str, Any] | None, what: str) -> None:
+        """Refuse rows stored with another record layout or bucket layout."""
+        if meta is None:
+            return
+        stored = RecordLayout.from_dict(meta["layout"])
+        where = f"{self.options.url!r} under {b.model_tag!r}:{self.options.table_name!r}"
+        if stored != self.layout:
+            raise ShapeError(f"{where} holds rows of {stored}; this table has {self.layout} "
+                             "(dim, dtype and optimizer slots must match); use another "
+                             "model_tag or table_name")
+        mine = b.describe()
+        diff = [k for k in ("storage_slice", "tags", "using_hash_storage_slice")
+                if meta.get(k) != mine[k]]
+        if diff:
+            raise ConfigError(
+                f"{where} holds rows bucketed with storage_slice={meta.get('storage_slice')}, "
+                f"using_hash_storage_slice={meta.get('using_hash_storage_slice')} and hash tags "
+                f"{(meta.get('tags') or [])[:4]}...; {what} differs in {', '.join(diff)}. To "
+                "rehash them, give the stored values as storage_slice_import / "
+                "redis_hash_tags_import")
+
+    def write_meta(self, b: Buckets) -> None:
+        """Record ``b``'s layout (overwriting)."""
+        self.store.execute([(b.meta_key, ("SET", b.meta_key, json.dumps(self.layout_meta(b))))])
+
+    # ----------------------------------------------------------------- encoding
+    def seal(self, recs: np.ndarray) -> np.ndarray:
+        """Append each record's checksum: ``uint8[n, width]`` (``recs`` may be that wide)."""
+        n = recs.shape[0]
+        if recs.shape[1] == self.width:
+            out = recs
+        else:
+            out = np.zeros((n, self.width), np.uint8)
+            out[:, : self.record_bytes] = recs
+        out[:, self.record_bytes:].view(np.int64)[:, 0] = record_checksums(out, self.record_bytes)
+        return out
+
+    def decode(self, replies: list[Any], keys: np.ndarray | None, where: str,
+               bad_out: list[np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """``(found, records uint8[found, width])`` of HMGET/HSCAN values, checksums checked.
+
+        ``keys``: the key each value was asked for (checked against the record's key field).
+        A row failing its checks raises :class:`CorruptRecordError`, or, with ``bad_out``,
+        reads as absent and its key is appended to ``bad_out``.
+        """
+        n = len(replies)
+        found = np.fromiter(map(operator.is_not, replies, itertools.repeat(None)), bool, n)
+        nf = int(found.sum())
+        blob = b"".join(itertools.compress(replies, found))
+        if len(blob) != nf * self.width and bad_out is not None and keys is not None:
+            lens = np.fromiter(map(len, itertools.compress(replies, found)), np.int64, nf)
+            wrong = np.flatnonzero(found)[lens != self.width]
+            bad_out.append(keys[wrong])
+            replies = list(replies)
+            for i in wrong.tolist():  # rows of the wrong size only
+                replies[i] = None
+            return self.decode(replies, keys, where, bad_out)
+        if len(blob) != nf * self.width:
+            bad = [len(v) for v in itertools.compress(replies, found) if len(v) != self.width]
+            raise CorruptRecordError(
+                f"{where} holds values of {bad[:3]} bytes; rows of this table are {self.width} "
+                "bytes (record + checksum): a value written by something else, or another "
+                "layout")
+        recs = np.frombuffer(blob, np.uint8).reshape(nf, self.width)
+        sums = recs[:, self.record_bytes:].copy().view(np.int64)[:, 0]
+        bad_rows = np.flatnonzero(record_checksums(recs, self.record_bytes) != sums)
+        if keys is not None and nf:
+            rk = recs[:, :8].copy().view(np.int64)[:, 0]
+            bad_rows = np.union1d(bad_rows, np.flatnonzero(rk != keys[found]))
+        if bad_rows.size and bad_out is not None and keys is not None:
+            pos = np.flatnonzero(found)[bad_rows]
+            bad_out.append(keys[pos])
+            found[pos] = False
+            return found, np.delete(recs, bad_rows, axis=0)
+        if bad_rows.size:
+            rk = recs[bad_rows, :8].copy().view(np.int64)[:, 0]
+            raise CorruptRecordError(
+                f"{bad_rows.size} rows in {where} fail their checksum or hold another key "
+                f"(keys {rk[:8].tolist()}): half-written or changed outside tensorkv. Nothing "
+                "was read. table.remove, upsert or import_ of those keys replaces them")
+        return found, recs
+
+    # ----------------------------------------------------------------- batches
+    def _grouped(self, b: Buckets, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray,
+                                                               list[tuple[int, int, int]]]:
+        """``(order, sorted bucket ids, [(bucket, start, stop)...])`` chunks of sorted keys."""
+        bk = b.of(keys)
+        order = np.argsort(bk, kind="stable")
+        sb = bk[order]
+        cuts = bounds(keys.shape[0], self._ks, groups=sb).tolist()
+        chunks = [(int(sb[a]), a, c) for a, c in zip(cuts[:-1], cuts[1:], strict=True)]
+        return order, sb, chunks
+
+    def get(self, keys: np.ndarray, b: Buckets | None = None, read: bool = True,
+            bad_out: list[np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """``(found bool[n], records uint8[n, width])`` of ``keys`` (absent rows zero).
+
+        ``read``: may read from replicas (``redis_read_access_slave``); ``bad_out``: see
+        :meth:`decode`.
+        """
+        n = keys.shape[0]
+        pos, recs = self.get_found(keys, b, read, bad_out)
+        found = np.zeros(n, bool)
+        found[pos] = True
+        out = np.zeros((n, self.width), np.uint8)
+        out[pos] = recs
+        return found, out
+
+    def get_found(self, keys: np.ndarray, b: Buckets | None = None, read: bool = True,
+                  bad_out: list[np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """``(positions, records)``: where in ``keys`` a row was found, and those rows.
+
+        The records (``uint8[m, width]``, read-only) come in reply order, without a copy.
+        """
+        b = b or self.runtime
+        n = keys.shape[0]
+        if n == 0:
+            return np.zeros(0, np.int64), np.zeros((0, self.width), np.uint8)
+        order, _, chunks = self._grouped(b, keys)
+        sk = keys[order]
+        fields = encode_fields(sk)
+        cmds = [(b.names[k], ("HMGET", b.names[k], *fields[a:c])) for k, a, c in chunks]
+        replies = self.store.execute(cmds, read=read and self.options.redis_read_access_slave)
+        self.counters["round_trips"] += 1
+        self.counters["reads"] += n
+        flat = list(itertools.chain.from_iterable(replies))
+        found_s, recs = self.decode(flat, sk, f"{self.options.url!r} ({b.model_tag})", bad_out)
+        return order[found_s], recs
+
+    def write(self, keys: np.ndarray, sealed: np.ndarray, deleted: np.ndarray,
+              token: bytes | None = None) -> int:
+        """HSET the sealed rows of ``keys``, HDEL ``deleted``; returns rows deleted.
+
+        With ``token`` every bucket write is fenced: it lands only while this token holds the
+        bucket's lock, else :class:`RowLockError` is raised after the batch.
+        """
+        b = self.runtime
+        cmds: list[tuple[bytes, tuple[Any, ...]]] = []
+        if keys.shape[0]:
+            order, _, chunks = self._grouped(b, keys)
+            fields = encode_fields(keys[order])
+            vals = sealed[order].view(f"V{self.width}").ravel().tolist()
+            for k, a, c in chunks:
+                pairs = _interleave(fields[a:c], vals[a:c])
+                if token is None:
+                    cmds.append((b.names[k], ("HSET", b.names[k], *pairs)))
+                else:
+                    cmds.append((b.names[k], ("EVAL", _FENCED_WRITE, b"2", b.names[k],
+                                              b.locks[k], token, b"%d" % (c - a), *pairs)))
+        n_set = len(cmds)
+        if deleted.shape[0]:
+            order, _, chunks = self._grouped(b, deleted)
+            fields = encode_fields(deleted[order])
+            for k, a, c in chunks:
+                if token is None:
+                    cmds.append((b.names[k], ("HDEL", b.names[k], *fields[a:c])))
+                else:
+                    cmds.append((b.names[k], ("EVAL", _FENCED_WRITE, b"2", b.names[k],
+                                              b.locks[k], token, b"0", *fields[a:c])))
+        if not cmds:
+            return 0
+        res = self.store.execute(cmds)
+        self.counters["round_trips"] += 1
+        self.counters["writes"] += int(keys.shape[0])
+        if token is not None and any(int(r) < 0 for r in res):
+            raise RowLockError(
+                f"a bucket lock of table {self.options.table_name!r} at {self.options.url!r} "
+                f"expired (lock_ttl_seconds={self.options.lock_ttl_seconds}) or the server "
+                "restarted before the batch was written; the batch was written only in part. "
+                "Retry the step; raise lock_ttl_seconds if steps take longer")
+        n_del = int(sum(int(r) for r in res[n_set:]))
+        self.counters["deletes"] += n_del
+        return n_del
+
+    def delete(self, keys: np.ndarray) -> int:
+        """HDEL ``keys``; returns how many were stored."""
+        return self.write(keys[:0], np.zeros((0, self.width), np.uint8), keys)
+
+    # ----------------------------------------------------------------- locks
+    def lock(self, buckets: np.ndarray, token: bytes | None = None) -> bytes:
+        """Take the locks of ``buckets`` (sorted, unique) in order; returns the token.
+
+        ``token``: the token of locks this operation already holds (None: a new one).
+
+        Locks are taken in bucket order, a prefix at a time, so writers never deadlock;
+        raises :class:`RowLockError` after ``lock_wait_seconds``.
+        """
+        b = self.runtime
+        token = token or uuid.uuid4().hex.encode()
+        ttl = int(self.options.lock_ttl_seconds * 1000)
+        pending = buckets.tolist()
+        held: list[int] = []
+        deadline = time.monotonic() + self.options.lock_wait_seconds
+        pause = 0.0002
+        while pending:
+            res = self.store.execute([(b.locks[k], ("SET", b.locks[k], token, "NX", "PX", ttl))
+                                      for k in pending])
+            ok = [bool(r) for r in res]
+            if all(ok):
+                held += pending
+                break
+            first = ok.index(False)
+            held += pending[:first]
+            late = [k for k, g in zip(pending[first:], ok[first:], strict=True) if g]
+            self.unlock(np.asarray(late, np.int64), token)
+            pending = pending[first:]
+            self.counters["lock_waits"] += 1
+            if time.monotonic() > deadline:
+                self.unlock(np.asarray(held, np.int64), token)
+                raise RowLockError(
+                    f"bucket {b.names[pending[0]]!r} stayed locked by another writer for "
+                    f"lock_wait_seconds={self.options.lock_wait_seconds}; nothing was changed. "
+                    "Retry, or check for a stuck writer (its lock expires after "
+                    f"lock_ttl_seconds={self.options.lock_ttl_seconds})")
+            time.sleep(pause * (1 + random.random()))
+            pause = min(pause * 2, 0.004)
+        return token
+
+    def unlock(self, buckets: np.ndarray, token: bytes) -> None:
+        """Release the locks of ``buckets`` this token holds."""
+        b = self.runtime
+        if buckets.size:
+            self.store.execute([(b.locks[k], ("EVAL", _RELEASE, 1, b.locks[k], token))
+                                for k in buckets.tolist()])
+
+    # ----------------------------------------------------------------- whole table
+    def bucket_lengths(self, b: Buckets | None = None) -> list[int]:
+        """Rows in each bucket."""
+        b = b or self.runtime
+        return [int(r) for r in self.store.execute([(k, ("HLEN", k)) for k in b.names],
+                                                   read=False)]
+
+    def __len__(self) -> int:
+        return sum(self.bucket_lengths())
+
+    def scan_bucket(self, b: Buckets, i: int,
+                    chunk_rows: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """``(keys, sealed records)`` chunks of bucket ``i`` (each row once)."""
+        name = b.names[i]
+        cursor: Any = 0
+        seen = np.empty(0, np.int64)
+        while True:
+            cursor, flat = self.store.execute(
+                [(name, ("HSCAN", name, cursor, "COUNT", chunk_rows))], read=False)[0]
+            if flat:  # redis-py answers HSCAN with a dict (a flat list without its callbacks)
+                fields = list(flat) if isinstance(flat, dict) else flat[0::2]
+                values = list(flat.values()) if isinstance(flat, dict) else flat[1::2]
+                keys = np.frombuffer(b"".join(fields), "<i8").astype(np.int64)
+                if len(fields) * 8 != sum(map(len, fields)):
+                    raise CorruptRecordError(f"bucket {name!r} holds fields that are not "
+                                             "8-byte keys: it was written by something else")
+                _, recs = self.decode(values, keys, repr(name))
+                fresh = ~np.isin(keys, seen)
+                if not fresh.all():
+                    keys, recs = keys[fresh], recs[fresh]
+                seen = np.concatenate([seen, keys])
+                for a in range(0, keys.size, chunk_rows):  # COUNT is only a hint
+                    yield keys[a:a + chunk_rows], recs[a:a + chunk_rows]
+            if int(cursor) == 0:
+                return
+
+    def scan(self, chunk_rows: int = 65536,
+             b: Buckets | None = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """``(keys, sealed records)`` chunks of every row of the tag."""
+        b = b or self.runtime
+        for i in range(b.n):
+            yield from self.scan_bucket(b, i, chunk_rows)
+
+    def keys(self) -> np.ndarray:
+        """Every stored key."""
+        b = self.runtime
+        parts = [np.frombuffer(b"".join(r), "<i8").astype(np.int64) if r else
+                 np.empty(0, np.int64)
+                 for r in self.store.execute([(k, ("HKEYS", k)) for k in b.names])]
+        return np.concatenate(parts)
+
+    def clear(self) -> None:
+        """Delete every bucket of the runtime tag."""
+        self.store.execute([(k, ("UNLINK", k)) for k in self.runtime.names])
+
+    def put_absent(self, b: Buckets, keys: np.ndarray, sealed: np.ndarray) -> int:
+        """Write rows whose keys ``b`` does not hold yet (HSETNX); returns rows written."""
+        if keys.shape[0] == 0:
+            return 0
+        order, _, chunks = self._grouped(b, keys)
+        fields = encode_fields(keys[order])
+        vals = sealed[order].view(f"V{self.width}").ravel().tolist()
+        cmds = [(b.names[k], ("EVAL", _SET_ABSENT, b"1", b.names[k],
+                              *_interleave(fields[a:c], vals[a:c]))) for k, a, c in chunks]
+        return int(sum(int(r) for r in self.store.execute(cmds)))
+
+    def stats(self) -> dict[str, Any]:
+        """Counters and the layout of the table in Redis."""
+        o = self.options
+        return {"kind": "redis", "url": self.store.url, "mode": self.store.mode,
+                "model_tag": o.model_tag_runtime, "table_name": o.table_name,
+                "storage_slice": o.storage_slice, "consistency": o.consistency,
+                "buckets": [n.decode() for n in self.runtime.names[:4]]
+                + (["..."] if o.storage_slice > 4 else []),
+                "row_bytes": self.width, **self.counters}
+
+
+def dump_path(options: RedisTableOptions) -> str:
+    """The directory of a mode-1 dump: ``model_lib_abs_dir/<model_tag>/<table>``."""
+    return os.path.join(str(options.model_lib_abs_dir), options.model_tag_runtime,
+                        options.table_name)
+
+
+__all__ = ["Buckets", "RedisRowEngine", "dump_path", "encode_fields", "generated_tags"]
