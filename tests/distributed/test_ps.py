@@ -188,3 +188,13 @@ def test_missing_ray_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)
     with pytest.raises(MissingDependencyError, match=r'pip install "tensorkv\[ray\]"'):
         channel.ray_module()
+
+
+def test_data_parallel_dlrm_workers(ray_cluster):
+    """The bench's data-parallel run, tiny: two worker actors, one dense server, two shards."""
+    pytest.importorskip("torch")
+    from tensorkv.bench import ps_train
+
+    out = ps_train.train_distributed(4, 64, 1, workers=2, shards=2)
+    assert 0.0 <= out["auc"] <= 1.0 and out["rows"] > 0
+    assert [len(x) for x in out["losses"]] == [2, 2]
