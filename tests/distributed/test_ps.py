@@ -190,11 +190,17 @@ def test_missing_ray_names_the_extra(monkeypatch):
         channel.ray_module()
 
 
-def test_data_parallel_dlrm_workers(ray_cluster):
-    """The bench's data-parallel run, tiny: two worker actors, one dense server, two shards."""
-    pytest.importorskip("torch")
-    from tensorkv.bench import ps_train
+def test_ps_status_command(ps):
+    from click.testing import CliRunner
 
-    out = ps_train.train_distributed(4, 64, 1, workers=2, shards=2)
-    assert 0.0 <= out["auc"] <= 1.0 and out["rows"] > 0
-    assert [len(x) for x in out["losses"]] == [2, 2]
+    from tensorkv.cli.main import main
+
+    ps.table("seen", 4).lookup(np.arange(50))
+    res = CliRunner().invoke(main, ["ps", "status", ps.name])
+    assert res.exit_code == 0, res.output
+    lines = [ln for ln in res.output.splitlines() if " seen " in ln]
+    assert len(lines) == 2 and sum(int(ln.split()[3].replace(",", "")) for ln in lines) == 50
+    res = CliRunner().invoke(main, ["ps", "status", ps.name, "--json"])
+    assert res.exit_code == 0 and '"requests_per_s"' in res.output
+    res = CliRunner().invoke(main, ["ps", "status", "nope"])
+    assert res.exit_code != 0 and "no parameter server named 'nope'" in res.output
