@@ -28,6 +28,19 @@ def _pid(actor, ray):
     return ray.get(actor.info.remote())["pid"]
 
 
+def _restarted(actor, ray, pid, timeout=60.0):
+    """Wait until the shard answers from a new process (ray.kill returns before it acts)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if _pid(actor, ray) != pid:
+                return
+        except ray.exceptions.RayActorError:
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"shard {actor} did not restart within {timeout} s")
+
+
 def _run(ps, ray, mode, kill_at, kill):
     kw = {"optimizer": "adam", "initializer": "normal", "seed": 9}
     t = ps.table("f", 8, mode=mode, staleness=3, **kw)
@@ -98,6 +111,8 @@ def test_a_lost_shard_without_checkpoints_is_an_error(ray_cluster):
     with ParameterServer(1, name="nockpt", max_restarts=1, recover_timeout=20) as ps:
         t = ps.table("n", 4)
         t.lookup(np.arange(5))
+        pid = _pid(ps.actors[0], ray)
         ray.kill(ps.actors[0], no_restart=False)
+        _restarted(ps.actors[0], ray, pid)
         with pytest.raises(ShardUnavailableError, match="lost this client's requests"):
             t.lookup(np.arange(5))

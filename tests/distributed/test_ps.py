@@ -101,7 +101,18 @@ def test_sharded_save_restores_onto_any_number_of_shards(ps, tmp_path):
         assert [s["tables"]["saved"]["rows"] > 0 for s in ps3.status()] == [True] * 3
         _train([ref, t3], 3, seed=1)  # and trains on alike (optimizer state came along)
         assert_same_rows(table_rows(t3), table_rows(ref), seq=False)
-    # the generic path: tensorkv.save / load of the sharded table itself
+    # tensorkv.save / load of the table alone: each shard saves / loads its own rows
+    tensorkv.save(t, url, "alone", step=5)
+    info = tensorkv.tag_info(url, "alone")
+    assert info["num_shards"] == 2 and info["step"] == 5 and list(info["tables"]) == ["saved"]
+    local = tensorkv.EmbeddingTable(8, **kw)
+    tensorkv.load(local, url, "alone")
+    assert_same_rows(table_rows(local), table_rows(t), seq=False)  # (ref trained on since)
+    tensorkv.save(local, url, "from-local")  # a single-process save, onto the shards
+    other = ps.table("other", 8, **kw)
+    assert tensorkv.load(other, url, "from-local") is other
+    assert_same_rows(table_rows(other), table_rows(t), seq=False)
+    # the generic path (a dict holding the table): rows pass through this process
     tensorkv.save({"saved": t}, url, "generic")
     back = ps.table("back", 8, **kw)
     tensorkv.load({"saved": back}, url, "generic")

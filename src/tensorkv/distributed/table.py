@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from tensorkv.checkpoint.layout import shard_of_keys
-from tensorkv.distributed.channel import Channel
+from tensorkv.distributed.channel import Channel, ray_module
 from tensorkv.embedding.chunks import ExportChunk, is_single_chunk, nonfinite_rows
 from tensorkv.embedding.filters import Eviction
 from tensorkv.embedding.keys import as_int64_keys
@@ -627,6 +627,46 @@ class ShardedEmbeddingTable:
             total += sum(int(x or 0) for x in self._gather(
                 self._send_all("call", args, True, shards)))
         return total
+
+    # --- checkpoints --------------------------------------------------------------------------
+    def save_sharded(self, url: str, tag: str, **options: Any) -> str:
+        """Save the table as a sharded checkpoint: every shard writes its own rows at once.
+
+        ``tensorkv.save(table, url, tag, ...)`` calls this. The tag holds one table, under
+        this table's name; ``options`` are :func:`tensorkv.save` arguments (``step``,
+        ``incremental``, ``parent``, ``metadata``, ``ttl``).
+        """
+        ray = ray_module()
+        self._mutating()
+        metadata = options.pop("metadata", None)
+        refs = [a.save_shard.remote(url, tag, [self.name], metadata, options)
+                for a in self.channel.actors]
+        ray.get(refs)
+        return tag
+
+    def load_sharded(self, url: str, tag: str = "latest") -> None:
+        """Replace the rows with those of a checkpoint (saved from any number of shards).
+
+        ``tensorkv.load(table, url, tag)`` calls this: each shard reads only its own keys.
+        The tag must hold one table (any name), or one named as this table.
+        """
+        from tensorkv.checkpoint import latest_tag, tag_info
+
+        ray = ray_module()
+        self._mutating()
+        if tag == "latest":
+            found = latest_tag(url)
+            if found is None:
+                raise ConfigError(f"no tag in {url!r} to load")
+            tag = found
+        names = sorted(tag_info(url, tag)["tables"])
+        saved = self.name if self.name in names else names[0] if len(names) == 1 else None
+        if saved is None:
+            raise ConfigError(f"tag {tag!r} holds tables {names}; load one of them with "
+                              f"tensorkv.load({{name: table}}, url, tag)")
+        ray.get([a.load_shard.remote(url, tag, [self.name], saved)
+                 for a in self.channel.actors])
+        self.rebase()
 
     # --- lifecycle ----------------------------------------------------------------------------
     def wait_writes(self) -> None:
