@@ -28,8 +28,8 @@ from tensorkv.errors import (
     NonFiniteValueError,
     ShapeError,
 )
-from tensorkv.kernels import arena as ak
 from tensorkv.kernels import hashindex as hk
+from tensorkv.kernels import shards as sk
 
 
 class Split:
@@ -350,12 +350,15 @@ class ShardedEmbeddingTable:
                                                                                  np.integer))):
             raise ConfigError(f"step={step!r} must be an integer or None")
         g = np.ascontiguousarray(g, dtype=np.float32)
-        size = ak.dedup_table_size(n)
-        uniq, sums = np.empty(n, np.int64), np.empty((n, self.dim), np.float32)
-        bad = np.empty(n, np.bool_)
-        u = ak.dedup_sum(k, g, uniq, sums, bad, np.empty((size, 2), np.int64),
-                         np.empty(n, np.int64)) if n else 0
-        uniq, sums, bad = uniq[:u], sums[:u], bad[:u]
+        # distinct keys grouped by shard; each one's gradients summed straight into its place
+        sp = Split(k, self.num_shards)
+        u = sp.uniq.shape[0]
+        rank = np.empty(u, np.int64)
+        rank[sp.order] = np.arange(u)
+        uniq = sp.uniq[sp.order]
+        sums, bad = np.empty((u, self.dim), np.float32), np.empty(u, np.bool_)
+        if n:
+            sk.sum_rows_at(g, rank[sp.inverse], np.zeros(u, np.bool_), sums, bad)
         if bad.any() and self.nan_policy == "raise":
             bad_keys = uniq[bad]
             raise NonFiniteGradientError(
@@ -366,15 +369,14 @@ class ShardedEmbeddingTable:
         pre = self._prefetch
         if pre is not None and pre[2] is not None:
             self._prefetch = pre = None
-        order, bounds = self._by_shard(uniq)
-
+        bounds = sp.bounds
         # rows change somewhere (known here unless an admission filter drops gradients)
         live = int(u - (bad.sum() if self.nan_policy == "skip" else 0))
         tick = live > 0 and not self._admission
 
         def args(s: int) -> tuple:
-            p = order[bounds[s]:bounds[s + 1]]
-            return uniq[p], sums[p], None if step is None else int(step), tick
+            lo, hi = bounds[s], bounds[s + 1]
+            return uniq[lo:hi], sums[lo:hi], None if step is None else int(step), tick
 
         sent = self._send_all("push", args, True)
         if pre is not None:  # the next batch's rows, read right behind this update
