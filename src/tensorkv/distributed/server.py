@@ -67,6 +67,9 @@ class ParameterServer:
         none is lost, none applied twice. Without it a lost shard's rows are gone.
     checkpoint_every
         Mutating requests a shard serves between two checkpoints (incremental saves).
+    checkpoint_full_every
+        Every this many checkpoints of a shard one is a full save, after which its older
+        checkpoint tags are deleted.
     mode, staleness
         Defaults for :meth:`table`: ``"sync"`` or ``"async"`` updates (see
         :class:`ShardedEmbeddingTable`).
@@ -96,7 +99,8 @@ class ParameterServer:
 
     def __init__(self, num_shards: int | None = None, name: str | None = None,
                  checkpoint_url: str | None = None, *, checkpoint_every: int = 100,
-                 mode: str = "sync", staleness: int = 2, worker: str | None = None,
+                 checkpoint_full_every: int = 20, mode: str = "sync", staleness: int = 2,
+                 worker: str | None = None,
                  max_restarts: int | None = None, actor_options: dict[str, Any] | None = None,
                  recover_timeout: float = 60.0) -> None:
         ray = ray_module()
@@ -113,6 +117,9 @@ class ParameterServer:
             raise ConfigError(f"name={name!r} must be 1-64 letters, digits, '-', '_' or '.'")
         if not isinstance(checkpoint_every, int) or checkpoint_every < 0:
             raise ConfigError(f"checkpoint_every={checkpoint_every!r} must be an int >= 0")
+        if not isinstance(checkpoint_full_every, int) or checkpoint_full_every < 1:
+            raise ConfigError(f"checkpoint_full_every={checkpoint_full_every!r} must be an "
+                              "int >= 1")
         if mode not in ("sync", "async"):
             raise ConfigError(f"mode={mode!r} must be 'sync' or 'async'")
         if not ray.is_initialized():
@@ -137,7 +144,8 @@ class ParameterServer:
                 max_restarts = -1 if checkpoint_url else 0
             state: dict[str, Any] = {
                 "num_shards": num_shards, "generation": 0, "checkpoint_url": checkpoint_url,
-                "checkpoint_every": checkpoint_every, "max_restarts": max_restarts,
+                "checkpoint_every": checkpoint_every, "full_every": checkpoint_full_every,
+                "max_restarts": max_restarts,
                      "actor_options": dict(actor_options or {})}
             reg_cls = ray.remote(num_cpus=0)(Registry)
             self._registry = reg_cls.options(name=reg_name, namespace=NAMESPACE).remote(state)
@@ -167,7 +175,8 @@ class ParameterServer:
         n, gen = state["num_shards"], state["generation"]
         actors = [cls.options(name=_shard_name(self.name, gen, i), namespace=NAMESPACE,
                               **opts).remote(self.name, i, n, gen, state["checkpoint_url"],
-                                             state["checkpoint_every"], init_from)
+                                             state["checkpoint_every"], init_from,
+                                             state.get("full_every", 20))
                   for i in range(n)]
         ray.get([a.ping.remote() for a in actors])  # started (and restored) before first use
         return actors

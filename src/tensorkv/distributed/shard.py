@@ -73,11 +73,14 @@ class ShardServer:
     init_from
         ``(url, tag)`` of a checkpoint to load this shard's rows from at the first start (the
         shard's own checkpoints take precedence after a restart).
+    full_every
+        Every this many checkpoints one is a full save, after which the shard deletes its
+        older checkpoint tags (so at most this many are kept).
     """
 
     def __init__(self, ps_name: str, index: int, num_shards: int, generation: int = 0,
                  checkpoint_url: str | None = None, checkpoint_every: int = 100,
-                 init_from: tuple[str, str] | None = None) -> None:
+                 init_from: tuple[str, str] | None = None, full_every: int = 20) -> None:
         self.ps_name = ps_name
         self.index = int(index)
         self.num_shards = int(num_shards)
@@ -91,6 +94,8 @@ class ShardServer:
         self.ckpt_applied: dict[str, int] = {}  # the same, as of the newest checkpoint
         self.ckpt_version = 0
         self.ckpt_tag: str | None = None
+        self.full_every = max(1, int(full_every))
+        self.since_full = 0
         self.since_ckpt = 0
         self.requests = 0
         self.peeked: dict[str, list[int]] = {}  # table -> [hits, misses] counted by peeks
@@ -372,13 +377,20 @@ class ShardServer:
         meta = {"applied": self.applied,
                 "specs": base64.b64encode(dumps(self.specs)).decode(),
                 "version": self.ckpt_version}
+        full = self.ckpt_tag is None or self.since_full + 1 >= self.full_every
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # a first save after a restart is a full one
-            save(dict(self.tables), self.url, tag, incremental=self.ckpt_tag is not None,
-                 parent=self.ckpt_tag, metadata=meta, progress=False)
+            save(dict(self.tables), self.url, tag, incremental=not full,
+                 parent=None if full else self.ckpt_tag, metadata=meta, progress=False)
         self.ckpt_tag = tag
         self.ckpt_applied = dict(self.applied)
         self.since_ckpt = 0
+        self.since_full = 0 if full else self.since_full + 1
+        if full:  # the older tags are needed no more: newest first, children before parents
+            older = [t for t in list_tags(self.url) if t.startswith(self.prefix) and t < tag]
+            for old in reversed(older):
+                with contextlib.suppress(Exception):
+                    delete_tag(self.url, old)
         return tag
 
     def _recover(self) -> bool:
