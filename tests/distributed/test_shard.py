@@ -18,7 +18,7 @@ def test_requests_apply_once_and_a_gap_is_noticed():
     assert _push(s, 1, k)[0] == (5, 1)
     assert _push(s, 1, k)[0] == (0, 1)  # a retry: not applied again
     assert _push(s, 3, k) == BEHIND  # request 2 never came
-    assert s.pull("t", "w", 2, k, np.ones(5, np.int64), False) == BEHIND  # reads notice too
+    assert s.pull("t", "w", 2, np.stack([k, np.ones(5, np.int64)]), False) == BEHIND
     assert s.applied_seq("w") == (1, 0)
     assert s.tables["t"].step == 1
 

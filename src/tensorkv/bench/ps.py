@@ -5,8 +5,9 @@ Each step pulls the rows of a batch of keys (``lookup``) and pushes one gradient
 batches all have rows; ids drawn uniformly from ``vocab``). Cases: 1, 2 and 4 shards with one
 worker (this process), and 2 shards with 2 workers (two Ray actors, each its own client, at
 once), against the in-process :class:`~tensorkv.EmbeddingTable` on the same batches in the
-same run. The per-call overhead is a pull of one key (one request to one shard) against a
-bare Ray actor call. Starts a local Ray (``num_cpus`` = the machine's) unless one runs.
+same run, timed again right before each case (the machine's load drifts). The per-call
+overhead is a pull of one key (one request to one shard) against a bare Ray actor call.
+Starts a local Ray (``num_cpus`` = the machine's) unless one runs.
 """
 
 from __future__ import annotations
@@ -92,8 +93,10 @@ def run(quick: bool, report: Report, *, batch: int = 65536, steps: int | None = 
     local = EmbeddingTable(DIM, optimizer=Adagrad(lr=0.05))
     _fill(local, vocab)
     _steps(local, batches[:1], grads)  # warm up (numba, page faults)
-    base = _steps(local, batches[1:], grads)
-    base_rate = batch * steps / base
+
+    def base_rate() -> float:
+        """The in-process table's keys/s, timed again right before each case (drift)."""
+        return batch * steps / _steps(local, batches[1:], grads)
     started = not ray.is_initialized()
     if started:
         ray.init(num_cpus=os.cpu_count() or 2, include_dashboard=False, log_to_driver=False,
@@ -104,9 +107,10 @@ def run(quick: bool, report: Report, *, batch: int = 65536, steps: int | None = 
                 t = ps.table("t", DIM, optimizer=Adagrad(lr=0.05))
                 _fill(t, vocab)
                 _steps(t, batches[:1], grads)
+                base = base_rate()
                 sec = _steps(t, batches[1:], grads)
                 report.add(f"pull+push, {n} shard{'s' * (n > 1)}, 1 worker", "keys/s",
-                           batch * steps / sec, "in-process table", base_rate,
+                           batch * steps / sec, "in-process table", base,
                            note="goal >= 0.4 with 2 shards" if n == 2 else "")
                 if n == 1:
                     one = np.array([7], np.int64)
@@ -129,10 +133,11 @@ def run(quick: bool, report: Report, *, batch: int = 65536, steps: int | None = 
             cls: Any = ray.remote(num_cpus=0)(_Worker)
             workers = [cls.remote(ps.name) for _ in range(2)]
             ray.get([w.run.remote(batches[:1], grads, 0.0) for w in workers])
+            base = base_rate()
             start = time.time() + 0.5
             secs = ray.get([w.run.remote(batches[1:], grads, start) for w in workers])
             report.add("pull+push, 2 shards, 2 workers", "keys/s",
-                       2 * batch * steps / max(secs), "in-process table", base_rate)
+                       2 * batch * steps / max(secs), "in-process table", base)
             for w in workers:
                 ray.kill(w)
     finally:

@@ -206,9 +206,12 @@ class ShardServer:
         return self.ckpt_applied.get(worker, 0)
 
     # --- the data path ---------------------------------------------------------------------
-    def pull(self, name: str, worker: str, seq: int, keys: np.ndarray, counts: np.ndarray,
+    def pull(self, name: str, worker: str, seq: int, keys_counts: np.ndarray,
              insert: bool, touch: bool = False) -> Any:
-        """Rows of distinct ``keys`` seen ``counts`` times each (a lookup of every sighting).
+        """Rows of distinct keys, each seen some times (a lookup of every sighting).
+
+        ``keys_counts`` is int64 ``[2, n]``: the keys, and how often each was seen (one
+        array: each array argument of a Ray call costs its own serialisation).
 
         Returns ``(rows, ckpt_seq, seq_delta, seq)`` (``seq_delta``: how much the table's
         ``mutation_seq`` grew, to ``seq``): ``rows`` is ``[len(keys), dim]``, or ``[counts.sum(),
@@ -221,6 +224,7 @@ class ShardServer:
         state = self._admit(worker, seq, insert)
         if state == BEHIND:
             return BEHIND
+        keys, counts = keys_counts[0], keys_counts[1]
         t = self._table(name)
         if state == "dup" or not insert:
             rows = self._lookup(t, keys, counts, False)
@@ -236,8 +240,7 @@ class ShardServer:
             return (absent, rows[absent]), ck, after - before, after
         return rows, ck, after - before, after
 
-    def peek(self, name: str, worker: str, seq: int, keys: np.ndarray,
-             counts: np.ndarray) -> Any:
+    def peek(self, name: str, worker: str, seq: int, keys_counts: np.ndarray) -> Any:
         """Rows of ``keys`` as a lookup would return them now, changing nothing.
 
         The read counts in no counter (the hits and misses the table counts for it are taken
@@ -246,6 +249,7 @@ class ShardServer:
         """
         if self._admit(worker, seq, False) == BEHIND:
             return BEHIND
+        keys, counts = keys_counts[0], keys_counts[1]
         t = self._table(name)
         found = t.contains(keys)
         hits = int(counts[found].sum())

@@ -234,9 +234,8 @@ class ShardedEmbeddingTable:
 
         def args(s: int) -> tuple:
             p = sp.part(s)
-            if method == "peek":
-                return sp.uniq[p], sp.counts[p]
-            return sp.uniq[p], sp.counts[p], insert, touch
+            kc = np.stack([sp.uniq[p], sp.counts[p]])
+            return (kc,) if method == "peek" else (kc, insert, touch)
 
         return self._send_all(method, args, insert and method == "pull", shards)
 
