@@ -6,7 +6,8 @@ batches all have rows; ids drawn uniformly from ``vocab``). Cases: 1, 2 and 4 sh
 worker (this process), and 2 shards with 2 workers (two Ray actors, each its own client, at
 once), against the in-process :class:`~tensorkv.EmbeddingTable` on the same batches in the
 same run, timed again right before each case (the machine's load drifts). The per-call
-overhead is a pull of one key (one request to one shard) against a bare Ray actor call.
+overhead is a pull of one key (one request to one shard) against a bare Ray actor call; a pull
+of an empty batch sends no request at all.
 Starts a local Ray (``num_cpus`` = the machine's) unless one runs.
 """
 
@@ -127,6 +128,13 @@ def run(quick: bool, report: Report, *, batch: int = 65536, steps: int | None = 
                     ping = (time.perf_counter() - t0) / calls
                     report.add("pull of 1 key (per-call overhead)", "ms", pull1 * 1e3,
                                "bare Ray actor call", ping * 1e3, note="goal < 1 ms")
+                    empty = np.empty(0, np.int64)
+                    t0 = time.perf_counter()
+                    for _ in range(calls):
+                        t.lookup(empty)
+                    report.add("pull of an empty batch", "ms",
+                               (time.perf_counter() - t0) / calls * 1e3, "bare Ray actor call",
+                               ping * 1e3, note="no request is sent")
         with ParameterServer(2, name=f"bench-{uuid.uuid4().hex[:8]}") as ps:
             t = ps.table("t", DIM, optimizer=Adagrad(lr=0.05))
             _fill(t, vocab)
