@@ -11,10 +11,11 @@ def test_bench_ps_tiny(ray_cluster):
     from tensorkv.bench import ps
 
     report = Report("ps", echo=False)
-    ps.run(True, report, batch=256, steps=2, vocab=2000, shards="1", calls=10)
+    # (several workers: test_ps.py and the ps_train test below run worker actors)
+    ps.run(True, report, batch=256, steps=2, vocab=2000, shards="1", calls=10, workers=0)
     cases = [r.case for r in report.results]
     assert cases == ["pull+push, 1 shard, 1 worker", "pull of 1 key (per-call overhead)",
-                     "pull of an empty batch", "pull+push, 2 shards, 2 workers"]
+                     "pull of an empty batch"]
     assert all(math.isfinite(r.ratio) and r.value > 0 for r in report.results)
 
 

@@ -59,7 +59,8 @@ def _fill(table: Any, vocab: int, chunk: int = 1 << 18) -> None:
 
 
 def run(quick: bool, report: Report, *, batch: int = 65536, steps: int | None = None,
-        vocab: int | None = None, shards: str | None = None, calls: int | None = None) -> None:
+        vocab: int | None = None, shards: str | None = None, calls: int | None = None,
+        workers: int = 2) -> None:
     """Run the workload (see the module docstring).
 
     Parameters
@@ -75,6 +76,8 @@ def run(quick: bool, report: Report, *, batch: int = 65536, steps: int | None = 
         ``1,2``).
     calls
         Timed one-key pulls and bare actor calls (default 2000; quick 300).
+    workers
+        Worker actors of the several-workers case, on 2 shards (0 leaves the case out).
     """
     import ray
 
@@ -85,9 +88,9 @@ def run(quick: bool, report: Report, *, batch: int = 65536, steps: int | None = 
     vocab = vocab or (200_000 if quick else 1_000_000)
     calls = calls or (300 if quick else 2000)
     counts = [int(x) for x in (shards or ("1,2" if quick else "1,2,4")).split(",")]
-    if batch < 1 or steps < 1 or vocab < 1 or calls < 1 or min(counts) < 1:
+    if batch < 1 or steps < 1 or vocab < 1 or calls < 1 or min(counts) < 1 or workers < 0:
         raise ValueError(f"batch={batch}, steps={steps}, vocab={vocab}, calls={calls}, "
-                         f"shards={counts}: all must be >= 1")
+                         f"shards={counts}, workers={workers}: all must be >= 1 (workers >= 0)")
     report.params.update(batch=batch, steps=steps, vocab=vocab, dim=DIM, shards=counts)
     batches = _batches(steps + 1, batch, vocab, 0)
     grads = np.random.default_rng(1).standard_normal((batch, DIM)).astype(np.float32)
@@ -135,19 +138,20 @@ def run(quick: bool, report: Report, *, batch: int = 65536, steps: int | None = 
                     report.add("pull of an empty batch", "ms",
                                (time.perf_counter() - t0) / calls * 1e3, "bare Ray actor call",
                                ping * 1e3, note="no request is sent")
-        with ParameterServer(2, name=f"bench-{uuid.uuid4().hex[:8]}") as ps:
-            t = ps.table("t", DIM, optimizer=Adagrad(lr=0.05))
-            _fill(t, vocab)
-            cls: Any = ray.remote(num_cpus=0)(_Worker)
-            workers = [cls.remote(ps.name) for _ in range(2)]
-            ray.get([w.run.remote(batches[:1], grads, 0.0) for w in workers])
-            base = base_rate()
-            start = time.time() + 0.5
-            secs = ray.get([w.run.remote(batches[1:], grads, start) for w in workers])
-            report.add("pull+push, 2 shards, 2 workers", "keys/s",
-                       2 * batch * steps / max(secs), "in-process table", base)
-            for w in workers:
-                ray.kill(w)
+        if workers > 0:
+            with ParameterServer(2, name=f"bench-{uuid.uuid4().hex[:8]}") as ps:
+                t = ps.table("t", DIM, optimizer=Adagrad(lr=0.05))
+                _fill(t, vocab)
+                cls: Any = ray.remote(num_cpus=0)(_Worker)
+                actors = [cls.remote(ps.name) for _ in range(workers)]
+                ray.get([w.run.remote(batches[:1], grads, 0.0) for w in actors])
+                base = base_rate()
+                start = time.time() + 0.5
+                secs = ray.get([w.run.remote(batches[1:], grads, start) for w in actors])
+                report.add(f"pull+push, 2 shards, {workers} workers", "keys/s",
+                           workers * batch * steps / max(secs), "in-process table", base)
+                for w in actors:
+                    ray.kill(w)
     finally:
         if started:
             ray.shutdown()
