@@ -41,6 +41,29 @@ def test_sync_training_and_prefetch_match_the_local_table(ps):
     assert all(s["rows"] > 0 for s in st["shards"])  # the rows really are spread
 
 
+def test_prefetch_reads_behind_the_update_and_changes_nothing(ps):
+    kw = {"optimizer": "adam", "seed": 8}
+    t = ps.table("pre", 8, **kw)
+    ref = tensorkv.EmbeddingTable(8, **kw)
+    k0, k1 = np.arange(0, 40), np.arange(20, 70)
+    g = np.ones((40, 8), np.float32)
+    for tab in (t, ref):
+        tab.lookup(k0)
+    t.prefetch(k1)
+    for tab in (t, ref):
+        tab.apply_gradients(k0, g)
+    assert t._prefetch[2] is not None  # the read went out right behind the update
+    np.testing.assert_array_equal(t.lookup(k1), ref.lookup(k1))  # new keys' rows came after
+    t.prefetch(np.arange(500, 510))  # a prefetch whose lookup never comes leaves no trace
+    t.apply_gradients(k0, g)
+    ref.apply_gradients(k0, g)
+    t.upsert([1], np.zeros((1, 8), np.float32))
+    ref.upsert([1], np.zeros((1, 8), np.float32))
+    assert_same_rows(table_rows(t), table_rows(ref), seq=False)
+    assert t.stats()["hits"] == ref.stats()["hits"]
+    assert t.stats()["misses"] == ref.stats()["misses"]
+
+
 def test_async_mode_applies_one_clients_updates_in_order(ps):
     kw = {"optimizer": "adam", "seed": 5}
     t = ps.table("async", 8, mode="async", staleness=3, **kw)
