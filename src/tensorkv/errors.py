@@ -163,6 +163,11 @@ class ConcurrentUseError(TableError, RuntimeError):
     """A dynamic embedding module was called from a second thread while it was busy."""
 
 
+# --- parameter server ----------------------------------------------------------------------
+class ShardUnavailableError(TensorKVError, ConnectionError):
+    """A parameter-server shard is gone (or lost updates) and could not be brought back."""
+
+
 # --- checkpoints ---------------------------------------------------------------------------
 class CheckpointError(TensorKVError):
     """A checkpoint could not be saved or loaded."""

@@ -359,7 +359,9 @@ def load(
     ----------
     obj
         None, a dict of numpy arrays / torch tensors / EmbeddingTables, an EmbeddingTable, or
-        a torch ``nn.Module`` (the same shapes of object :func:`tensorkv.save` takes).
+        a torch ``nn.Module`` (the same shapes of object :func:`tensorkv.save` takes). A table
+        with a ``load_sharded`` method (a ``ShardedEmbeddingTable``) loaded alone from a URL
+        has each of its shards read its own rows.
     url
         Store URL or open KVStore.
     tag
@@ -382,6 +384,10 @@ def load(
     object
         ``obj`` itself, or (when ``obj`` is None) a dict name -> numpy array / EmbeddingTable.
     """
+    sharded = getattr(obj, "load_sharded", None)  # a table whose shards load themselves
+    if sharded is not None and isinstance(url, str) and shard is None and variables is None:
+        sharded(url, tag)
+        return obj
     if (shard is None) != (num_shards is None):
         raise CheckpointError(f"shard={shard!r}, num_shards={num_shards!r}: give both or neither")
     if num_shards is not None and (

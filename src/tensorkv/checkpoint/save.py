@@ -250,7 +250,8 @@ def save(
     obj
         A dict of numpy arrays / torch tensors / EmbeddingTables, an EmbeddingTable, or a
         torch ``nn.Module`` (its ``state_dict()`` plus the EmbeddingTables held as attributes
-        anywhere in its module tree).
+        anywhere in its module tree). A table with a ``save_sharded`` method (a
+        ``ShardedEmbeddingTable``) saved alone to a URL has each of its shards write its rows.
     url
         Store URL (``lmdb:///path``, ``redis://host:6379/0``, ...) or an open KVStore.
     tag
@@ -291,6 +292,10 @@ def save(
     does not read it back, and record buffers, at most ``tables.KEEP_BYTES`` (320 MB) over all
     tables, so the next save reuses memory instead of touching fresh pages.
     """
+    sharded = getattr(obj, "save_sharded", None)  # a table whose shards save themselves
+    if sharded is not None and isinstance(url, str) and shard is None and num_shards is None:
+        return str(sharded(url, _default_tag(step) if tag is None else tag, step=step,
+                           incremental=incremental, parent=parent, metadata=metadata, ttl=ttl))
     shard_i, nshards = _check_shards(shard, num_shards)
     tag = layout.check_tag(_default_tag(step) if tag is None else tag)
     if ttl is not None and (not isinstance(ttl, (int, float)) or ttl <= 0):

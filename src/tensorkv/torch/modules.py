@@ -32,8 +32,10 @@ def make_table(dim: int, table: EmbeddingTable | None, options: dict[str, Any],
         raise ShapeError(f"dim={dim!r} must be a positive integer, e.g. dim=64")
     if table is None:
         return EmbeddingTable(int(dim), **options, **table_kwargs)
-    if not isinstance(table, EmbeddingTable):
-        raise ConfigError(f"table={type(table).__name__} must be a tensorkv.EmbeddingTable")
+    if not isinstance(table, EmbeddingTable) and not all(
+            hasattr(table, a) for a in ("lookup", "apply_gradients", "as_keys", "dim")):
+        raise ConfigError(f"table={type(table).__name__} must be a tensorkv.EmbeddingTable "
+                          "(or a table with its API, such as a ShardedEmbeddingTable)")
     given = sorted([k for k, v in options.items() if v is not None and k != "seed"]
                    + list(table_kwargs) + (["seed"] if options.get("seed") else []))
     if given:

@@ -1,0 +1,403 @@
+"""ParameterServer: shard actors on Ray, their tables, checkpoints, resharding, shutdown.
+
+A parameter server named ``name`` is a small registry actor (``tensorkv-ps-<name>``, holding
+the shard count and generation) and ``num_shards`` shard actors
+(:class:`~tensorkv.distributed.shard.ShardServer`), all named in the Ray namespace
+``tensorkv``, so any process of the Ray job attaches to them by name. With a
+``checkpoint_url`` the shard actors restart after a failure (Ray's ``max_restarts``), reload
+their newest checkpoint, and the clients replay the updates since (see
+:mod:`tensorkv.distributed.channel`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import copy
+import pickle
+import re
+import uuid
+import weakref
+from typing import Any
+
+from tensorkv.distributed.channel import Channel, ray_module
+from tensorkv.distributed.shard import ShardServer, dumps
+from tensorkv.distributed.table import ShardedEmbeddingTable
+from tensorkv.errors import ConfigError, ShardUnavailableError
+
+NAMESPACE = "tensorkv"
+_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+_LIVE: weakref.WeakSet[ParameterServer] = weakref.WeakSet()
+
+
+class Registry:
+    """What every client of a parameter server must agree on (a tiny named actor)."""
+
+    def __init__(self, state: dict[str, Any]) -> None:
+        self.state = dict(state)
+
+    def get(self) -> dict[str, Any]:
+        """The shard count, generation and settings."""
+        return dict(self.state)
+
+    def set(self, state: dict[str, Any]) -> None:
+        """Replace the state (after a reshard)."""
+        self.state = dict(state)
+
+
+def _shard_name(name: str, generation: int, index: int) -> str:
+    return f"tensorkv-ps-{name}-g{generation}-s{index}"
+
+
+class ParameterServer:
+    """Embedding tables sharded over Ray actors.
+
+    Parameters
+    ----------
+    num_shards
+        Shards to start; None attaches to the running parameter server ``name``.
+    name
+        Name of the parameter server (letters, digits, ``-_.``); default a random one. If
+        shards of that name run already, this attaches to them (``num_shards`` must then
+        match or be None).
+    checkpoint_url
+        Store URL the shards checkpoint into (``lmdb:///abs/path``, ``redis://...``; every
+        shard process must reach it). With it, a shard that dies is restarted by Ray,
+        reloads its newest checkpoint and gets the updates since replayed by its clients:
+        none is lost, none applied twice. Without it a lost shard's rows are gone.
+    checkpoint_every
+        Mutating requests a shard serves between two checkpoints (incremental saves).
+    checkpoint_full_every
+        Every this many checkpoints of a shard one is a full save, after which its older
+        checkpoint tags are deleted.
+    mode, staleness
+        Defaults for :meth:`table`: ``"sync"`` or ``"async"`` updates (see
+        :class:`ShardedEmbeddingTable`).
+    worker
+        This client's id for exactly-once updates (default: a new random id). Two live
+        clients must not share one.
+    max_restarts
+        How often Ray may restart a shard actor (-1: without limit). Default -1 with a
+        ``checkpoint_url``, else 0.
+    actor_options
+        Extra ``.options(...)`` for the shard actors (resources such as ``num_cpus``,
+        ``scheduling_strategy``); shards default to ``num_cpus=0``.
+    recover_timeout
+        Seconds a client waits for a restarted shard.
+
+    Examples
+    --------
+    >>> import numpy as np, ray                                      # doctest: +SKIP
+    >>> from tensorkv.distributed import ParameterServer             # doctest: +SKIP
+    >>> ray.init(num_cpus=2, include_dashboard=False)                # doctest: +SKIP
+    >>> ps = ParameterServer(2, name="demo")                          # doctest: +SKIP
+    >>> t = ps.table("user", dim=8, optimizer="adagrad")              # doctest: +SKIP
+    >>> t.lookup(np.array([3, 7, 3])).shape                           # doctest: +SKIP
+    (3, 8)
+    >>> ps.shutdown()                                                 # doctest: +SKIP
+    """
+
+    def __init__(self, num_shards: int | None = None, name: str | None = None,
+                 checkpoint_url: str | None = None, *, checkpoint_every: int = 100,
+                 checkpoint_full_every: int = 20, mode: str = "sync", staleness: int = 2,
+                 worker: str | None = None,
+                 max_restarts: int | None = None, actor_options: dict[str, Any] | None = None,
+                 recover_timeout: float = 60.0) -> None:
+        ray = ray_module()
+        if num_shards is not None and (isinstance(num_shards, bool) or
+                                       not isinstance(num_shards, int) or num_shards < 1):
+            raise ConfigError(f"num_shards={num_shards!r} must be a positive int (or None to "
+                              "attach to a running parameter server by name)")
+        if name is None:
+            if num_shards is None:
+                raise ConfigError("give num_shards to start a parameter server, or name= to "
+                                  "attach to a running one")
+            name = uuid.uuid4().hex[:12]
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise ConfigError(f"name={name!r} must be 1-64 letters, digits, '-', '_' or '.'")
+        if not isinstance(checkpoint_every, int) or checkpoint_every < 0:
+            raise ConfigError(f"checkpoint_every={checkpoint_every!r} must be an int >= 0")
+        if not isinstance(checkpoint_full_every, int) or checkpoint_full_every < 1:
+            raise ConfigError(f"checkpoint_full_every={checkpoint_full_every!r} must be an "
+                              "int >= 1")
+        if mode not in ("sync", "async"):
+            raise ConfigError(f"mode={mode!r} must be 'sync' or 'async'")
+        if not ray.is_initialized():
+            ray.init()
+        self.name = name
+        self.mode = mode
+        self.staleness = staleness
+        self.recover_timeout = recover_timeout
+        self.owner = False
+        self._state: dict[str, Any] = {}
+        reg_name = f"tensorkv-ps-{name}"
+        try:
+            self._registry = ray.get_actor(reg_name, namespace=NAMESPACE)
+        except ValueError:
+            self._registry = None
+        if self._registry is None:
+            if num_shards is None:
+                raise ShardUnavailableError(
+                    f"no parameter server named {name!r} runs in this Ray cluster; start one "
+                    f"with ParameterServer(num_shards, name={name!r})")
+            if max_restarts is None:
+                max_restarts = -1 if checkpoint_url else 0
+            state: dict[str, Any] = {
+                "num_shards": num_shards, "generation": 0, "checkpoint_url": checkpoint_url,
+                "checkpoint_every": checkpoint_every, "full_every": checkpoint_full_every,
+                "max_restarts": max_restarts,
+                     "actor_options": dict(actor_options or {})}
+            reg_cls = ray.remote(num_cpus=0)(Registry)
+            self._registry = reg_cls.options(name=reg_name, namespace=NAMESPACE).remote(state)
+            self.owner = True
+            self._state = state
+            actors = self._start_shards(state)
+        else:
+            self._state = ray.get(self._registry.get.remote())
+            if num_shards is not None and num_shards != self._state["num_shards"]:
+                raise ConfigError(
+                    f"parameter server {name!r} runs {self._state['num_shards']} shards, not "
+                    f"num_shards={num_shards}; pass num_shards=None to attach")
+            actors = self._find_shards(self._state)
+        self.channel = Channel(actors, worker, logging=bool(self._state["checkpoint_url"]),
+                               recover_timeout=recover_timeout)
+        self._tables: dict[str, ShardedEmbeddingTable] = {}
+        if self.owner:
+            _LIVE.add(self)
+
+    # --- shards --------------------------------------------------------------------------------
+    def _start_shards(self, state: dict[str, Any],
+                      init_from: tuple[str, str] | None = None) -> list[Any]:
+        ray = ray_module()
+        opts = {"num_cpus": 0, "max_restarts": state["max_restarts"], "max_task_retries": 0,
+                **state["actor_options"]}
+        cls = ray.remote(ShardServer)
+        n, gen = state["num_shards"], state["generation"]
+        actors = [cls.options(name=_shard_name(self.name, gen, i), namespace=NAMESPACE,
+                              **opts).remote(self.name, i, n, gen, state["checkpoint_url"],
+                                             state["checkpoint_every"], init_from,
+                                             state.get("full_every", 20))
+                  for i in range(n)]
+        ray.get([a.ping.remote() for a in actors])  # started (and restored) before first use
+        return actors
+
+    def _find_shards(self, state: dict[str, Any]) -> list[Any]:
+        ray = ray_module()
+        out = []
+        for i in range(state["num_shards"]):
+            try:
+                out.append(ray.get_actor(_shard_name(self.name, state["generation"], i),
+                                         namespace=NAMESPACE))
+            except ValueError as exc:
+                raise ShardUnavailableError(
+                    f"shard {i} of parameter server {self.name!r} is gone; restore the tables "
+                    "from a checkpoint into a new parameter server") from exc
+        return out
+
+    @property
+    def num_shards(self) -> int:
+        """Number of shards."""
+        return self.channel.num_shards
+
+    @property
+    def checkpoint_url(self) -> str | None:
+        """Where the shards checkpoint themselves."""
+        return self._state["checkpoint_url"]
+
+    @property
+    def actors(self) -> list[Any]:
+        """The shard actors' handles, by shard number."""
+        return list(self.channel.actors)
+
+    # --- tables --------------------------------------------------------------------------------
+    def table(self, name: str, dim: int | None = None, *, mode: str | None = None,
+              staleness: int | None = None, **kwargs: Any) -> ShardedEmbeddingTable:
+        """The table ``name``, created on every shard if it does not exist yet.
+
+        Parameters
+        ----------
+        name
+            Table name.
+        dim
+            Row width; may be left out to attach to an existing table.
+        mode, staleness
+            This client's update mode (default: the parameter server's).
+        **kwargs
+            :class:`~tensorkv.EmbeddingTable` arguments (``optimizer``, ``initializer``,
+            ``storage``, ``admission``, ``eviction``, ``seed`` ...), the same for every shard
+            (a ``storage_path`` gets a directory per shard). An existing table must have been
+            created with the same ones.
+        """
+        ray = ray_module()
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"table name {name!r} must be a non-empty str")
+        if dim is not None and (isinstance(dim, bool) or not isinstance(dim, int) or dim <= 0):
+            raise ConfigError(f"dim={dim!r} must be a positive integer, e.g. dim=64")
+        spec = {"dim": dim, **copy.deepcopy(kwargs)}
+        if dim is None:
+            found = self._existing(name)
+            if found is None:
+                raise ConfigError(f"table {name!r} does not exist on parameter server "
+                                  f"{self.name!r}; give dim= (and its options) to create it")
+            spec = found
+        else:
+            try:
+                dumps(spec)
+            except Exception as exc:
+                raise ConfigError(f"table {name!r}: its arguments cannot be sent to the shards "
+                                  f"({exc}); pass optimizers and filters as objects or "
+                                  "configs that pickle") from exc
+            infos = ray.get([a.create.remote(name, spec) for a in self.actors])
+            have = pickle.loads(infos[0]["spec"])
+            if not any(i["created"] for i in infos) and kwargs and dumps(have) != \
+                    dumps(spec):
+                raise ConfigError(
+                    f"table {name!r} exists on parameter server {self.name!r} with other "
+                    f"arguments ({have}); attach with ps.table({name!r}) or choose another name")
+            spec = have
+        t = ShardedEmbeddingTable(self.channel, name, int(spec["dim"]), spec,
+                                  mode=mode or self.mode,
+                                  staleness=self.staleness if staleness is None else staleness)
+        self._tables[name] = t
+        return t
+
+    def _existing(self, name: str) -> dict[str, Any] | None:
+        ray = ray_module()
+        if name not in ray.get(self.actors[0].info.remote())["tables"]:
+            return None
+        return pickle.loads(ray.get(self.actors[0].create.remote(name, None))["spec"])
+
+    def tables(self) -> list[str]:
+        """Names of the tables on the parameter server."""
+        ray = ray_module()
+        return list(ray.get(self.actors[0].info.remote())["tables"])
+
+    def drop_table(self, name: str) -> None:
+        """Remove table ``name`` from every shard (its rows are gone)."""
+        ray = ray_module()
+        t = self._tables.pop(name, None)
+        if t is not None:
+            t.drain()
+        ray.get([a.drop.remote(name) for a in self.actors])
+
+    # --- checkpoints ---------------------------------------------------------------------------
+    def checkpoint(self) -> list[str | None]:
+        """Make every shard checkpoint itself now; the tags written."""
+        ray = ray_module()
+        for t in self._tables.values():
+            t.drain()
+        return list(ray.get([a.checkpoint.remote() for a in self.actors]))
+
+    def save(self, url: str, tag: str, tables: list[str] | None = None,
+             metadata: dict[str, Any] | None = None) -> str:
+        """Save the tables as a sharded checkpoint: each shard writes its own rows, in parallel.
+
+        The tag is an ordinary sharded save (``num_shards`` = this server's): ``tensorkv.load``
+        restores it into a local table, or onto any number of shards (:meth:`load`).
+        """
+        ray = ray_module()
+        for t in self._tables.values():
+            t.drain()
+        ray.get([a.save_shard.remote(url, tag, tables, metadata) for a in self.actors])
+        return tag
+
+    def load(self, url: str, tag: str = "latest", tables: list[str] | None = None) -> int:
+        """Replace the tables' rows with a checkpoint's (saved from any number of shards).
+
+        Each shard reads only its own keys. Tables missing here are created (with the
+        arguments they were saved with). Clients must be idle. Returns the rows loaded.
+        """
+        ray = ray_module()
+        for t in self._tables.values():
+            t.drain()
+        if tag == "latest":
+            from tensorkv.checkpoint import latest_tag
+
+            found = latest_tag(url)
+            if found is None:
+                raise ConfigError(f"no tag in {url!r} to load")
+            tag = found
+        n = int(sum(ray.get([a.load_shard.remote(url, tag, tables) for a in self.actors])))
+        for t in self._tables.values():
+            t.rebase()
+        return n
+
+    def reshard(self, num_shards: int, url: str | None = None) -> None:
+        """Move every table onto ``num_shards`` shards, exactly (through a checkpoint).
+
+        The shards save a sharded checkpoint into ``url`` (default: ``checkpoint_url``), new
+        shards load their hash ranges from it, and the old ones stop. Clients must be idle;
+        tables of this object keep working, other clients attach again
+        (``ParameterServer(name=...)``).
+        """
+        ray = ray_module()
+        if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1:
+            raise ConfigError(f"num_shards={num_shards!r} must be a positive int")
+        url = url or self.checkpoint_url
+        if url is None:
+            raise ConfigError("reshard needs a store for the transfer: pass url= "
+                              "(e.g. 'lmdb:///tmp/reshard') or create the server with "
+                              "checkpoint_url=")
+        state: dict[str, Any] = dict(self._state)
+        tag = f"ps-{self.name}-reshard-g{state['generation']}-{uuid.uuid4().hex[:8]}"
+        self.save(url, tag)
+        old = self.actors
+        state["generation"] += 1
+        state["num_shards"] = num_shards
+        actors = self._start_shards(state, init_from=(url, tag))
+        ray.get(self._registry.set.remote(state))
+        self._state = state
+        for a in old:
+            with contextlib.suppress(Exception):
+                ray.get(a.forget_checkpoints.remote())
+            ray.kill(a, no_restart=True)
+        ch = Channel(actors, self.channel.worker, logging=bool(state["checkpoint_url"]),
+                     recover_timeout=self.recover_timeout)
+        self.channel = ch
+        for t in self._tables.values():
+            t.channel = ch
+            t.rebase()
+
+    # --- operations ----------------------------------------------------------------------------
+    def status(self) -> list[dict[str, Any]]:
+        """Per shard: tables (rows, bytes, tiers), requests served, requests/s, checkpoint."""
+        ray = ray_module()
+        return list(ray.get([a.status.remote() for a in self.actors]))
+
+    def shutdown(self) -> None:
+        """Stop the shards and the registry (their rows are gone; checkpoints stay)."""
+        ray = ray_module()
+        _LIVE.discard(self)
+        for t in self._tables.values():
+            with contextlib.suppress(Exception):
+                t.drain()
+        if not ray.is_initialized():
+            return
+        for a in self.actors:
+            with contextlib.suppress(Exception):
+                ray.get(a.close.remote(), timeout=30)
+            with contextlib.suppress(Exception):
+                ray.kill(a, no_restart=True)
+        with contextlib.suppress(Exception):
+            ray.kill(self._registry, no_restart=True)
+
+    def __enter__(self) -> ParameterServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.owner:
+            self.shutdown()
+
+    def __repr__(self) -> str:
+        return (f"ParameterServer(name={self.name!r}, num_shards={self.num_shards}, "
+                f"checkpoint_url={self.checkpoint_url!r})")
+
+
+@atexit.register
+def _shutdown_all() -> None:  # pragma: no cover - runs at interpreter exit
+    for ps in list(_LIVE):
+        with contextlib.suppress(Exception):
+            ps.shutdown()
+
+
+__all__ = ["NAMESPACE", "ParameterServer", "Registry"]
