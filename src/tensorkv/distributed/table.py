@@ -328,12 +328,14 @@ class ShardedEmbeddingTable:
         self.drain()
 
     # --- updates ------------------------------------------------------------------------------
-    def apply_gradients(self, keys: Any, grads: Any, step: int | None = None) -> int:
+    def apply_gradients(self, keys: Any, grads: Any, step: int | None = None, *,
+                        unique: bool = False) -> int:
         """Apply one sparse optimizer step (see ``EmbeddingTable.apply_gradients``).
 
         Gradients are summed per key on the client; every shard gets one request (the ones
         without keys still count the step, so all shards agree on it). Returns the number of
-        rows updated (in ``"async"`` mode, the number of distinct keys sent).
+        rows updated (in ``"async"`` mode, the number of distinct keys sent). ``unique`` is
+        accepted as ``EmbeddingTable`` takes it: the grouping by shard sums in the same pass.
         """
         k = self.as_keys(keys)
         g = np.asarray(grads)
