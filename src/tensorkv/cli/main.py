@@ -13,6 +13,7 @@ import click
 from tensorkv import __version__
 from tensorkv.cli.bench_cmd import bench
 from tensorkv.cli.demo import demo
+from tensorkv.cli.repo_cmds import repo as repo_group
 from tensorkv.errors import MissingDependencyError, TensorKVError
 from tensorkv.stores import Capabilities, schemes
 from tensorkv.stores.registry import backend_class
@@ -162,6 +163,7 @@ def stores() -> None:
 main.add_command(demo)
 main.add_command(bench)
 main.add_command(stores)
+main.add_command(repo_group)
 
 try:  # checkpoint tools live in their own module, added when it exists
     checkpoint_cmds = importlib.import_module("tensorkv.cli.checkpoint_cmds")
