@@ -27,7 +27,7 @@ from tensorkv.stores.base import KVStore
 
 LOG = b"repo/log/"
 #: Entries read per round trip while replaying the log.
-LOG_BATCH = 512
+LOG_BATCH = 1024
 
 
 def log_key(seq: int) -> bytes:
@@ -98,13 +98,15 @@ class ModelIndex:
         self.ords: dict[str, int] = {}
         self.by_hash: dict[int, list[int]] = {}
         self._metric: dict[str, np.ndarray] = {}
+        self._arrays: dict[int, np.ndarray] = {}
 
     # ----------------------------------------------------------------- the log
     def refresh(self, store: KVStore) -> bool:
         """Apply the log entries written since the last refresh; return whether any were."""
         changed = False
+        batch = 4  # grows while the log has more: one small read when nothing changed
         while True:
-            keys = [log_key(s) for s in range(self.seq, self.seq + LOG_BATCH)]
+            keys = [log_key(s) for s in range(self.seq, self.seq + batch)]
             vals = store.get_many(keys)
             for v in vals:
                 if v is None:
@@ -112,13 +114,13 @@ class ModelIndex:
                 self.apply(json.loads(v), self.seq)
                 self.seq += 1
                 changed = True
+            batch = min(batch * 4, LOG_BATCH)
 
     def append(self, store: KVStore, entry: dict[str, Any], *, timeout: float = 30.0) -> int:
         """Append ``entry`` to the log after every entry there; return its sequence number."""
         data = json.dumps(entry, separators=(",", ":")).encode()
         deadline = time.monotonic() + timeout
-        while True:
-            self.refresh(store)
+        while True:  # try the next free entry as known; on a clash, read what others added
             if store.put_if_absent(log_key(self.seq), data):
                 seq = self.seq
                 self.apply(entry, seq)
@@ -127,6 +129,7 @@ class ModelIndex:
             if time.monotonic() > deadline:
                 raise RepositoryError(f"could not append to the model log of {store.url!r} "
                                       f"within {timeout} s (entry {self.seq} stays taken)")
+            self.refresh(store)
 
     def apply(self, e: dict[str, Any], seq: int) -> None:
         """Apply one log entry."""
@@ -147,6 +150,7 @@ class ModelIndex:
             self.alive[o] = True
             for k in np.unique(keys).tolist():
                 self.by_hash.setdefault(k, []).append(o)
+                self._arrays.pop(k, None)
             self._metric.clear()
         elif e["op"] == "del":
             o = self.ords.get(mid, -1)
@@ -155,6 +159,7 @@ class ModelIndex:
             self.alive[o] = False
             for k in np.unique(self.infos[o].keys).tolist():
                 lst = self.by_hash.get(k)
+                self._arrays.pop(k, None)
                 if lst is not None:
                     lst.remove(o)
                     if not lst:
@@ -169,6 +174,14 @@ class ModelIndex:
         """The live model ``mid``, or None."""
         o = self.ords.get(mid, -1)
         return self.infos[o] if o >= 0 and self.alive[o] else None
+
+    def holders(self, key: int) -> np.ndarray:
+        """Ordinals of the live models holding layer hash ``key`` (int64 array, cached)."""
+        arr = self._arrays.get(key)
+        if arr is None:
+            arr = np.asarray(self.by_hash.get(key, ()), dtype=np.int64)
+            self._arrays[key] = arr
+        return arr
 
     def metric(self, name: str) -> np.ndarray:
         """Each model's value of metric ``name`` (-inf where absent), by model ordinal."""
@@ -218,8 +231,7 @@ class ModelIndex:
                 break
             tops = [v for v in range(n) if remaining >> v & 1
                     and not any(remaining >> s & 1 for s in succ[v])]
-            cands = np.unique(np.concatenate(
-                [np.asarray(self.by_hash[klist[v]], dtype=np.int64) for v in tops]))
+            cands = np.unique(np.concatenate([self.holders(klist[v]) for v in tops]))
             cands = cands[~examined[cands]]
             examined[cands] = True
             if cands.size:
@@ -230,7 +242,7 @@ class ModelIndex:
                         full = np.zeros(len(self.infos), dtype=np.int64)
                         for v in range(n):
                             if present[v]:
-                                full[np.asarray(self.by_hash[klist[v]], dtype=np.int64)] += 1
+                                full[self.holders(klist[v])] += 1
                     counts = full[cands]
                 mets = metric_arr[cands]
                 pick = np.lexsort((-cands, mets, counts))[-1]

@@ -1,26 +1,37 @@
-"""Reference counts of content-addressed tensors, updated with compare-and-set.
+"""Reference counts of content-addressed tensors, changed under one short-lived lock.
 
 ``repo/r/<tensor id>`` on the metadata provider holds the number of live (or being-written)
-models that use the tensor, as ASCII digits. A delete that takes a count to zero first swaps
-it for a tombstone (``-<unix time>``), deletes the data, then removes the tombstone; a put
-that finds a tombstone waits for it to go (or takes over one older than
-:data:`STALE_TOMBSTONE_S`, left by a killed deleter). So data is never deleted while a model
-that uses it is visible, and a put never counts on data a delete is removing.
+models that use the tensor, as ASCII digits. Every change of counts happens while holding
+``repo/lock/refs`` (taken with ``put_if_absent``, released with ``compare_and_set``), so a
+put changes all its counts with one read and one batch write, whatever the number of its
+tensors. A lock older than :data:`LOCK_STALE_S` was left by a killed process and is taken
+over.
+
+A delete that takes a count to zero swaps it for a tombstone (``-<unix time>``), releases
+the lock, deletes the data, then removes the tombstone; a put that finds a tombstone waits
+for it to go (or takes over one older than :data:`STALE_TOMBSTONE_S`, left by a killed
+deleter). So data is never deleted while a model that uses it is visible, and a put never
+counts on data a delete is removing.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 from tensorkv.errors import RepositoryError
 from tensorkv.stores.base import KVStore
 
 REFS = b"repo/r/"
+LOCK = b"repo/lock/refs"
+#: A lock held longer than this (seconds) was left by a killed process and is taken over.
+LOCK_STALE_S = 30.0
 #: A tombstone older than this (seconds) was left by a killed deleter and may be taken over.
 STALE_TOMBSTONE_S = 60.0
-#: Longest a put waits for a live tombstone to go (seconds).
-WAIT_S = 30.0
+#: Longest a caller waits for the lock or for a live tombstone to go (seconds).
+WAIT_S = 60.0
 
 
 def ref_key(tid: str) -> bytes:
@@ -28,45 +39,70 @@ def ref_key(tid: str) -> bytes:
     return REFS + tid.encode()
 
 
+@contextmanager
+def locked(meta: KVStore) -> Iterator[None]:
+    """Hold the reference-count lock of the repository whose metadata is ``meta``."""
+    token = f"{uuid.uuid4().hex}:{time.time():.3f}".encode()
+    deadline = time.monotonic() + WAIT_S
+    pause = 0.0002
+    while not meta.put_if_absent(LOCK, token):
+        cur = meta.get(LOCK)
+        if cur is not None and time.time() - float(cur.rsplit(b":", 1)[-1]) > LOCK_STALE_S:
+            meta.compare_and_set(LOCK, cur, None)  # its holder was killed
+            continue
+        if time.monotonic() > deadline:
+            raise RepositoryError(f"the reference-count lock {LOCK.decode()} of {meta.url!r} "
+                                  f"stayed taken for {WAIT_S} s; retry")
+        time.sleep(pause)
+        pause = min(pause * 2, 0.01)
+    try:
+        yield
+    finally:
+        meta.compare_and_set(LOCK, token, None)
+
+
 def _count(v: bytes | None) -> int | None:
-    """The count a value holds, None for a tombstone, 0 for an absent key."""
+    """The count a value holds, None for a live tombstone, 0 for an absent key."""
     if v is None:
         return 0
     if v[:1] == b"-":
+        if time.time() - float(v[1:] or b"0") > STALE_TOMBSTONE_S:
+            return 0  # a killed deleter's: its data may be gone, the put rewrites it
         return None
     return int(v)
-
-
-def _stale(v: bytes) -> bool:
-    return time.time() - float(v[1:] or b"0") > STALE_TOMBSTONE_S
 
 
 def incref(meta: KVStore, tids: Sequence[str], done: list[str] | None = None) -> list[int]:
     """Add one reference to each tensor; return each count before (0: the tensor is new).
 
-    ``done`` is extended with each tensor as it is counted (what to undo after a failure).
+    ``done`` is extended with the tensors counted (what to undo after a failure).
     """
-    keys = [ref_key(t) for t in tids]
-    cur = meta.get_many(keys)
-    before = []
-    for key, v in zip(keys, cur, strict=True):
-        deadline = time.monotonic() + WAIT_S
-        while True:
-            n = _count(v)
-            if n is None and v is not None and _stale(v):
-                n = 0  # a killed deleter's tombstone: its data may be gone; rewrite it
-            if n is not None and meta.compare_and_set(key, v, b"%d" % (n + 1)):
-                before.append(n)
+    before: dict[str, int] = {}
+    left = list(tids)
+    deadline = time.monotonic() + WAIT_S
+    while left:
+        with locked(meta):
+            cur = meta.get_many([ref_key(t) for t in left])
+            writes = []
+            wait = []
+            for t, v in zip(left, cur, strict=True):
+                n = _count(v)
+                if n is None:
+                    wait.append(t)
+                else:
+                    before[t] = n
+                    writes.append((ref_key(t), b"%d" % (n + 1)))
+            if writes:
+                meta.put_many(writes)
                 if done is not None:
-                    done.append(key[len(REFS):].decode())
-                break
-            if n is None:
-                if time.monotonic() > deadline:
-                    raise RepositoryError(f"tensor {key.decode()} stayed being deleted for "
-                                          f"{WAIT_S} s; retry the put")
-                time.sleep(0.002)
-            v = meta.get(key)
-    return before
+                    done.extend(k[len(REFS):].decode() for k, _ in writes)
+        left = wait
+        if left:
+            if time.monotonic() > deadline:
+                raise RepositoryError(f"{len(left)} tensors stayed being deleted for {WAIT_S} s "
+                                      f"(e.g. {ref_key(left[0]).decode()}); retry the put")
+            time.sleep(0.002)
+    return [before[t] for t in tids]
 
 
 def decref(meta: KVStore, tids: Sequence[str], delete_data: Callable[[list[str]], None]) -> int:
@@ -74,27 +110,29 @@ def decref(meta: KVStore, tids: Sequence[str], delete_data: Callable[[list[str]]
 
     Returns the number of tensors retired.
     """
-    keys = [ref_key(t) for t in tids]
-    cur = meta.get_many(keys)
     dead: list[tuple[bytes, str, bytes]] = []
-    for key, tid, v in zip(keys, tids, cur, strict=True):
-        while True:
+    with locked(meta):
+        cur = meta.get_many([ref_key(t) for t in tids])
+        writes = []
+        tomb = b"-%.3f" % time.time()
+        for t, v in zip(tids, cur, strict=True):
             n = _count(v)
-            if n is None or n == 0:
-                break  # already retired (or being retired by someone else)
+            if not n:
+                continue  # already retired, or being retired by someone else
             if n > 1:
-                if meta.compare_and_set(key, v, b"%d" % (n - 1)):
-                    break
+                writes.append((ref_key(t), b"%d" % (n - 1)))
             else:
-                tomb = b"-%.3f" % time.time()
-                if meta.compare_and_set(key, v, tomb):
-                    dead.append((key, tid, tomb))
-                    break
-            v = meta.get(key)
+                writes.append((ref_key(t), tomb))
+                dead.append((ref_key(t), t, tomb))
+        if writes:
+            meta.put_many(writes)
     if dead:
         delete_data([t for _, t, _ in dead])
-        for key, _, tomb in dead:
-            meta.compare_and_set(key, tomb, None)
+        with locked(meta):
+            cur = meta.get_many([k for k, _, _ in dead])
+            gone = [k for (k, _, tb), v in zip(dead, cur, strict=True) if v == tb]
+            if gone:
+                meta.delete_many(gone)
     return len(dead)
 
 
@@ -102,12 +140,16 @@ def set_count(meta: KVStore, tid: str, expected: bytes | None, count: int,
               delete_data: Callable[[list[str]], None]) -> bool:
     """Set a count from ``expected`` to ``count`` (0 retires the tensor); False if it moved."""
     key = ref_key(tid)
-    if count > 0:
-        return meta.compare_and_set(key, expected, b"%d" % count)
     tomb = b"-%.3f" % time.time()
-    if expected is not None and not meta.compare_and_set(key, expected, tomb):
-        return False
+    with locked(meta):
+        if meta.get(key) != expected:
+            return False
+        if count > 0:
+            meta.put(key, b"%d" % count)
+            return True
+        meta.put(key, tomb)
     delete_data([tid])
-    if expected is not None:
-        meta.compare_and_set(key, tomb, None)
+    with locked(meta):
+        if meta.get(key) == tomb:
+            meta.delete(key)
     return True
