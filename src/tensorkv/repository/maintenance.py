@@ -99,9 +99,7 @@ def gc(repo: Repository, grace: float = 3600.0) -> dict[str, int]:
         if tid in pending:
             continue
         want = exp.get(tid, 0)
-        tomb = v[:1] == b"-"
-        if tomb and time.time() - float(v[1:] or b"0") < refs.STALE_TOMBSTONE_S:
-            continue  # a live deleter's
+        tomb = v[:1] == b"-"  # not pending: its deleter's intent is stale, it was killed
         if tomb or int(v) != want:
             n = max((d.get(tid, 0) for d in data), default=0) or chunks.get(tid, 1)
             if refs.set_count(repo.meta, tid, v, want, _deleter(repo, {tid: n})):

@@ -4,8 +4,8 @@
 models that use the tensor, as ASCII digits. Every change of counts happens while holding
 ``repo/lock/refs`` (taken with ``put_if_absent``, released with ``compare_and_set``), so a
 put changes all its counts with one read and one batch write, whatever the number of its
-tensors. A lock older than :data:`LOCK_STALE_S` was left by a killed process and is taken
-over.
+tensors. A lock whose holder is gone (a dead pid on this host, or held longer than
+:data:`LOCK_STALE_S`) was left by a killed process and is taken over.
 
 A delete that takes a count to zero swaps it for a tombstone (``-<unix time>``), releases
 the lock, deletes the data, then removes the tombstone; a put that finds a tombstone waits
@@ -16,6 +16,8 @@ counts on data a delete is removing.
 
 from __future__ import annotations
 
+import os
+import socket
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -39,15 +41,35 @@ def ref_key(tid: str) -> bytes:
     return REFS + tid.encode()
 
 
+def _dead_holder(token: bytes) -> bool:
+    """Whether a lock token names a process that is gone (stale, or dead on this host)."""
+    try:
+        host, pid, _, when = token.decode().split(":")
+    except ValueError:
+        return True
+    if time.time() - float(when) > LOCK_STALE_S:
+        return True
+    if host != socket.gethostname():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
 @contextmanager
 def locked(meta: KVStore) -> Iterator[None]:
     """Hold the reference-count lock of the repository whose metadata is ``meta``."""
-    token = f"{uuid.uuid4().hex}:{time.time():.3f}".encode()
+    token = (f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex}:"
+             f"{time.time():.3f}").encode()
     deadline = time.monotonic() + WAIT_S
     pause = 0.0002
     while not meta.put_if_absent(LOCK, token):
         cur = meta.get(LOCK)
-        if cur is not None and time.time() - float(cur.rsplit(b":", 1)[-1]) > LOCK_STALE_S:
+        if cur is not None and _dead_holder(cur):
             meta.compare_and_set(LOCK, cur, None)  # its holder was killed
             continue
         if time.monotonic() > deadline:

@@ -28,9 +28,10 @@ from typing import Any
 
 import numpy as np
 
-from tensorkv.checkpoint.dense import to_numpy, to_torch
+from tensorkv.checkpoint.dense import to_numpy
 from tensorkv.errors import (
     ConfigError,
+    CorruptRecordError,
     GraphError,
     ModelNotFoundError,
     RepositoryError,
@@ -426,7 +427,7 @@ class Repository:
                     from tensorkv.errors import BadIndexError
 
                     raise BadIndexError(f"read_tensor({n!r}, {index!r}): {exc}") from None
-            out[n] = arr if as_numpy or e.get("torch_dtype") is None else to_torch(
+            out[n] = arr if as_numpy or e.get("torch_dtype") is None else tensors.as_torch(
                 arr, e["torch_dtype"])
         return out
 
@@ -444,39 +445,53 @@ class Repository:
         return module.load_state_dict(self.get(mid), strict=strict)
 
     def _fetch(self, mid: str, plans: list[tuple[str, dict[str, Any], range]]) -> list[np.ndarray]:
-        """Fetch and assemble the chunk ranges of several tensors, providers in parallel."""
-        got: dict[tuple[str, int], Any] = {}
-        need = [(e["id"], i) for _, e, r in plans for i in r]
-        left = list(dict.fromkeys(need))
+        """Fetch the chunk ranges of several tensors into new arrays, providers in parallel.
+
+        Each chunk is decoded (checksum verified) straight from the store's buffer into its
+        place in the output (LMDB hands out its own memory: one copy in all).
+        """
+        outs = [tensors.empty_for(e, r) for _, e, r in plans]
+        targets: dict[tuple[str, int], list[int]] = {}
+        for pi, (_, e, r) in enumerate(plans):
+            for i in r:
+                targets.setdefault((e["id"], i), []).append(pi)
+
+        def one(p: int, items: list[tuple[str, int]]) -> list[tuple[str, int]]:
+            keys = [tensors.chunk_key(t, i) for t, i in items]
+            missing = []
+            with self.providers[p].get_many_buffers(keys) as bufs:
+                for (t, i), key, b in zip(items, keys, bufs, strict=True):
+                    if b is None:
+                        missing.append((t, i))
+                        continue
+                    for pi in targets[(t, i)]:
+                        name, e, r = plans[pi]
+                        tensors.place(e, r, i, b, key, outs[pi], name)
+            return missing
+
+        left = list(targets)
         for rank_pos in range(len(self.providers)):
             groups: dict[int, list[tuple[str, int]]] = {}
             for t, i in left:
                 groups.setdefault(tensors.rank(t, self.provider_ids)[rank_pos], []).append((t, i))
-
-            def one(p: int, items: list[tuple[str, int]]) -> list[Any]:
-                return self.providers[p].get_many([tensors.chunk_key(t, i) for t, i in items])
-
             if len(groups) == 1:
                 (p, items), = groups.items()
-                results = {p: one(p, items)}
+                left = one(p, items)
             else:
-                futs = {p: self.pool.submit(one, p, items) for p, items in groups.items()}
-                results = {p: f.result() for p, f in futs.items()}
-            left = []
-            for p, items in groups.items():
-                for ti, v in zip(items, results[p], strict=True):
-                    if v is None:
-                        left.append(ti)
-                    else:
-                        got[ti] = v
+                futs = [self.pool.submit(one, p, items) for p, items in groups.items()]
+                left = [ti for f in futs for ti in f.result()]
             if not left:
                 break
         if left:
             self.refresh()
             if self.index.get(mid) is None:
                 raise self._missing(mid)
-        return [tensors.assemble(e, r, [got.get((e["id"], i)) for i in r], n)
-                for n, e, r in plans]
+            t, i = left[0]
+            name = next(n for n, e, _ in plans if e["id"] == t)
+            raise CorruptRecordError(f"tensor {name!r}: chunk {tensors.chunk_key(t, i).decode()} "
+                                     f"is missing from every provider ({len(left)} chunks "
+                                     "missing); repo.check() lists the damage")
+        return outs
 
     # ----------------------------------------------------------------- queries
     def _query_graph(self, model: Any, example_inputs: Any, trace: Trace) -> Graph:

@@ -133,26 +133,46 @@ def chunk_range(entry: dict[str, Any], index: Any) -> tuple[range, int, Any]:
     )
 
 
-def assemble(entry: dict[str, Any], idx: range, bufs: list[Any], name: str) -> np.ndarray:
-    """Decode chunk records ``idx`` (verifying each) into one new writable array."""
+def empty_for(entry: dict[str, Any], idx: range) -> np.ndarray:
+    """A new array for the rows that chunks ``idx`` of a tensor hold."""
     shape = tuple(entry["shape"])
     dt = dtype_of(entry["dtype"])
-    parts = []
-    for i, b in zip(idx, bufs, strict=True):
-        key = chunk_key(entry["id"], i)
-        if b is None:
-            raise CorruptRecordError(
-                f"tensor {name!r}: chunk {key.decode()} is missing from every provider"
-            )
-        a = decode(b, key)
-        if a.dtype != dt:
-            raise CorruptRecordError(f"tensor {name!r}: chunk {key.decode()} holds {a.dtype}, "
-                                     f"the manifest says {dt}")
-        parts.append(a)
-    if not parts:
-        return np.empty((0, *shape[1:]), dtype=dt)
-    out = np.array(parts[0]) if len(parts) == 1 else np.concatenate(parts, axis=0)
-    if len(idx) == entry["chunks"] and out.shape != shape:
-        raise CorruptRecordError(f"tensor {name!r}: chunks hold shape {out.shape}, the "
-                                 f"manifest says {shape}")
-    return out
+    if not shape or entry["chunks"] == 1:
+        return np.empty(shape, dtype=dt)
+    rows = entry["rows"]
+    lo, hi = idx.start * rows, min(idx.stop * rows, shape[0])
+    return np.empty((max(hi - lo, 0), *shape[1:]), dtype=dt)
+
+
+def place(entry: dict[str, Any], idx: range, i: int, buf: Any, key: bytes, out: np.ndarray,
+          name: str) -> None:
+    """Decode chunk ``i`` (verifying it) into its rows of ``out`` (the rows of ``idx``)."""
+    a = decode(buf, key)
+    shape = tuple(entry["shape"])
+    if entry["chunks"] == 1 or not shape:
+        want: tuple[int, ...] = shape
+        dst = out
+    else:
+        rows = entry["rows"]
+        lo = (i - idx.start) * rows
+        n = min(rows, shape[0] - i * rows)
+        want = (n, *shape[1:])
+        dst = out[lo:lo + n]
+    if a.shape != want or a.dtype != out.dtype:
+        raise CorruptRecordError(
+            f"tensor {name!r}: chunk {key.decode()} holds {a.dtype}{a.shape}, the manifest "
+            f"says {out.dtype}{want}"
+        )
+    np.copyto(dst, a)
+
+
+def as_torch(arr: np.ndarray, torch_dtype: str) -> Any:
+    """A torch tensor sharing the memory of ``arr`` (a new, writable array we own)."""
+    import torch
+
+    if arr.dtype == BFLOAT16:
+        return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
+    t = torch.from_numpy(arr)
+    if str(t.dtype).replace("torch.", "") != torch_dtype:
+        t = t.to(getattr(torch, torch_dtype))
+    return t
