@@ -50,7 +50,11 @@ class Node:
         """Canonical bytes of what the node is, without its name or its inputs."""
         params = sorted((p.local, list(p.shape), p.dtype) for p in self.params)
         doc = {"op": self.op, "type": self.type, "config": self.config, "params": params}
-        return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+        try:
+            return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+        except (TypeError, ValueError) as exc:
+            raise GraphError(f"node {self.name!r}: 'config' is not JSON-serialisable: "
+                             f"{exc}") from None
 
     def to_dict(self) -> dict[str, Any]:
         """The node in the JSON graph format."""
@@ -93,6 +97,7 @@ class Graph:
                     )
             self.index[n.name] = i
         self._hashes: list[bytes] | None = None
+        self.hashes()  # validates every configuration too
 
     def __len__(self) -> int:
         return len(self.nodes)
@@ -172,10 +177,6 @@ def _node_from_dict(i: int, d: Any) -> Node:
     config = d.get("config", {})
     if not isinstance(config, Mapping):
         raise GraphError(f"node {name!r}: 'config' must be a dict, got {type(config).__name__}")
-    try:
-        json.dumps(config, sort_keys=True)
-    except (TypeError, ValueError) as exc:
-        raise GraphError(f"node {name!r}: 'config' is not JSON-serialisable: {exc}") from None
     params = []
     raw_params = d.get("params", {})
     if not isinstance(raw_params, Mapping):

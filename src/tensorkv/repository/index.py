@@ -240,13 +240,20 @@ class ModelIndex:
                 else:
                     if full is None:
                         full = np.zeros(len(self.infos), dtype=np.int64)
+                        n_live = int(self.alive.sum())
                         for v in range(n):
-                            if present[v]:
+                            if not present[v]:
+                                continue
+                            if len(self.by_hash[klist[v]]) == n_live:
+                                full += 1  # every live model holds it: no gather needed
+                            else:
                                 full[self.holders(klist[v])] += 1
                     counts = full[cands]
-                mets = metric_arr[cands]
-                pick = np.lexsort((-cands, mets, counts))[-1]
-                cand = (int(counts[pick]), float(mets[pick]), -int(cands[pick]))
+                top = counts.max()
+                sel = cands[counts == top]
+                mets = metric_arr[sel]
+                best_met = mets.max()
+                cand = (int(top), float(best_met), -int(sel[mets == best_met].min()))
                 if best is None or cand > best:
                     best = cand
             for v in tops:
