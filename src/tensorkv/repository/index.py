@@ -221,7 +221,7 @@ class ModelIndex:
         for v in range(n):
             if present[v]:
                 remaining |= 1 << v
-        examined = np.zeros(len(self.infos), dtype=bool)
+        examined: np.ndarray | None = None  # models ranked in earlier rounds
         metric_arr = self.metric(metric) if metric else np.zeros(len(self.infos))
         best: tuple[int, float, int] | None = None  # (count, metric, -ordinal)
         full: np.ndarray | None = None
@@ -231,8 +231,14 @@ class ModelIndex:
                 break
             tops = [v for v in range(n) if remaining >> v & 1
                     and not any(remaining >> s & 1 for s in succ[v])]
-            cands = np.unique(np.concatenate([self.holders(klist[v]) for v in tops]))
-            cands = cands[~examined[cands]]
+            if len(tops) == 1:  # holders hold no repeats
+                cands = self.holders(klist[tops[0]])
+            else:
+                cands = np.unique(np.concatenate([self.holders(klist[v]) for v in tops]))
+            if examined is None:
+                examined = np.zeros(len(self.infos), dtype=bool)
+            else:
+                cands = cands[~examined[cands]]
             examined[cands] = True
             if cands.size:
                 if len(tops) == 1 and remaining & ~anc[tops[0]] == 0:
