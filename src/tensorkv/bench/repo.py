@@ -129,10 +129,12 @@ def _median(fn: Any, repeat: int, setup: Any = None) -> float:
 
 def run(quick: bool, report: Report, *, layers: int = 100, model_mb: float | None = None,
         populations: str | None = None, readers: str | None = None,
-        providers: str | None = None, repeat: int = 3, root: str | None = None) -> None:
+        providers: str | None = None, repeat: int = 3, root: str | None = None,
+        read_seconds: float | None = None) -> None:
     """Run the repository workloads (see the module docstring).
 
-    ``populations``, ``readers`` and ``providers`` are comma-separated counts.
+    ``populations``, ``readers`` and ``providers`` are comma-separated counts;
+    ``read_seconds`` is how long each group of reader processes reads.
     """
     torch = import_optional("torch", "the repository benchmark", "torch")
     h5py = import_optional("h5py", "the repository benchmark's HDF5 baselines", "repo-bench")
@@ -303,7 +305,7 @@ def run(quick: bool, report: Report, *, layers: int = 100, model_mb: float | Non
             sfs.append(pth)
         ds_where = [servers[0].url] + [None]
         rcli.set("model:0:path", os.path.join(files, "m.h5"))
-        secs = 1.0 if quick else 2.0
+        secs = read_seconds if read_seconds is not None else (1.0 if quick else 2.0)
         ctx = get_context("spawn")
         for n in nreaders:
             rates = {}
@@ -325,6 +327,11 @@ def run(quick: bool, report: Report, *, layers: int = 100, model_mb: float | Non
                 s.flushall()
             with Repository([s.url for s in servers[:n]]) as pr:
                 t = _median(lambda pr=pr: pr.put(g, sd), repeat, fresh)
+                if n > 1:
+                    held = [p["bytes"] for p in pr.stats()["providers"]]
+                    report.add(f"placement over {n} providers", "max/mean",
+                               max(held) / (sum(held) / n), "even spread", 1.0,
+                               f"{layers} tensors a model, {repeat} models")
             rate = mb / t
             one_rate = one_rate or rate
             report.add(f"store over {n} Redis providers", "MB/s", rate, "1 provider", one_rate,
