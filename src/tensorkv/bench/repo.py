@@ -266,7 +266,11 @@ def run(quick: bool, report: Report, *, layers: int = 100, model_mb: float | Non
                 f.get_tensor(one)
 
         reps = 50
-        t_one = _median(lambda: [lm.read_tensor(mid, one) for _ in range(reps)], 3) / reps
+        def tkv_many() -> None:  # each result dropped at once, as sf_many does
+            for _ in range(reps):
+                lm.read_tensor(mid, one)
+
+        t_one = _median(tkv_many, 3) / reps
         def sf_many() -> None:
             for _ in range(reps):
                 sf_one()

@@ -231,21 +231,39 @@ class ModelIndex:
                 break
             tops = [v for v in range(n) if remaining >> v & 1
                     and not any(remaining >> s & 1 for s in succ[v])]
-            if len(tops) == 1:  # holders hold no repeats
-                cands = self.holders(klist[tops[0]])
-            else:
-                cands = np.unique(np.concatenate([self.holders(klist[v]) for v in tops]))
+            if best is None and len(tops) > 1:
+                # remaining is downward closed, so it is the closure of its tops: a model
+                # holding every top holds all of it, and no model can hold more
+                arrs = sorted((self.holders(klist[v]) for v in tops), key=len)
+                common = arrs[0]
+                for a in arrs[1:]:
+                    common = common[np.isin(common, a, assume_unique=True)]
+                    if not common.size:
+                        break
+                if common.size:
+                    mets = metric_arr[common]
+                    best_met = mets.max()
+                    o = int(common[mets == best_met].min())
+                    return o, np.isin(keys, self.infos[o].keys)
             if examined is None:
                 examined = np.zeros(len(self.infos), dtype=bool)
-            else:
+            if len(tops) == 1:  # holders hold no repeats
+                cands = self.holders(klist[tops[0]])
                 cands = cands[~examined[cands]]
-            examined[cands] = True
+                examined[cands] = True
+            else:  # a union by mask: linear in the models, but a few microseconds
+                fresh = np.zeros(len(self.infos), dtype=bool)
+                for v in tops:
+                    fresh[self.holders(klist[v])] = True
+                fresh &= ~examined
+                examined |= fresh
+                cands = np.flatnonzero(fresh)
             if cands.size:
                 if len(tops) == 1 and remaining & ~anc[tops[0]] == 0:
                     counts = np.full(cands.size, size, dtype=np.int64)
                 else:
                     if full is None:
-                        full = np.zeros(len(self.infos), dtype=np.int64)
+                        full = np.zeros(len(self.infos), dtype=np.int32)
                         n_live = int(self.alive.sum())
                         for v in range(n):
                             if not present[v]:
