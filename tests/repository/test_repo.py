@@ -199,3 +199,19 @@ def test_transfer_copies_only_the_shared_prefix(lmdb_url):
         assert sorted(copied) == ["0.bias", "0.weight", "2.bias", "2.weight"]
         assert torch.equal(new[2].weight, old[2].weight)
         assert not torch.equal(new[4].bias[:4], old[4].bias)
+
+
+def test_corrupt_manifest_and_log_are_named_by_key(lmdb_url):
+    from tensorkv.repository.index import log_key
+    from tensorkv.repository.layout import manifest_key
+
+    with Repository(lmdb_url) as repo:
+        mid = repo.put(mlp((4, 4)))
+        repo.meta.put(manifest_key(mid), b"{not json")
+        repo.manifests.clear()
+        with pytest.raises(CorruptRecordError, match=f"repo/m/{mid} is not valid JSON"):
+            repo.get(mid)
+        repo.meta.put(log_key(1), b"\xff")
+    with Repository(lmdb_url) as again, pytest.raises(CorruptRecordError,
+                                                      match="repo/log/000000000001"):
+        again.list()

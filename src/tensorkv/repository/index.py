@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from tensorkv.errors import ConfigError, RepositoryError
+from tensorkv.repository.layout import load_json
 from tensorkv.stores.base import KVStore
 
 LOG = b"repo/log/"
@@ -108,10 +109,10 @@ class ModelIndex:
         while True:
             keys = [log_key(s) for s in range(self.seq, self.seq + batch)]
             vals = store.get_many(keys)
-            for v in vals:
+            for key, v in zip(keys, vals, strict=True):
                 if v is None:
                     return changed
-                self.apply(json.loads(v), self.seq)
+                self.apply(load_json(key, v), self.seq)
                 self.seq += 1
                 changed = True
             batch = min(batch * 4, LOG_BATCH)

@@ -7,7 +7,6 @@ covered by its intent (written before anything else), so gc runs safely beside w
 
 from __future__ import annotations
 
-import json
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -15,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from tensorkv.errors import CorruptRecordError
 from tensorkv.repository import refs, tensors
-from tensorkv.repository.layout import INTENTS, MANIFESTS, manifest_key
+from tensorkv.repository.layout import INTENTS, MANIFESTS, load_json, manifest_key
 
 if TYPE_CHECKING:
     from tensorkv.repository.repo import Repository
@@ -39,7 +38,7 @@ def _intents(repo: Repository, grace: float) -> tuple[set[str], set[str], list[b
     mids: set[str] = set()
     stale: list[bytes] = []
     for k, v in repo.meta.scan(INTENTS):
-        doc = json.loads(v)
+        doc = load_json(k, v)
         if now - float(doc.get("time", 0)) < grace:
             pending.update(doc.get("tids", []))
             mids.add(k[len(INTENTS):].decode())
@@ -58,7 +57,7 @@ def _expected(repo: Repository) -> tuple[Counter[str], dict[str, int], list[str]
         if raw is None:
             lost.append(info.id)
             continue
-        m = json.loads(raw)
+        m = load_json(manifest_key(info.id), raw)
         ids = {e["id"]: e["chunks"] for e in m["tensors"].values()}
         chunks.update(ids)
         exp.update(ids.keys())

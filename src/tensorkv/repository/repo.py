@@ -42,7 +42,7 @@ from tensorkv.repository import refs, tensors
 from tensorkv.repository.capture import Trace, capture, is_module
 from tensorkv.repository.graph import Graph, as_graph
 from tensorkv.repository.index import ModelIndex, matcher
-from tensorkv.repository.layout import PROVIDER_KEY, intent_key, manifest_key
+from tensorkv.repository.layout import PROVIDER_KEY, intent_key, load_json, manifest_key
 from tensorkv.stores import KVStore, open_store
 
 #: Environment variable naming the default repository (a path or a store URL).
@@ -170,7 +170,7 @@ class Repository:
         if raw is None:
             self.refresh()
             raise self._missing(mid)
-        m = json.loads(raw)
+        m = load_json(manifest_key(mid), raw)
         with self.lock:
             self.manifests[mid] = m
         return m
@@ -581,7 +581,7 @@ class Repository:
                 with self.lock:  # manifest gone (a killed delete): finish it
                     self.index.append(self.meta, {"op": "del", "id": mid})
             raise self._missing(mid)
-        m = json.loads(raw)
+        m = load_json(manifest_key(mid), raw)
         chunks = {e["id"]: e["chunks"] for e in m["tensors"].values()}
         ikey = intent_key(mid)
         self.meta.put(ikey, json.dumps({"tids": sorted(chunks), "time": time.time(),
