@@ -23,6 +23,8 @@ from tensorkv.errors import GraphError
 GRAPH_FORMAT = "tensorkv.graph/1"
 #: Domain separator of layer hashes (changing it changes every hash).
 _HASH_DOMAIN = b"tensorkv-layer/1\x00"
+#: The canonical JSON of signatures (one encoder: building one per call costs more).
+_CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"))
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,7 @@ class Node:
         params = sorted((p.local, list(p.shape), p.dtype) for p in self.params)
         doc = {"op": self.op, "type": self.type, "config": self.config, "params": params}
         try:
-            return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+            return _CANONICAL.encode(doc).encode()
         except (TypeError, ValueError) as exc:
             raise GraphError(f"node {self.name!r}: 'config' is not JSON-serialisable: "
                              f"{exc}") from None
@@ -166,7 +168,7 @@ class Graph:
 
 
 def _node_from_dict(i: int, d: Any) -> Node:
-    if not isinstance(d, Mapping):
+    if type(d) is not dict and not isinstance(d, Mapping):
         raise GraphError(f"node {i} is a {type(d).__name__}; each node is a dict")
     name = d.get("name")
     if not isinstance(name, str) or not name:
@@ -175,11 +177,11 @@ def _node_from_dict(i: int, d: Any) -> Node:
     if not isinstance(op, str) or not isinstance(typ, str) or not typ:
         raise GraphError(f"node {name!r}: 'op' and 'type' must be non-empty strings")
     config = d.get("config", {})
-    if not isinstance(config, Mapping):
+    if type(config) is not dict and not isinstance(config, Mapping):
         raise GraphError(f"node {name!r}: 'config' must be a dict, got {type(config).__name__}")
     params = []
     raw_params = d.get("params", {})
-    if not isinstance(raw_params, Mapping):
+    if type(raw_params) is not dict and not isinstance(raw_params, Mapping):
         raise GraphError(f"node {name!r}: 'params' must be a dict of local name -> tensor info")
     for local, info in raw_params.items():
         if not isinstance(info, Mapping) or "shape" not in info or "dtype" not in info:
@@ -191,7 +193,7 @@ def _node_from_dict(i: int, d: Any) -> Node:
         params.append(Param(str(local), str(tensor), tuple(int(s) for s in info["shape"]),
                             str(info["dtype"])))
     inputs = d.get("inputs", [])
-    if isinstance(inputs, str) or not isinstance(inputs, Sequence):
+    if type(inputs) is not list and (isinstance(inputs, str) or not isinstance(inputs, Sequence)):
         raise GraphError(f"node {name!r}: 'inputs' must be a list of node names")
     return Node(name, op, typ, dict(config), tuple(params), tuple(str(s) for s in inputs))
 
