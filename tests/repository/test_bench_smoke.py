@@ -21,6 +21,7 @@ def test_repo_bench_smoke(tmp_path):
             "one tensor of a 100-tensor model", "bytes stored, children share 50%",
             "1 reader processes", "store over 2 Redis providers", "placement over 2 providers",
             "longest_prefix p50 at 120 models", "metadata puts, 2 client processes"} <= cases
-    assert all(r.value > 0 and r.baseline_value > 0 for r in report.results)
+    bad = [r for r in report.results if not (r.value > 0 and r.baseline_value > 0)]
+    assert not bad, bad
     dedup = next(r for r in report.results if r.case.startswith("bytes stored"))
     assert dedup.ratio < 1.01

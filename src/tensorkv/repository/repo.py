@@ -333,7 +333,7 @@ class Repository:
     def _write_group(self, p: int, tids: list[str],
                      by_tid: dict[str, tuple[np.ndarray, dict[str, Any]]]) -> None:
         store = self.providers[p]
-        batch: list[tuple[bytes, bytes]] = []
+        batch: list[tuple[bytes, np.ndarray]] = []
         size = 0
         for t in tids:
             arr, e = by_tid[t]

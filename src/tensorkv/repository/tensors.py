@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from tensorkv.codec import BFLOAT16, decode, encode
+from tensorkv.codec import BFLOAT16, decode, encode_parts
 from tensorkv.errors import BadIndexError, CorruptRecordError
 
 #: Default size of a chunk of rows in bytes (4 MiB).
@@ -81,12 +81,22 @@ def chunk_keys(entry: dict[str, Any], idx: range | None = None) -> list[bytes]:
     return [chunk_key(entry["id"], i) for i in (idx or range(entry["chunks"]))]
 
 
-def encode_chunks(arr: np.ndarray, entry: dict[str, Any]) -> list[tuple[bytes, bytes]]:
+def _record(arr: np.ndarray) -> np.ndarray:
+    """One tensor record as a uint8 array; numpy copies the payload, letting threads run."""
+    head, payload = encode_parts(arr)
+    out = np.empty(len(head) + payload.nbytes, np.uint8)
+    out[: len(head)] = np.frombuffer(head, np.uint8)
+    if payload.nbytes:
+        np.copyto(out[len(head):], np.frombuffer(payload, np.uint8))
+    return out
+
+
+def encode_chunks(arr: np.ndarray, entry: dict[str, Any]) -> list[tuple[bytes, np.ndarray]]:
     """The (key, record) pairs of a tensor's chunks."""
     rows = entry["rows"]
     if entry["chunks"] == 1:
-        return [(chunk_key(entry["id"], 0), encode(arr))]
-    return [(chunk_key(entry["id"], i), encode(arr[i * rows:(i + 1) * rows]))
+        return [(chunk_key(entry["id"], 0), _record(arr))]
+    return [(chunk_key(entry["id"], i), _record(arr[i * rows:(i + 1) * rows]))
             for i in range(entry["chunks"])]
 
 
