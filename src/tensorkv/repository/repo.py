@@ -247,6 +247,7 @@ class Repository:
             self.meta.put(intent_key(mid), json.dumps({"tids": tids, "time": time.time()})
                           .encode())
         counted: list[str] = []
+        published = False
         try:
             self._write_new(by_tid, parent_entries)
             before = refs.incref(self.meta, tids, done=counted)
@@ -265,9 +266,11 @@ class Repository:
                      "b": sum(e["nbytes"] for e in entries.values()), "n": len(entries)}
             with self.lock:
                 self.index.append(self.meta, entry)
+                published = True  # visible: from here on, nothing is undone
                 self.manifests[mid] = manifest
         except BaseException as exc:
-            self._rollback(mid, counted, by_tid, exc)
+            if not published:
+                self._rollback(mid, counted, by_tid, exc)
             raise
         if tids:
             self.meta.delete(intent_key(mid))
