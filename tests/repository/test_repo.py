@@ -215,3 +215,17 @@ def test_corrupt_manifest_and_log_are_named_by_key(lmdb_url):
     with Repository(lmdb_url) as again, pytest.raises(CorruptRecordError,
                                                       match="repo/log/000000000001"):
         again.list()
+
+
+def test_a_reader_sees_another_clients_delete(lmdb_url):
+    with Repository(lmdb_url) as writer, Repository(lmdb_url) as reader:
+        m = mlp((4, 4))
+        keep = writer.put(m)
+        gone = writer.put(m)  # same tensors: deleting it retires none of them
+        assert_state_equal(reader.get(gone), m.state_dict())  # the reader caches it
+        writer.delete(gone)
+        with pytest.raises(ModelNotFoundError, match=f"no model '{gone}'"):
+            reader.get(gone)
+        assert_state_equal(reader.get(keep), m.state_dict())
+        new = writer.put(mlp((4, 5)))
+        assert len(reader.get(new)) == 2  # and another client's put

@@ -41,7 +41,7 @@ from tensorkv.errors import (
 from tensorkv.repository import refs, tensors
 from tensorkv.repository.capture import Trace, capture, is_module
 from tensorkv.repository.graph import Graph, as_graph
-from tensorkv.repository.index import ModelIndex, matcher
+from tensorkv.repository.index import ModelIndex, log_key, matcher
 from tensorkv.repository.layout import PROVIDER_KEY, intent_key, load_json, manifest_key
 from tensorkv.stores import KVStore, open_store
 
@@ -459,11 +459,19 @@ class Repository:
             for i in r:
                 targets.setdefault((e["id"], i), []).append(pi)
 
-        def one(p: int, items: list[tuple[str, int]]) -> list[tuple[str, int]]:
+        # the version check rides along with the metadata provider's read: whether the log
+        # has an entry this client has not seen (a put or a delete by someone else)
+        vkey = log_key(self.index.seq)
+        changed = [False]
+
+        def one(p: int, items: list[tuple[str, int]], check: bool = False
+                ) -> list[tuple[str, int]]:
             keys = [tensors.chunk_key(t, i) for t, i in items]
             missing = []
-            with self.providers[p].get_many_buffers(keys) as bufs:
-                for (t, i), key, b in zip(items, keys, bufs, strict=True):
+            with self.providers[p].get_many_buffers(keys + [vkey] if check else keys) as bufs:
+                if check:
+                    changed[0] = bufs[-1] is not None
+                for (t, i), key, b in zip(items, keys, bufs, strict=False):
                     if b is None:
                         missing.append((t, i))
                         continue
@@ -477,18 +485,22 @@ class Repository:
             groups: dict[int, list[tuple[str, int]]] = {}
             for t, i in left:
                 groups.setdefault(tensors.rank(t, self.provider_ids)[rank_pos], []).append((t, i))
+            if rank_pos == 0:
+                groups.setdefault(0, [])  # the metadata provider answers the version check
             if len(groups) == 1:
                 (p, items), = groups.items()
-                left = one(p, items)
+                left = one(p, items, rank_pos == 0)
             else:
-                futs = [self.pool.submit(one, p, items) for p, items in groups.items()]
+                futs = [self.pool.submit(one, p, items, rank_pos == 0 and p == 0)
+                        for p, items in groups.items()]
                 left = [ti for f in futs for ti in f.result()]
             if not left:
                 break
-        if left:
+        if changed[0] or left or self.index.get(mid) is None:
             self.refresh()
             if self.index.get(mid) is None:
                 raise self._missing(mid)
+        if left:
             t, i = left[0]
             name = next(n for n, e, _ in plans if e["id"] == t)
             raise CorruptRecordError(f"tensor {name!r}: chunk {tensors.chunk_key(t, i).decode()} "
