@@ -58,6 +58,7 @@ if TYPE_CHECKING:
         get_initializer,
         get_optimizer,
     )
+    from tensorkv.repository import Repository
 
 try:
     __version__ = version("tensorkv")
@@ -69,6 +70,10 @@ _DEPRECATED = {"KVTier": "KV", "TieredEmbeddingTable": "EmbeddingTable"}
 
 
 def __getattr__(name: str) -> object:
+    if name == "Repository":  # the model repository, imported on first use
+        from tensorkv.repository import Repository
+
+        return Repository
     if name in _EMBEDDING:
         from tensorkv import embedding
 
@@ -131,6 +136,8 @@ __all__ = [
     "check",
     "gc",
     "CheckReport",
+    # the model repository
+    "Repository",
     # errors and version
     "TensorKVError",
     "__version__",
@@ -138,4 +145,4 @@ __all__ = [
 
 # The names of __all__ not imported above come from tensorkv.embedding on first use, so
 # `import tensorkv` stays free of numba.
-_EMBEDDING = frozenset(n for n in __all__ if n not in globals())
+_EMBEDDING = frozenset(n for n in __all__ if n not in globals() and n != "Repository")

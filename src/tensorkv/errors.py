@@ -252,3 +252,26 @@ class StoreAuthError(StoreError, PermissionError):
 # --- benchmarks ----------------------------------------------------------------------------
 class BenchmarkError(TensorKVError, RuntimeError):
     """A benchmark's own check of what it measured failed (data read back wrong or missing)."""
+
+
+# --- model repository ----------------------------------------------------------------------
+class RepositoryError(TensorKVError):
+    """The model repository refused or failed an operation."""
+
+
+class ModelNotFoundError(RepositoryError, KeyError):
+    """No model with that id is stored (or it was deleted); the message lists some that are."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable.
+        return str(self.args[0]) if self.args else ""
+
+
+class GraphError(RepositoryError, ValueError):
+    """A graph description is malformed, or a model cannot be captured as a graph."""
+
+
+class TensorNotFoundError(RepositoryError, KeyError):
+    """A stored model has no tensor of that name; the message lists the names it has."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable.
+        return str(self.args[0]) if self.args else ""

@@ -14,6 +14,7 @@ from tensorkv import __version__
 from tensorkv.cli.bench_cmd import bench
 from tensorkv.cli.demo import demo
 from tensorkv.cli.ps_cmd import ps
+from tensorkv.cli.repo_cmds import repo as repo_group
 from tensorkv.cli.view_cmd import view
 from tensorkv.errors import MissingDependencyError, TensorKVError
 from tensorkv.stores import Capabilities, schemes
@@ -166,6 +167,7 @@ main.add_command(bench)
 main.add_command(stores)
 main.add_command(view)
 main.add_command(ps)
+main.add_command(repo_group)
 
 try:  # checkpoint tools live in their own module, added when it exists
     checkpoint_cmds = importlib.import_module("tensorkv.cli.checkpoint_cmds")

@@ -1,0 +1,55 @@
+"""Fixtures for repository tests: store URLs on real backends, real redis-servers."""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+import pytest
+
+import servers
+
+_counter = itertools.count()
+BACKENDS = ["memory", "lmdb", "rocksdb", "leveldb", "redis"]
+
+
+@pytest.fixture(scope="session")
+def repo_redis(request):
+    """A standalone redis-server for the repository tests."""
+    return servers.session_server(request, servers.RedisServer)
+
+
+@pytest.fixture(scope="session")
+def repo_redis_pool(request):
+    """Three more standalone redis-servers: providers of one repository."""
+    return [servers.session_server(request, servers.RedisServer) for _ in range(3)]
+
+
+def ns() -> str:
+    """A fresh key namespace."""
+    return f"r{os.getpid()}-{next(_counter)}/"
+
+
+def make_url(backend: str, tmp_path, request) -> str:
+    """A fresh, empty store URL of ``backend``."""
+    n = next(_counter)
+    if backend == "memory":
+        return f"memory://repo-test-{os.getpid()}-{n}"
+    if backend == "redis":
+        server = request.getfixturevalue("repo_redis")
+        return f"redis://127.0.0.1:{server.port}/0?prefix={ns()}"
+    for mod in {"rocksdb": "rocksdict", "leveldb": "plyvel"}.get(backend, "lmdb"),:
+        pytest.importorskip(mod)
+    return f"{backend}://{tmp_path}/{backend}-{n}"
+
+
+@pytest.fixture(params=BACKENDS)
+def any_url(request, tmp_path) -> str:
+    """A fresh store URL on each backend in turn."""
+    return make_url(request.param, tmp_path, request)
+
+
+@pytest.fixture
+def lmdb_url(tmp_path) -> str:
+    """A fresh LMDB store URL."""
+    return f"lmdb://{tmp_path}/repo"

@@ -1,0 +1,27 @@
+"""The repository benchmark runs end to end at tiny sizes (structure only, never timings)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tensorkv.bench import repo
+from tensorkv.bench.common import Report
+from tensorkv.bench.redis_server import redis_server_path
+
+
+def test_repo_bench_smoke(tmp_path):
+    pytest.importorskip("h5py")
+    if redis_server_path() is None:
+        pytest.skip("redis-server is not installed")
+    report = Report("repo", quick=True, echo=False)
+    repo.run(True, report, layers=8, model_mb=0.2, populations="60,120", readers="1",
+             providers="1,2", repeat=1, root=str(tmp_path), read_seconds=0.2)
+    cases = {r.case for r in report.results}
+    assert {"store model (LMDB, durable)", "load model (LMDB)", "load 25% prefix (LMDB)",
+            "one tensor of a 100-tensor model", "bytes stored, children share 50%",
+            "1 reader processes", "store over 2 Redis providers", "placement over 2 providers",
+            "longest_prefix p50 at 120 models", "metadata puts, 2 client processes"} <= cases
+    bad = [r for r in report.results if not (r.value > 0 and r.baseline_value > 0)]
+    assert not bad, bad
+    dedup = next(r for r in report.results if r.case.startswith("bytes stored"))
+    assert dedup.ratio < 1.01

@@ -1,0 +1,113 @@
+"""Graph capture and stable layer hashes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from tensorkv.errors import GraphError
+from tensorkv.repository import Graph, capture
+
+from .models import CNN, Untraceable, mlp
+
+HASH_SCRIPT = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+from repository.models import CNN
+from tensorkv.repository import capture
+print(",".join(h.hex() for h in capture(CNN(seed=7)).hashes()))
+"""
+
+
+def test_hashes_stable_across_processes_and_seeds():
+    here = ",".join(h.hex() for h in capture(CNN(seed=1)).hashes())
+    tests = str(__import__("pathlib").Path(__file__).resolve().parents[1])
+    out = subprocess.run([sys.executable, "-c", HASH_SCRIPT.format(tests=tests)],
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == here  # weights differ, architecture does not
+
+
+def test_renamed_modules_hash_the_same():
+    class A(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first = nn.Linear(4, 8)
+            self.second = nn.Linear(8, 2)
+
+        def forward(self, x):
+            return self.second(torch.relu(self.first(x)))
+
+    class B(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.enc = nn.Linear(4, 8)
+            self.dec = nn.Linear(8, 2)
+
+        def forward(self, x):
+            return self.dec(torch.relu(self.enc(x)))
+
+    assert capture(A()).hashes() == capture(B()).hashes()
+    assert capture(A()).hashes() != capture(mlp((4, 8, 3))).hashes()
+
+
+def test_fx_graph_has_branches_and_params():
+    g = capture(CNN())
+    ops = {n.op for n in g.nodes}
+    assert {"input", "module", "function", "output"} <= ops
+    add = next(n for n in g.nodes if n.op == "function" and "add" in n.type)
+    assert len(add.inputs) == 2
+    names = g.tensor_names()
+    assert set(names) == set(CNN().state_dict())  # BatchNorm buffers included
+
+
+def test_a_changed_layer_changes_it_and_its_descendants_only():
+    a, b = capture(mlp((4, 8, 8, 2))), capture(mlp((4, 8, 9, 2)))
+    same = [x == y for x, y in zip(a.hashes(), b.hashes(), strict=True)]
+    assert same[:3] == [True, True, True] and not any(same[4:])
+
+
+def test_untraceable_falls_back_to_hooks_or_tree():
+    m = Untraceable()
+    tree = capture(m)
+    assert [n.name for n in tree.nodes] == ["input", "a", "b"]
+    hooks = capture(m, torch.randn(1, 4))
+    assert [n.name for n in hooks.nodes] == ["input", "a", "b"]
+    with pytest.raises(GraphError, match="cannot trace Untraceable.*trace='hooks'"):
+        capture(m, trace="fx")
+    with pytest.raises(GraphError, match="needs example_inputs"):
+        capture(m, trace="hooks")
+
+
+def test_identical_branches_get_distinct_hashes():
+    g = Graph.from_dict({"nodes": [
+        {"name": "x", "op": "input", "type": "input"},
+        {"name": "a", "type": "relu", "inputs": ["x"]},
+        {"name": "b", "type": "relu", "inputs": ["x"]},
+    ]})
+    h = g.hashes()
+    assert len(set(h)) == 3
+
+
+def test_graph_round_trips_through_its_dict():
+    g = capture(CNN())
+    g2 = Graph.from_dict(g.to_dict())
+    assert g2.hashes() == g.hashes() and g2.to_dict() == g.to_dict()
+
+
+@pytest.mark.parametrize("doc, match", [
+    ([], "dict with a 'nodes' list"),
+    ({"nodes": "x"}, "'nodes' must be a list"),
+    ({"nodes": [{"type": "t"}]}, "node 0 has no 'name'"),
+    ({"nodes": [{"name": "a", "type": "t", "inputs": ["zz"]}]}, "input 'zz'.*topological"),
+    ({"nodes": [{"name": "a", "type": "t"}, {"name": "a", "type": "t"}]}, "appears twice"),
+    ({"nodes": [{"name": "a", "type": "t", "params": {"w": {"shape": [1]}}}]}, "needs 'shape'"),
+    ({"nodes": [{"name": "a", "type": "t", "config": {"f": object()}}]}, "JSON"),
+    ({"format": "other/9", "nodes": []}, "upgrade"),
+])
+def test_bad_graphs_are_refused(doc, match):
+    with pytest.raises(GraphError, match=match):
+        Graph.from_dict(doc)

@@ -1,0 +1,231 @@
+"""Repository round trips on every backend, dedup, reference counts, gc, check, bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tensorkv import Repository, open_store
+from tensorkv.errors import (
+    BadIndexError,
+    ConfigError,
+    CorruptRecordError,
+    GraphError,
+    ModelNotFoundError,
+    TensorNotFoundError,
+)
+from tensorkv.repository import tensors
+
+from .models import CNN, Untraceable, assert_state_equal, mlp
+
+
+def test_round_trip_on_every_backend(any_url):
+    with Repository(any_url, chunk_bytes=1024) as repo:
+        m = CNN()
+        m.bn.running_mean.uniform_()
+        mid = repo.put(m, name="cnn", metrics={"val_acc": 0.5})
+        assert_state_equal(repo.get(mid), m.state_dict())
+        w = m.conv1.weight
+        assert torch.equal(repo.read_tensor(mid, "conv1.weight", index=slice(2, 5)), w[2:5])
+        got = repo.read_tensors(mid, ["head.bias", "bn.num_batches_tracked"])
+        assert got["bn.num_batches_tracked"].dtype == torch.int64
+        fresh = CNN(seed=9)
+        repo.load_into(fresh, mid)
+        assert_state_equal(fresh.state_dict(), m.state_dict())
+        assert repo.check(deep=True)["ok"]
+
+
+def test_dtypes_round_trip_exactly(lmdb_url):
+    sd = {"bf": torch.randn(5, 3).to(torch.bfloat16), "h": torch.randn(4).half(),
+          "i8": torch.arange(-3, 3, dtype=torch.int8), "b": torch.tensor([True, False]),
+          "s": torch.tensor(3.5, dtype=torch.float64), "e": torch.zeros(0, 4)}
+    g = {"nodes": [{"name": "x", "op": "input", "type": "input"}]}
+    with Repository(lmdb_url) as repo:
+        mid = repo.put(g, sd)
+        assert_state_equal(repo.get(mid), sd)
+
+
+def test_slices_read_only_their_chunks(lmdb_url):
+    arr = np.arange(64 * 100, dtype=np.float32).reshape(100, 64)
+    g = {"nodes": [{"name": "x", "op": "input", "type": "input"},
+                   {"name": "fc", "type": "Dense", "inputs": ["x"],
+                    "params": {"w": {"shape": [100, 64], "dtype": "float32"}}}]}
+    with Repository(lmdb_url, chunk_bytes=1024) as repo:  # 4 rows per chunk
+        mid = repo.put(g, {"fc.w": arr})
+        e = repo.manifest(mid)["tensors"]["fc.w"]
+        assert e["rows"] == 4 and e["chunks"] == 25
+        for index in [slice(10, 13), slice(None, None, -3), 7, -1, (slice(5, 50, 7), 3),
+                      (Ellipsis, 2), slice(99, 200), slice(5, 5)]:
+            np.testing.assert_array_equal(repo.read_tensor(mid, "fc.w", index), arr[index])
+        r, _, _ = tensors.chunk_range(e, slice(10, 13))
+        assert list(r) == [2, 3]  # rows 8..15: two chunks, not 25
+        with pytest.raises(BadIndexError, match="out of bounds"):
+            repo.read_tensor(mid, "fc.w", 100)
+        with pytest.raises(BadIndexError, match="basic index"):
+            repo.read_tensor(mid, "fc.w", [1, 2])
+
+
+def test_children_store_only_what_differs(lmdb_url):
+    with Repository(lmdb_url) as repo:
+        parent = mlp((32, 64, 64, 64, 10))
+        pid = repo.put(parent)
+        before = repo.stats()
+        child = mlp((32, 64, 64, 64, 5))
+        child.load_state_dict({k: v for k, v in parent.state_dict().items()
+                               if not k.startswith("6.")}, strict=False)
+        cid = repo.put(child, parent=pid)
+        after = repo.stats()
+        new = sum(v.numel() * 4 for k, v in child.state_dict().items() if k.startswith("6."))
+        assert after["bytes_stored"] - before["bytes_stored"] < new + 1024
+        assert after["bytes_referenced"] == before["bytes_referenced"] * 2 - (
+            parent[6].weight.numel() + 10 - child[6].weight.numel() - 5) * 4
+        assert repo.list()[1]["parent"] == pid
+        assert_state_equal(repo.get(cid), child.state_dict())
+
+
+def test_delete_retires_only_unshared_tensors_and_gc_is_clean(lmdb_url):
+    with Repository(lmdb_url) as repo:
+        a = mlp((8, 16, 4))
+        b = mlp((8, 16, 5))
+        b[0].load_state_dict(a[0].state_dict())
+        ida, idb = repo.put(a), repo.put(b)
+        assert repo.stats()["tensors"] == 6
+        assert repo.delete(ida) == 2  # a's head; its first layer is b's too
+        assert_state_equal(repo.get(idb), b.state_dict())
+        with pytest.raises(ModelNotFoundError, match=f"no model '{ida}'.*1 stored"):
+            repo.get(ida)
+        with pytest.raises(ModelNotFoundError):
+            repo.delete(ida)
+        assert repo.gc(grace=0) == {"manifests_removed": 0, "deletes_finished": 0,
+                                    "counts_fixed": 0, "tensors_retired": 0,
+                                    "orphans_deleted": 0, "intents_removed": 0}
+        assert repo.delete(idb) == 4
+        s = repo.stats()
+        assert (s["models"], s["tensors"], s["bytes_stored"]) == (0, 0, 0)
+
+
+def test_gc_reclaims_a_killed_put(lmdb_url):
+    """A writer killed after counting and writing, before its manifest and log entry."""
+    with Repository(lmdb_url) as repo:
+        keep = repo.put(mlp((4, 4)))
+        m = mlp((4, 6, 3), seed=1)
+        from tensorkv.repository import refs
+        from tensorkv.repository.layout import intent_key
+
+        arrs = {k: v.numpy() for k, v in m.state_dict().items()}
+        ents = {k: tensors.describe(a, "float32", repo.chunk_bytes) for k, a in arrs.items()}
+        repo.meta.put(intent_key("dead"), b'{"tids": [], "time": 0}')
+        for k, a in arrs.items():
+            repo.providers[0].put_many(tensors.encode_chunks(a, ents[k]))
+        refs.incref(repo.meta, [e["id"] for e in ents.values()])
+        assert not repo.check()["ok"]
+        assert len(repo.list()) == 1
+        report = repo.gc(grace=0)
+        assert report["tensors_retired"] == 4 and report["intents_removed"] == 1
+        assert repo.check()["ok"] and repo.stats()["tensors"] == 2
+        assert len(repo.get(keep)) == 2
+
+
+def test_corrupt_chunk_is_named_by_key(lmdb_url):
+    with Repository(lmdb_url) as repo:
+        mid = repo.put(mlp((4, 4)))
+        e = repo.manifest(mid)["tensors"]["0.weight"]
+        key = tensors.chunk_key(e["id"], 0)
+        raw = bytearray(repo.meta.get(key))
+        raw[-1] ^= 0xFF
+        repo.meta.put(key, bytes(raw))
+        with pytest.raises(CorruptRecordError, match=key.decode()):
+            repo.read_tensor(mid, "0.weight")
+        report = repo.check(deep=True)
+        assert not report["ok"] and key.decode() in report["problems"][0]
+
+
+def test_bad_inputs_are_refused_clearly(lmdb_url):
+    with Repository(lmdb_url) as repo:
+        mid = repo.put(mlp((4, 4)))
+        with pytest.raises(TensorNotFoundError, match="no tensor 'nope'; it has 2: 0.bias"):
+            repo.read_tensor(mid, "nope")
+        with pytest.raises(ModelNotFoundError, match="model ids are str"):
+            repo.get(7)  # type: ignore[arg-type]
+        with pytest.raises(ConfigError, match="metric 'acc'"):
+            repo.put(mlp((4, 4)), metrics={"acc": float("nan")})
+        with pytest.raises(GraphError, match="needs its state_dict"):
+            repo.put({"nodes": []})
+        with pytest.raises(GraphError, match="names tensor 'fc.w'"):
+            repo.put({"nodes": [{"name": "fc", "type": "D",
+                                 "params": {"w": {"shape": [2], "dtype": "float32"}}}]}, {})
+        with pytest.raises(GraphError, match="shape"):
+            repo.put({"nodes": [{"name": "fc", "type": "D",
+                                 "params": {"w": {"shape": [2], "dtype": "float32"}}}]},
+                     {"fc.w": np.zeros(3, np.float32)})
+        with pytest.raises(GraphError, match="expected a Graph"):
+            repo.put(42, {})
+        with pytest.raises(ModelNotFoundError):
+            repo.put(mlp((4, 4)), parent="nope")
+        with pytest.raises(ConfigError, match="one str"):
+            repo.read_tensors(mid, "0.bias")  # type: ignore[arg-type]
+        with pytest.raises(ConfigError, match="where="):
+            repo.list(where=3)
+        assert len(repo.list()) == 1
+    with pytest.raises(ConfigError, match="at least one"):
+        Repository([])
+    with pytest.raises(ConfigError, match="chunk_bytes"):
+        Repository("memory://x", chunk_bytes=10)
+    st = open_store("memory://repo-same")
+    with pytest.raises(ConfigError, match="same store"):
+        Repository([st, st])
+
+
+def test_untraceable_model_round_trips_and_transfers(lmdb_url):
+    with Repository(lmdb_url) as repo:
+        m = Untraceable()
+        mid = repo.put(m, example_inputs=torch.randn(2, 4))
+        assert [n["name"] for n in repo.manifest(mid)["graph"]["nodes"]] == ["input", "a", "b"]
+        fresh = Untraceable(seed=3)
+        copied = repo.transfer(fresh, example_inputs=torch.randn(2, 4))
+        assert sorted(copied) == ["a.bias", "a.weight", "b.bias", "b.weight"]
+        assert_state_equal(fresh.state_dict(), m.state_dict())
+
+
+def test_transfer_copies_only_the_shared_prefix(lmdb_url):
+    with Repository(lmdb_url) as repo:
+        old = mlp((8, 16, 16, 4))
+        mid = repo.put(old, metrics={"val_acc": 0.8})
+        new = mlp((8, 16, 16, 7), seed=5)
+        got_mid, layers = repo.longest_prefix(new)
+        assert got_mid == mid and len(layers) == 5  # input, 0, 1, 2, 3 (head differs)
+        copied = repo.transfer(new)
+        assert sorted(copied) == ["0.bias", "0.weight", "2.bias", "2.weight"]
+        assert torch.equal(new[2].weight, old[2].weight)
+        assert not torch.equal(new[4].bias[:4], old[4].bias)
+
+
+def test_corrupt_manifest_and_log_are_named_by_key(lmdb_url):
+    from tensorkv.repository.index import log_key
+    from tensorkv.repository.layout import manifest_key
+
+    with Repository(lmdb_url) as repo:
+        mid = repo.put(mlp((4, 4)))
+        repo.meta.put(manifest_key(mid), b"{not json")
+        repo.manifests.clear()
+        with pytest.raises(CorruptRecordError, match=f"repo/m/{mid} is not valid JSON"):
+            repo.get(mid)
+        repo.meta.put(log_key(1), b"\xff")
+    with Repository(lmdb_url) as again, pytest.raises(CorruptRecordError,
+                                                      match="repo/log/000000000001"):
+        again.list()
+
+
+def test_a_reader_sees_another_clients_delete(lmdb_url):
+    with Repository(lmdb_url) as writer, Repository(lmdb_url) as reader:
+        m = mlp((4, 4))
+        keep = writer.put(m)
+        gone = writer.put(m)  # same tensors: deleting it retires none of them
+        assert_state_equal(reader.get(gone), m.state_dict())  # the reader caches it
+        writer.delete(gone)
+        with pytest.raises(ModelNotFoundError, match=f"no model '{gone}'"):
+            reader.get(gone)
+        assert_state_equal(reader.get(keep), m.state_dict())
+        new = writer.put(mlp((4, 5)))
+        assert len(reader.get(new)) == 2  # and another client's put
