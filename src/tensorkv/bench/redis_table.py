@@ -31,7 +31,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from tensorkv.bench.common import Report
+from tensorkv.bench.common import Report, measure
 from tensorkv.bench.redis_server import RedisServer, free_port, redis_server_path
 from tensorkv.errors import BenchmarkError
 
@@ -39,14 +39,6 @@ DIM = 64
 BATCH = 16_384
 
 
-def _best(fn: Callable[[], object], repeat: int) -> float:
-    fn()  # warm-up
-    best = float("inf")
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 @contextlib.contextmanager
@@ -149,16 +141,16 @@ def run(quick: bool, report: Report, *, n_keys: int | None = None, batch: int = 
 
     dram = tensorkv.EmbeddingTable(DIM, optimizer="adagrad")
     fill(dram)
-    base = {"upsert": timed / _best(upsert(dram), repeat),
-            "lookup": timed / _best(lookup(dram), repeat),
-            "train": timed / _best(train(dram), repeat)}
+    base = {"upsert": timed / measure(upsert(dram), repeat=repeat, warmup=0).best,
+            "lookup": timed / measure(lookup(dram), repeat=repeat, warmup=0).best,
+            "train": timed / measure(train(dram), repeat=repeat, warmup=0).best}
     layout = RecordLayout(DIM, "float32", 1)
     with RedisServer() as srv:
         table = _table(srv.url, model_tag_runtime="bench")
         fill(table)
-        up = timed / _best(upsert(table), repeat)
+        up = timed / measure(upsert(table), repeat=repeat, warmup=0).best
         server = _table(srv.url, model_tag_runtime="bench", read_only=True)
-        lk = timed / _best(lookup(server), repeat)
+        lk = timed / measure(lookup(server), repeat=repeat, warmup=0).best
         store = tensorkv.open_store(srv.url, prefix="kv/")
         recs = [layout.pack(k, values[k], np.zeros((k.size, DIM), np.float32))
                 for k in up_keys]
@@ -169,7 +161,7 @@ def run(quick: bool, report: Report, *, n_keys: int | None = None, batch: int = 
                 store.put_many(zip(nm, r.view(f"V{layout.record_bytes}").ravel().tolist(),
                                    strict=True))
 
-        store_up = timed / _best(store_upsert, repeat)
+        store_up = timed / measure(store_upsert, repeat=repeat, warmup=0).best
         fill_names = [b"%d" % x for x in range(n)]
         blank = bytes(layout.record_bytes)
         for s in range(0, n, batch):
@@ -181,15 +173,15 @@ def run(quick: bool, report: Report, *, n_keys: int | None = None, batch: int = 
                 blob = b"".join(cast("list[bytes]", got))  # every key is there
                 np.frombuffer(blob, np.uint8).reshape(len(nm), -1)
 
-        store_lk = timed / _best(store_lookup, repeat)
+        store_lk = timed / measure(store_lookup, repeat=repeat, warmup=0).best
         report.add("upsert", "keys/s", up, "Redis store, 1 key per row", store_up)
         report.add("upsert", "keys/s", up, "DRAM table", base["upsert"])
         report.add("lookup (read-only table)", "keys/s", lk, "Redis store, 1 key per row",
                    store_lk)
         report.add("lookup (read-only table)", "keys/s", lk, "DRAM table", base["lookup"])
-        tr_exact = timed / _best(train(table), repeat)
+        tr_exact = timed / measure(train(table), repeat=repeat, warmup=0).best
         lww = _table(srv.url, model_tag_runtime="bench", consistency="last_writer_wins")
-        tr_lww = timed / _best(train(lww), repeat)
+        tr_lww = timed / measure(train(lww), repeat=repeat, warmup=0).best
         report.add("lookup+apply, exact", "keys/s", tr_exact, "last_writer_wins", tr_lww)
         report.add("lookup+apply, exact", "keys/s", tr_exact, "DRAM table", base["train"])
         report.add("lookup+apply, last_writer_wins", "keys/s", tr_lww, "DRAM table",
@@ -205,8 +197,8 @@ def run(quick: bool, report: Report, *, n_keys: int | None = None, batch: int = 
             t = _table(url, model_tag_runtime="bench", storage_slice=48)
             fill(t)
             ro = _table(url, model_tag_runtime="bench", storage_slice=48, read_only=True)
-            figures[masters] = (timed / _best(upsert(t), repeat),
-                                timed / _best(lookup(ro), repeat))
+            figures[masters] = (timed / measure(upsert(t), repeat=repeat, warmup=0).best,
+                                timed / measure(lookup(ro), repeat=repeat, warmup=0).best)
             t.close(), ro.close()
     report.add("Cluster 3 masters: upsert", "keys/s", figures[3][0], "Cluster 1 master",
                figures[1][0])

@@ -27,16 +27,12 @@ from typing import Any
 
 import numpy as np
 
-from tensorkv.bench.common import Report
+from tensorkv.bench.common import Report, measure
 
 
 def _best(fn: Callable[[], Any], repeat: int) -> float:
-    best = float("inf")
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+    """Fastest of ``repeat`` runs of ``fn``, in seconds (no untimed run first)."""
+    return measure(fn, repeat=repeat, warmup=0).best
 
 
 def ensure_checkpoint(url: str, rows: int, dim: int) -> None:
