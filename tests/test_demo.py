@@ -54,7 +54,7 @@ def test_demo_trains_checkpoints_and_resumes_identically(tmp_path):
         assert "samples/s" in out and "AUC" in out
         assert "identical" in out and "DIFFERENT" not in out
         for word in ("rows", "hit ratio", "admission", "eviction", "checkpoints",
-                     "tensorkv tags lmdb://", "tensorkv check lmdb://"):
+                     "tensorkv ls lmdb://", "tensorkv view lmdb://", "tensorkv check lmdb://"):
             assert word in out
     from tensorkv.checkpoint import list_tags
 
