@@ -17,3 +17,17 @@ def test_import_optional_names_the_extra():
         import_optional("no_such_mod_x", "the HBM tier", "torch")
     with pytest.raises(ImportError):  # still an ImportError for callers that catch that
         import_optional("no_such_mod_x", "the HBM tier", "torch")
+
+
+def test_the_deprecated_storage_module_warns_and_still_works():
+    import importlib
+    import sys
+
+    import pytest
+
+    sys.modules.pop("tensorkv.embedding.storage", None)
+    with pytest.warns(DeprecationWarning, match="tensorkv.embedding.storage is deprecated"):
+        storage = importlib.import_module("tensorkv.embedding.storage")
+    import tensorkv
+
+    assert storage.KVTier is tensorkv.KV and storage.StorageOption is tensorkv.StorageOption
