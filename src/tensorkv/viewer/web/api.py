@@ -27,7 +27,7 @@ HEAD_VALUES = 8
 #: Keys one key search may name.
 MAX_KEYS = 1000
 #: Rows above which the statistics are measured on a sample of this many rows by default.
-STATS_SAMPLE = 200_000
+STATS_SAMPLE = 50_000
 #: Rows the PCA scatter samples (the most a request may ask for).
 PCA_SAMPLE = 2000
 MAX_PCA_SAMPLE = 20000
