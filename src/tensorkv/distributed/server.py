@@ -22,7 +22,7 @@ from typing import Any
 
 from tensorkv.distributed.channel import Channel, ray_module
 from tensorkv.distributed.shard import ShardServer, dumps
-from tensorkv.distributed.table import ShardedEmbeddingTable
+from tensorkv.distributed.table import ShardedEmbeddingTable, resolve_tag
 from tensorkv.errors import ConfigError, ShardUnavailableError
 
 NAMESPACE = "tensorkv"
@@ -310,13 +310,7 @@ class ParameterServer:
         ray = ray_module()
         for t in self._tables.values():
             t.drain()
-        if tag == "latest":
-            from tensorkv.checkpoint import latest_tag
-
-            found = latest_tag(url)
-            if found is None:
-                raise ConfigError(f"no tag in {url!r} to load")
-            tag = found
+        tag = resolve_tag(url, tag)
         n = int(sum(ray.get([a.load_shard.remote(url, tag, tables) for a in self.actors])))
         for t in self._tables.values():
             t.rebase()

@@ -109,6 +109,18 @@ class SeqMap:
         return int(self.shard[s][i])
 
 
+
+def resolve_tag(url: str, tag: str) -> str:
+    """``tag``, or the newest tag of ``url`` for ``"latest"`` (ConfigError if it has none)."""
+    if tag != "latest":
+        return tag
+    from tensorkv.checkpoint import latest_tag
+
+    found = latest_tag(url)
+    if found is None:
+        raise ConfigError(f"no tag in {url!r} to load")
+    return found
+
 class ShardedEmbeddingTable:
     """An embedding table whose rows live on the shards of a :class:`ParameterServer`.
 
@@ -653,15 +665,11 @@ class ShardedEmbeddingTable:
         ``tensorkv.load(table, url, tag)`` calls this: each shard reads only its own keys.
         The tag must hold one table (any name), or one named as this table.
         """
-        from tensorkv.checkpoint import latest_tag, tag_info
+        from tensorkv.checkpoint import tag_info
 
         ray = ray_module()
         self._mutating()
-        if tag == "latest":
-            found = latest_tag(url)
-            if found is None:
-                raise ConfigError(f"no tag in {url!r} to load")
-            tag = found
+        tag = resolve_tag(url, tag)
         names = sorted(tag_info(url, tag)["tables"])
         saved = self.name if self.name in names else names[0] if len(names) == 1 else None
         if saved is None:
@@ -705,4 +713,4 @@ def _storage_np_dtype(dtype: str) -> np.dtype:
     return np.dtype(np.float16 if dtype == "float16" else np.float32)
 
 
-__all__ = ["SeqMap", "ShardedEmbeddingTable", "Split"]
+__all__ = ["SeqMap", "ShardedEmbeddingTable", "resolve_tag", "Split"]
