@@ -59,3 +59,14 @@ def test_arena_rows_survive_growth_into_reservations(small):
     assert (rows >= 0).all()
     np.testing.assert_array_equal(arena.gather(rows)[:, 0], keys.astype(np.float32))
     np.testing.assert_array_equal(np.sort(arena.row_key[rows]), keys)
+
+
+def test_a_malformed_prefault_setting_is_refused_when_a_table_is_made(monkeypatch):
+    from tensorkv.errors import ConfigError
+
+    monkeypatch.setattr(growable, "_enabled", None)
+    monkeypatch.setenv("TENSORKV_PREFAULT", "sometimes")
+    with pytest.raises(ConfigError, match="TENSORKV_PREFAULT='sometimes'"):
+        RowArena(4)
+    monkeypatch.setenv("TENSORKV_PREFAULT", "0")
+    assert RowArena(4).capacity > 0 and growable.prefault_enabled() is False

@@ -195,6 +195,7 @@ def test_stats_of_large_tables_sample_unless_exact(client, ckpt, monkeypatch):
     assert sum(s["norm_hist"]["counts"]) == s["rows"]
     exact = _get(client, "stats", var="emb", exact="1")
     assert not exact["sampled"] and exact["rows"] == n
+    assert "exact" in _error(client, "stats", 400, var="emb", exact="2")
 
 
 def test_diff_of_two_tags(client, ckpt):

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from tensorkv import config
-from tensorkv.embedding.growable import resized
+from tensorkv.embedding.growable import prefault_enabled, resized
 from tensorkv.errors import CapacityError, ConfigError
 from tensorkv.kernels import arena as ak
 from tensorkv.kernels import hashindex as hk
@@ -132,6 +132,7 @@ class RowArena:
         #: Held while the row arrays are reallocated; a tiered table sets it to the lock its
         #: background writer holds while it reads detached rows.
         self.resize_guard: Any = contextlib.nullcontext()
+        prefault_enabled()  # a malformed TENSORKV_PREFAULT raises here, not mid-growth
         self._alloc(self._initial)
 
     # --- allocation ---------------------------------------------------------------------------

@@ -101,13 +101,26 @@ def _address(m: _Reservation) -> int:
 
 _prefaulter: _Prefaulter | None = None
 _prefault_lock = threading.Lock()
+_enabled: bool | None = None
+
+
+def prefault_enabled() -> bool:
+    """Whether growing arrays are faulted in ahead (``TENSORKV_PREFAULT``, read once).
+
+    Arenas call it when they are created, so a malformed value raises ``ConfigError`` there
+    and never in the middle of a growth.
+    """
+    global _enabled
+    if _enabled is None:
+        _enabled = config.env_bool(config.ENV_PREFAULT, True)
+    return _enabled
 
 
 def _prefault(m: _Reservation, used: int, step: int) -> None:
     """Ask the background thread to fault in ``m`` up to ``config.PREFAULT_AHEAD`` steps ahead."""
     global _prefaulter
     stop = min(len(m), -(-(used + config.PREFAULT_AHEAD * max(step, _PAGE)) // _PAGE) * _PAGE)
-    if stop <= m.populated or not config.env_bool(config.ENV_PREFAULT, True):
+    if stop <= m.populated or not prefault_enabled():
         return
     with _prefault_lock:
         if _prefaulter is None:
@@ -153,4 +166,4 @@ def resized(arr: np.ndarray, rows: int) -> np.ndarray:
     return out
 
 
-__all__ = ["MIN_BYTES", "RESERVE_FACTOR", "resized"]
+__all__ = ["MIN_BYTES", "RESERVE_FACTOR", "prefault_enabled", "resized"]
