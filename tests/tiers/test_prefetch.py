@@ -24,6 +24,18 @@ def make(tmp_path, storage: str, policy: str = "lru", optimizer: str = "adagrad"
                                 cache_strategy=policy, **kw)
 
 
+def finish_prefetch(table: EmbeddingTable) -> None:
+    """Wait until the prefetch in flight has run, so the next operation finds its rows.
+
+    Without it, a loaded machine may schedule the background thread only after the next
+    operation has already cancelled the job, and a test would see no row moved ahead.
+    """
+    chain = getattr(table._rows, "chain", None)
+    job = getattr(chain, "_prefetch", None)
+    if job is not None:
+        assert job.done.wait(60), "the prefetch job did not finish within 60 s"
+
+
 def batches(n_steps: int, seed: int = 0, n_ids: int = 1500, batch: int = 40):
     rng = np.random.default_rng(seed)
     out = []
@@ -44,6 +56,8 @@ def pipelined(tables, bs, seed: int = 1) -> None:
         if i + 1 < len(bs):
             for t in tables:
                 t.prefetch(bs[i + 1])
+                if i % 2:  # half the steps race the job, half find its rows in place
+                    finish_prefetch(t)
         for t in tables:
             t.apply_gradients(keys, grads)
 
@@ -86,6 +100,8 @@ def test_prefetch_keeps_hit_counts(tmp_path):
             pre.lookup(keys)
             if i + 1 < len(bs):
                 pre.prefetch(bs[i + 1])
+                if i % 2:
+                    finish_prefetch(pre)
             pre.apply_gradients(keys, grads)
         a, b = plain.stats()["tiers"][0], pre.stats()["tiers"][0]
         assert (a["hits"], a["misses"]) == (b["hits"], b["misses"])
@@ -110,6 +126,8 @@ def test_operations_after_a_prefetch_stay_exact(tmp_path, storage):
             for tab in (ref, t):
                 tab.lookup(keys)
                 tab.prefetch(nxt)
+                if step % 2:
+                    finish_prefetch(tab)
                 if kind == 0:  # a different batch than announced
                     results.append(tab.lookup(other))
                 elif kind == 1:  # reads of announced keys
