@@ -12,6 +12,7 @@ and fenced writes. Layout, locks and migration: docs/redis_table.md.
 from __future__ import annotations
 
 import functools
+import hashlib
 import itertools
 import json
 import operator
@@ -27,9 +28,11 @@ import numpy as np
 from tensorkv.embedding.tiers.base import RecordLayout
 from tensorkv.embedding.tiers.redis_options import RedisTableOptions
 from tensorkv.errors import ConfigError, CorruptRecordError, RowLockError, ShapeError
+from tensorkv.kernels import resp
 from tensorkv.kernels.checksums import record_checksums
-from tensorkv.stores import open_store
+from tensorkv.stores import open_store, redis_raw
 from tensorkv.stores.redis_keys import bounds, key_slots
+from tensorkv.stores.redis_raw import RawFallback
 
 #: Fields per Lua script call (Lua's unpack() limit is ~8000 values).
 SCRIPT_FIELDS = 2000
@@ -44,6 +47,7 @@ if n > 0 then redis.call('HSET', KEYS[1], unpack(ARGV, 3, 2 + 2 * n)) end
 if #ARGV > 2 + 2 * n then return redis.call('HDEL', KEYS[1], unpack(ARGV, 3 + 2 * n, #ARGV)) end
 return 0
 """
+_FENCED_SHA = hashlib.sha1(_FENCED_WRITE.encode()).hexdigest().encode()
 _RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
@@ -126,6 +130,11 @@ class Buckets:
                 "using_hash_storage_slice": self.by_hash}
 
 
+def _key_bytes(keys: np.ndarray) -> np.ndarray:
+    """Hash fields of int64 keys as ``uint8[n, 8]`` (little-endian)."""
+    return np.ascontiguousarray(keys, "<i8").view(np.uint8).reshape(-1, 8)
+
+
 def encode_fields(keys: np.ndarray) -> list[bytes]:
     """Hash fields of int64 keys: their 8 little-endian bytes."""
     return keys.astype("<i8").view("V8").tolist()
@@ -170,7 +179,8 @@ class RedisRowEngine:
                               o.redis_hash_tags_import, o.using_hash_storage_slice)
         self._ks = max(1, min(o.keys_sending_size, SCRIPT_FIELDS))
         self.counters = {"reads": 0, "writes": 0, "deletes": 0, "round_trips": 0,
-                         "lock_waits": 0, "migrated": 0}
+                         "lock_waits": 0, "migrated": 0,
+                         "raw_fallbacks": 0}
 
     def close(self) -> None:
         """Close the connection."""
@@ -245,12 +255,24 @@ class RedisRowEngine:
                 replies[i] = None
             return self.decode(replies, keys, where, bad_out)
         if len(blob) != nf * self.width:
-            bad = [len(v) for v in itertools.compress(replies, found) if len(v) != self.width]
-            raise CorruptRecordError(
-                f"{where} holds values of {bad[:3]} bytes; rows of this table are {self.width} "
-                "bytes (record + checksum): a value written by something else, or another "
-                "layout")
+            self._wrong_sizes(where, [len(v) for v in itertools.compress(replies, found)
+                                      if len(v) != self.width])
         recs = np.frombuffer(blob, np.uint8).reshape(nf, self.width)
+        return self.verify(found, recs, keys, where, bad_out)
+
+    def _wrong_sizes(self, where: str, sizes: list[int]) -> None:
+        raise CorruptRecordError(
+            f"{where} holds values of {sizes[:3]} bytes; rows of this table are {self.width} "
+            "bytes (record + checksum): a value written by something else, or another layout")
+
+    def verify(self, found: np.ndarray, recs: np.ndarray, keys: np.ndarray | None, where: str,
+               bad_out: list[np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Check the checksums (and keys) of ``recs``, the rows of ``keys[found]``.
+
+        Returns ``(found, recs)``, without the failing rows when ``bad_out`` is given (see
+        :meth:`decode`); otherwise a failing row raises :class:`CorruptRecordError`.
+        """
+        nf = recs.shape[0]
         sums = recs[:, self.record_bytes:].copy().view(np.int64)[:, 0]
         bad_rows = np.flatnonzero(record_checksums(recs, self.record_bytes) != sums)
         if keys is not None and nf:
@@ -307,14 +329,57 @@ class RedisRowEngine:
             return np.zeros(0, np.int64), np.zeros((0, self.width), np.uint8)
         order, _, chunks = self._grouped(b, keys)
         sk = keys[order]
-        fields = encode_fields(sk)
-        cmds = [(b.names[k], ("HMGET", b.names[k], *fields[a:c])) for k, a, c in chunks]
-        replies = self.store.execute(cmds, read=read and self.options.redis_read_access_slave)
+        read = read and self.options.redis_read_access_slave
+        where = f"{self.options.url!r} ({b.model_tag})"
         self.counters["round_trips"] += 1
         self.counters["reads"] += n
-        flat = list(itertools.chain.from_iterable(replies))
-        found_s, recs = self.decode(flat, sk, f"{self.options.url!r} ({b.model_tag})", bad_out)
+        try:
+            found_s, recs = self._get_raw(b, sk, chunks, read, where, bad_out)
+        except RawFallback:
+            self.counters["raw_fallbacks"] += 1
+            fields = encode_fields(sk)
+            cmds = [(b.names[k], ("HMGET", b.names[k], *fields[a:c])) for k, a, c in chunks]
+            replies = self.store.execute(cmds, read=read)
+            flat = list(itertools.chain.from_iterable(replies))
+            found_s, recs = self.decode(flat, sk, where, bad_out)
         return order[found_s], recs
+
+    def _get_raw(self, b: Buckets, sk: np.ndarray, chunks: list[tuple[int, int, int]],
+                 read: bool, where: str,
+                 bad_out: list[np.ndarray] | None) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`get_found` of the sorted keys ``sk`` on the raw RESP path."""
+        n = sk.shape[0]
+        framed = resp.frame_columns([_key_bytes(sk)])
+        row = len(resp.bulk(bytes(self.width)))
+        names = [b.names[k] for k, _, _ in chunks]
+        pieces = [[resp.array_head(c - a + 2, (b"HMGET", b.names[k])), framed[a:c]]
+                  for k, a, c in chunks]
+        elems = [c - a for _, a, c in chunks]
+        groups = self.store.execute_raw(names, pieces, elems, [16 + m * row for m in elems],
+                                        read=read)
+        off, lens = np.empty(n, np.int64), np.empty(n, np.int64)
+        group = np.empty(n, np.int64)
+        for g, r in enumerate(groups):
+            redis_raw.check_errors(r)
+            for j, i in enumerate(r.commands):
+                _, a, c = chunks[i]
+                if r.rtype[j] != resp.ARRAY or r.rval[j] != c - a:
+                    raise RawFallback(f"HMGET answered with reply type {int(r.rtype[j])}")
+                e = int(r.roff[j])
+                off[a:c], lens[a:c], group[a:c] = r.eoff[e:e + c - a], r.elen[e:e + c - a], g
+        found = lens >= 0
+        wrong = found & (lens != self.width)
+        if wrong.any():
+            if bad_out is None:
+                self._wrong_sizes(where, lens[wrong].tolist())
+            bad_out.append(sk[wrong])
+            found &= ~wrong
+        dst = np.where(found, np.cumsum(found) - 1, -1)
+        recs = np.empty((int(np.count_nonzero(found)), self.width), np.uint8)
+        for g, r in enumerate(groups):
+            sel = group == g if len(groups) > 1 else slice(None)
+            resp.gather_rows(r.buf, off[sel], dst[sel], recs)
+        return self.verify(found, recs, sk, where, bad_out)
 
     def write(self, keys: np.ndarray, sealed: np.ndarray, deleted: np.ndarray,
               token: bytes | None = None) -> int:
@@ -323,33 +388,20 @@ class RedisRowEngine:
         With ``token`` every bucket write is fenced: it lands only while this token holds the
         bucket's lock, else :class:`RowLockError` is raised after the batch.
         """
-        b = self.runtime
-        cmds: list[tuple[bytes, tuple[Any, ...]]] = []
-        if keys.shape[0]:
-            order, _, chunks = self._grouped(b, keys)
-            fields = encode_fields(keys[order])
-            vals = sealed[order].view(f"V{self.width}").ravel().tolist()
-            for k, a, c in chunks:
-                pairs = _interleave(fields[a:c], vals[a:c])
-                if token is None:
-                    cmds.append((b.names[k], ("HSET", b.names[k], *pairs)))
-                else:
-                    cmds.append((b.names[k], ("EVAL", _FENCED_WRITE, b"2", b.names[k],
-                                              b.locks[k], token, b"%d" % (c - a), *pairs)))
-        n_set = len(cmds)
-        if deleted.shape[0]:
-            order, _, chunks = self._grouped(b, deleted)
-            fields = encode_fields(deleted[order])
-            for k, a, c in chunks:
-                if token is None:
-                    cmds.append((b.names[k], ("HDEL", b.names[k], *fields[a:c])))
-                else:
-                    cmds.append((b.names[k], ("EVAL", _FENCED_WRITE, b"2", b.names[k],
-                                              b.locks[k], token, b"0", *fields[a:c])))
+        parts = [(True, keys, sealed), (False, deleted, None)]
+        cmds = [c for p in parts for c in self._write_commands(*p, token, raw=True)]
         if not cmds:
             return 0
-        res = self.store.execute(cmds)
+        n_set = sum(1 for c in cmds if c[0])
         self.counters["round_trips"] += 1
+        try:
+            res = self._ints(self.store.execute_raw(
+                [c[1] for c in cmds], [c[2] for c in cmds], [0] * len(cmds),
+                [32] * len(cmds)), len(cmds))
+        except RawFallback:  # every command can run again: same rows, same fence token
+            self.counters["raw_fallbacks"] += 1
+            res = self.store.execute([c[1:] for p in parts
+                                      for c in self._write_commands(*p, token, raw=False)])
         self.counters["writes"] += int(keys.shape[0])
         if token is not None and any(int(r) < 0 for r in res):
             raise RowLockError(
@@ -360,6 +412,52 @@ class RedisRowEngine:
         n_del = int(sum(int(r) for r in res[n_set:]))
         self.counters["deletes"] += n_del
         return n_del
+
+    def _write_commands(self, setting: bool, keys: np.ndarray, sealed: np.ndarray | None,
+                        token: bytes | None, raw: bool) -> list[tuple[bool, bytes, Any]]:
+        """``[(setting, bucket, command)]`` writing (HSET) or deleting (HDEL) ``keys``' rows.
+
+        With ``token``: fenced writes (:data:`_FENCED_WRITE`). ``raw``: each command as RESP
+        pieces (EVALSHA), else as redis-py arguments (EVAL).
+        """
+        if keys.shape[0] == 0:
+            return []
+        b = self.runtime
+        order, _, chunks = self._grouped(b, keys)
+        sk = keys[order]
+        if raw:
+            cols = [_key_bytes(sk)] + ([sealed[order]] if setting else [])
+            framed = resp.frame_columns(cols)
+        else:
+            fields = encode_fields(sk)
+            vals = sealed[order].view(f"V{self.width}").ravel().tolist() if setting else []
+        out: list[tuple[bool, bytes, Any]] = []
+        for k, a, c in chunks:
+            m, name = c - a, b.names[k]
+            if token is None:
+                lead: tuple[Any, ...] = (b"HSET" if setting else b"HDEL", name)
+            else:
+                script = (b"EVALSHA", _FENCED_SHA) if raw else (b"EVAL", _FENCED_WRITE)
+                lead = (*script, b"2", name, b.locks[k], token, b"%d" % (m if setting else 0))
+            if raw:
+                n_args = len(lead) + m * (2 if setting else 1)
+                out.append((setting, name, [resp.array_head(n_args, lead), framed[a:c]]))
+            else:
+                args = _interleave(fields[a:c], vals[a:c]) if setting else fields[a:c]
+                out.append((setting, name, (*lead, *args)))
+        return out
+
+    @staticmethod
+    def _ints(groups: list[Any], n: int) -> list[int]:
+        """The integer replies of raw commands, in command order."""
+        out = [0] * n
+        for r in groups:
+            redis_raw.check_errors(r)
+            if (r.rtype != resp.INT).any():
+                raise RawFallback("a write answered with a reply that is not an integer")
+            for i, v in zip(r.commands, r.rval.tolist(), strict=True):
+                out[i] = v
+        return out
 
     def delete(self, keys: np.ndarray) -> int:
         """HDEL ``keys``; returns how many were stored."""

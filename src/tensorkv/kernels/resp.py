@@ -1,0 +1,245 @@
+r"""RESP (the Redis protocol) for fixed-size arguments: commands built and replies parsed in bulk.
+
+A Redis command is an array of bulk strings, ``*<n>\r\n`` then ``$<len>\r\n<bytes>\r\n``
+per argument. When every trailing argument of a batch has the same size (8-byte hash fields,
+packed rows), the framing of each row of arguments is one fixed-size record:
+:func:`frame_columns` fills all of them with a few array assignments, and :func:`array_head`
+frames the few leading arguments of each command. :func:`parse_replies` reads the replies of a
+pipeline from raw bytes, resumably (a reply may arrive over many ``recv`` calls), and
+:func:`gather_rows` copies the values of array replies into a row array. Used by
+:mod:`tensorkv.stores.redis_raw`; see docs/redis_table.md ("Wire format").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+from numba import njit
+
+#: Reply types of :func:`parse_replies` (``rtype``).
+INT, SIMPLE, ERROR, BULK, NIL, ARRAY = 0, 1, 2, 3, 4, 5
+#: :func:`parse_replies` results.
+DONE, MORE, UNEXPECTED = 0, 1, -1
+
+
+def bulk(arg: bytes) -> bytes:
+    """One argument framed as a RESP bulk string."""
+    return b"$%d\r\n%s\r\n" % (len(arg), arg)
+
+
+def array_head(n_args: int, leading: Sequence[bytes]) -> bytes:
+    """The start of a command of ``n_args`` arguments: the array header and ``leading``."""
+    return b"*%d\r\n" % n_args + b"".join(map(bulk, leading))
+
+
+def frame_columns(cols: Sequence[np.ndarray]) -> np.ndarray:
+    r"""Frame row ``i`` of every column as consecutive bulk strings: ``uint8[n, record]``.
+
+    ``cols``: ``uint8[n, w_c]`` arrays, one per argument of a row (for HSET, the field then the
+    value). Row ``i`` of the result is ``$w_0\r\n<cols[0][i]>\r\n$w_1\r\n...``, the bytes
+    of those arguments inside a command.
+    """
+    n = cols[0].shape[0]
+    heads = [b"$%d\r\n" % c.shape[1] for c in cols]
+    width = sum(len(h) + c.shape[1] + 2 for h, c in zip(heads, cols, strict=True))
+    out = np.empty((n, width), np.uint8)
+    at = 0
+    for h, c in zip(heads, cols, strict=True):
+        w = c.shape[1]
+        out[:, at:at + len(h)] = np.frombuffer(h, np.uint8)
+        at += len(h)
+        out[:, at:at + w] = c
+        at += w
+        out[:, at] = 13
+        out[:, at + 1] = 10
+        at += 2
+    return out
+
+
+@njit(nogil=True, cache=True)
+def _number(buf, pos, end):  # pragma: no cover - compiled
+    """``(value, index after its CRLF)``; index -1: incomplete, -2: malformed."""
+    i = pos
+    neg = i < end and buf[i] == 45
+    if neg:
+        i += 1
+    v = 0
+    digits = 0
+    while i < end and buf[i] >= 48 and buf[i] <= 57:
+        v = v * 10 + (buf[i] - 48)
+        i += 1
+        digits += 1
+    if i + 1 >= end:
+        return 0, -1
+    if digits == 0 or buf[i] != 13 or buf[i + 1] != 10:
+        return 0, -2
+    return (-v if neg else v), i + 2
+
+
+@njit(nogil=True, cache=True)
+def _line_end(buf, pos, end):  # pragma: no cover - compiled
+    """Index of the CRLF ending the line at ``pos``; -1 while incomplete."""
+    for i in range(pos, end - 1):
+        if buf[i] == 13 and buf[i + 1] == 10:
+            return i
+    return -1
+
+
+@njit(nogil=True, cache=True)
+def _parse(buf, end, st, rtype, rval, roff, eoff, elen):  # pragma: no cover - compiled
+    pos, r, rem, e = st[0], st[1], st[2], st[3]
+    nrep = rtype.shape[0]
+    cap = eoff.shape[0]
+    status = DONE
+    while True:
+        if rem > 0:  # an element of an array: a bulk string or a nil
+            if pos >= end:
+                status = MORE
+                break
+            c = buf[pos]
+            if c == 36:  # '$'
+                v, q = _number(buf, pos + 1, end)
+                if q == -1:
+                    status = MORE
+                    break
+                if q == -2:
+                    status = UNEXPECTED
+                    break
+                if v < 0:
+                    eoff[e] = q
+                    elen[e] = -1
+                    pos = q
+                else:
+                    if q + v + 2 > end:
+                        status = MORE
+                        break
+                    if buf[q + v] != 13 or buf[q + v + 1] != 10:
+                        status = UNEXPECTED
+                        break
+                    eoff[e] = q
+                    elen[e] = v
+                    pos = q + v + 2
+            elif c == 95:  # '_': RESP3 null
+                if pos + 3 > end:
+                    status = MORE
+                    break
+                if buf[pos + 1] != 13 or buf[pos + 2] != 10:
+                    status = UNEXPECTED
+                    break
+                eoff[e] = pos
+                elen[e] = -1
+                pos += 3
+            else:
+                status = UNEXPECTED
+                break
+            e += 1
+            rem -= 1
+            continue
+        if r == nrep:
+            break
+        if pos >= end:
+            status = MORE
+            break
+        c = buf[pos]
+        if c == 42 or c == 58 or c == 36:  # '*' array, ':' integer, '$' bulk string
+            v, q = _number(buf, pos + 1, end)
+            if q == -1:
+                status = MORE
+                break
+            if q == -2:
+                status = UNEXPECTED
+                break
+            if c == 58:
+                rtype[r] = INT
+                rval[r] = v
+            elif v < 0:
+                rtype[r] = NIL
+            elif c == 42:
+                if e + v > cap:
+                    status = UNEXPECTED
+                    break
+                rtype[r] = ARRAY
+                rval[r] = v
+                roff[r] = e
+                rem = v
+            else:
+                if q + v + 2 > end:
+                    status = MORE
+                    break
+                rtype[r] = BULK
+                rval[r] = v
+                roff[r] = q
+                q += v + 2
+            pos = q
+        elif c == 43 or c == 45:  # '+' simple string, '-' error
+            eol = _line_end(buf, pos + 1, end)
+            if eol < 0:
+                status = MORE
+                break
+            rtype[r] = SIMPLE if c == 43 else ERROR
+            roff[r] = pos + 1
+            rval[r] = eol - pos - 1
+            pos = eol + 2
+        elif c == 95:  # '_': RESP3 null
+            if pos + 3 > end:
+                status = MORE
+                break
+            rtype[r] = NIL
+            pos += 3
+        else:
+            status = UNEXPECTED
+            break
+        r += 1
+    st[0], st[1], st[2], st[3] = pos, r, rem, e
+    return status
+
+
+def parse_replies(buf: np.ndarray, end: int, st: np.ndarray, rtype: np.ndarray,
+                  rval: np.ndarray, roff: np.ndarray, eoff: np.ndarray,
+                  elen: np.ndarray) -> int:
+    """Parse replies from ``buf[:end]``, resuming at the state ``st``; returns a status.
+
+    Parameters
+    ----------
+    buf, end
+        The bytes received so far (``uint8``) and how many there are.
+    st
+        ``int64[4]``, zeros at first: position, replies done, elements left in the current
+        array, elements done. Updated in place.
+    rtype, rval, roff
+        Per reply (their length is the number of replies): its type (:data:`INT`,
+        :data:`SIMPLE`, :data:`ERROR`, :data:`BULK`, :data:`NIL`, :data:`ARRAY`); the integer,
+        the length of a string or the element count of an array; the offset of a string in
+        ``buf`` or the index of an array's first element.
+    eoff, elen
+        Per array element: offset in ``buf`` and length (-1: nil). Arrays may hold bulk
+        strings and nils only.
+
+    Returns
+    -------
+    int
+        :data:`DONE` (every reply parsed; ``st[0]`` is where they end), :data:`MORE` (more
+        bytes needed) or :data:`UNEXPECTED` (a reply this parser does not handle, or more
+        array elements than ``eoff`` holds).
+    """
+    return int(_parse(buf, np.int64(end), st, rtype, rval, roff, eoff, elen))
+
+
+@njit(nogil=True, cache=True)
+def _gather(buf, off, dst, out):  # pragma: no cover - compiled
+    w = out.shape[1]
+    for i in range(off.shape[0]):
+        d = dst[i]
+        if d >= 0:
+            o = off[i]
+            out[d, :] = buf[o:o + w]
+
+
+def gather_rows(buf: np.ndarray, off: np.ndarray, dst: np.ndarray, out: np.ndarray) -> None:
+    """``out[dst[i]] = buf[off[i]:off[i] + width]`` for every ``i`` with ``dst[i] >= 0``."""
+    _gather(buf, off, dst, out)
+
+
+__all__ = ["ARRAY", "BULK", "DONE", "ERROR", "INT", "MORE", "NIL", "SIMPLE", "UNEXPECTED",
+           "array_head", "bulk", "frame_columns", "gather_rows", "parse_replies"]

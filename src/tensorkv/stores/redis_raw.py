@@ -1,0 +1,160 @@
+"""A raw RESP path for batches of prebuilt commands: one send, replies parsed with numba.
+
+:meth:`RedisStore.execute_raw <tensorkv.stores.redis.RedisStore.execute_raw>` sends commands
+already framed as RESP bytes (:mod:`tensorkv.kernels.resp`) on connections taken from
+redis-py's pools, so AUTH/ACL, TLS, Sentinel-resolved masters and Cluster routing stay
+redis-py's, and reads every reply with ``recv_into`` into one buffer, parsed as it arrives.
+Anything this path does not handle (a redirect, a script not loaded, a reply of another shape,
+a dropped connection) raises :class:`RawFallback` after disconnecting the connections it used,
+so the caller re-runs the batch on the generic path; other error replies raise redis-py's
+exception for the message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from redis import exceptions as rex
+from redis._parsers.base import BaseParser
+
+from tensorkv.kernels import resp
+from tensorkv.stores.redis_keys import key_slots
+
+#: Bytes asked of one ``recv_into`` call.
+RECV_BYTES = 1 << 20
+#: Error replies the generic path handles (redirects, retries, script loading).
+_FALLBACK_ERRORS = (rex.MovedError, rex.AskError, rex.TryAgainError, rex.ClusterDownError,
+                    rex.NoScriptError, rex.BusyLoadingError, rex.ReadOnlyError,
+                    rex.MasterDownError)
+
+
+class RawFallback(Exception):
+    """The raw path cannot finish this batch; run it on the generic path (it is idempotent)."""
+
+
+@dataclass
+class Replies:
+    """The parsed replies of one connection (see :func:`tensorkv.kernels.resp.parse_replies`).
+
+    ``commands``: the indices (in the batch) of the commands these replies answer, in order.
+    """
+
+    buf: np.ndarray
+    rtype: np.ndarray
+    rval: np.ndarray
+    roff: np.ndarray
+    eoff: np.ndarray
+    elen: np.ndarray
+    commands: list[int] = field(default_factory=list)
+
+    def text(self, i: int) -> str:
+        """Reply ``i``'s string (a simple string or an error message)."""
+        a = int(self.roff[i])
+        return self.buf[a:a + int(self.rval[i])].tobytes().decode("utf-8", "replace")
+
+
+def read_replies(sock: Any, n_replies: int, max_elems: int, size_hint: int,
+                 recv_bytes: int = RECV_BYTES) -> Replies:
+    """Read ``n_replies`` replies from ``sock`` (up to ``max_elems`` array elements in all).
+
+    ``size_hint``: the expected reply bytes (the buffer grows past it when needed). Reads
+    exactly the replies' bytes' worth of parsing: bytes after the last reply raise
+    :class:`RawFallback` (the connection must then be dropped).
+    """
+    buf = np.empty(max(size_hint, 64), np.uint8)
+    view = memoryview(buf)
+    st = np.zeros(4, np.int64)
+    rep = [np.zeros(n_replies, np.int64) for _ in range(3)]
+    eoff = np.zeros(max_elems, np.int64)
+    elen = np.zeros(max_elems, np.int64)
+    end = 0
+    while True:
+        if end == buf.size:
+            bigger = np.empty(2 * buf.size, np.uint8)
+            bigger[:end] = buf[:end]
+            buf, view = bigger, memoryview(bigger)
+        got = sock.recv_into(view[end:], min(recv_bytes, buf.size - end))
+        if not got:
+            raise rex.ConnectionError("the server closed the connection mid-reply")
+        end += got
+        status = resp.parse_replies(buf, end, st, *rep, eoff, elen)
+        if status == resp.UNEXPECTED or (status == resp.DONE and st[0] != end):
+            raise RawFallback("a reply the raw path does not parse")
+        if status == resp.DONE:
+            return Replies(buf, *rep, eoff, elen)
+
+
+def check_errors(replies: Replies) -> None:
+    """Raise redis-py's exception for the first error reply of ``replies``.
+
+    Errors the generic path handles (redirects, scripts, loading, failover) raise
+    :class:`RawFallback` instead.
+    """
+    bad = np.flatnonzero(replies.rtype == resp.ERROR)
+    if bad.size:
+        exc = BaseParser.parse_error(replies.text(int(bad[0])))
+        if isinstance(exc, _FALLBACK_ERRORS):
+            raise RawFallback(str(exc)) from exc
+        raise exc
+
+
+def _pools(store: Any, keys: list[bytes], read: bool) -> list[tuple[Any, list[int]]]:
+    """``[(connection pool, command indices)]``: where each command goes."""
+    if store.mode != "cluster":
+        client = store._reader if read else store._client
+        return [(client.connection_pool, list(range(len(keys))))]
+    client = store._client
+    nm = client.nodes_manager
+    strategy = client.load_balancing_strategy if read else None
+    groups: dict[str, tuple[Any, list[int]]] = {}
+    for i, slot in enumerate(key_slots(keys).tolist()):
+        node = nm.get_node_from_slot(slot, load_balancing_strategy=strategy)
+        groups.setdefault(node.name, (node, []))[1].append(i)
+    return [(client.get_redis_connection(node).connection_pool, idx)
+            for node, idx in groups.values()]
+
+
+def run(store: Any, keys: list[bytes], chunks: list[list[Any]], elems: list[int],
+        reply_bytes: list[int], *, read: bool, recv_bytes: int = RECV_BYTES) -> list[Replies]:
+    """Send every command, then read every reply; one :class:`Replies` per connection.
+
+    Parameters
+    ----------
+    store
+        An open :class:`~tensorkv.stores.redis.RedisStore`.
+    keys
+        The key routing each command (Cluster: its slot's node).
+    chunks
+        Each command's RESP bytes, as a list of bytes-like pieces.
+    elems, reply_bytes
+        Each command's expected array elements and reply bytes (sizes the buffers).
+    read
+        The commands only read (they may go to replicas).
+    """
+    sent: list[tuple[Any, Any, list[int]]] = []
+    try:
+        for pool, idx in _pools(store, keys, read):
+            conn = pool.get_connection()
+            sent.append((pool, conn, idx))
+            conn.send_packed_command([p for i in idx for p in chunks[i]])
+        out = []
+        for _, conn, idx in sent:
+            r = read_replies(conn._sock, len(idx), sum(elems[i] for i in idx),
+                             sum(reply_bytes[i] for i in idx), recv_bytes)
+            r.commands = idx
+            out.append(r)
+    except BaseException as exc:
+        for _, conn, _ in sent:
+            conn.disconnect()
+        if isinstance(exc, (rex.ConnectionError, rex.TimeoutError, OSError)):
+            raise RawFallback(f"connection failed: {exc}") from exc
+        raise
+    finally:
+        for pool, conn, _ in sent:
+            pool.release(conn)
+    return out
+
+
+__all__ = ["RECV_BYTES", "RawFallback", "Replies", "check_errors", "read_replies", "run"]
