@@ -52,6 +52,8 @@ _RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
 """
+_RELEASE_SHA = hashlib.sha1(_RELEASE.encode()).hexdigest().encode()
+_NO_BUCKETS = np.zeros(0, np.int64)
 _SET_ABSENT = """
 local n = 0
 for i = 1, #ARGV, 2 do n = n + redis.call('HSETNX', KEYS[1], ARGV[i], ARGV[i + 1]) end
@@ -345,28 +347,41 @@ class RedisRowEngine:
         return order[found_s], recs
 
     def _get_raw(self, b: Buckets, sk: np.ndarray, chunks: list[tuple[int, int, int]],
-                 read: bool, where: str,
-                 bad_out: list[np.ndarray] | None) -> tuple[np.ndarray, np.ndarray]:
-        """:meth:`get_found` of the sorted keys ``sk`` on the raw RESP path."""
+                 read: bool, where: str, bad_out: list[np.ndarray] | None,
+                 locks: Sequence[int] = (), token: bytes = b"",
+                 taken: list[bool] | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`get_found` of the sorted keys ``sk`` on the raw RESP path.
+
+        ``locks``: buckets whose locks are taken (SET NX) for ``token`` before the reads, in
+        the same round trip; whether each was taken is appended to ``taken``.
+        """
         n = sk.shape[0]
         framed = resp.frame_columns([_key_bytes(sk)])
         row = len(resp.bulk(bytes(self.width)))
-        names = [b.names[k] for k, _, _ in chunks]
-        pieces = [[resp.array_head(c - a + 2, (b"HMGET", b.names[k])), framed[a:c]]
-                  for k, a, c in chunks]
-        elems = [c - a for _, a, c in chunks]
-        groups = self.store.execute_raw(names, pieces, elems, [16 + m * row for m in elems],
-                                        read=read)
+        ttl = b"%d" % int(self.options.lock_ttl_seconds * 1000)
+        lead = [(b.locks[k], [resp.array_head(6, (b"SET", b.locks[k], token, b"NX", b"PX",
+                                                  ttl))]) for k in locks]
+        cmds = lead + [(b.names[k], [resp.array_head(c - a + 2, (b"HMGET", b.names[k])),
+                                     framed[a:c]]) for k, a, c in chunks]
+        elems = [0] * len(lead) + [c - a for _, a, c in chunks]
+        groups = self.store.execute_raw([c[0] for c in cmds], [c[1] for c in cmds], elems,
+                                        [16 + m * row for m in elems], read=read)
         off, lens = np.empty(n, np.int64), np.empty(n, np.int64)
         group = np.empty(n, np.int64)
+        got = [False] * len(lead)
         for g, r in enumerate(groups):
             redis_raw.check_errors(r)
             for j, i in enumerate(r.commands):
-                _, a, c = chunks[i]
+                if i < len(lead):
+                    got[i] = bool(r.rtype[j] == resp.SIMPLE)
+                    continue
+                _, a, c = chunks[i - len(lead)]
                 if r.rtype[j] != resp.ARRAY or r.rval[j] != c - a:
                     raise RawFallback(f"HMGET answered with reply type {int(r.rtype[j])}")
                 e = int(r.roff[j])
                 off[a:c], lens[a:c], group[a:c] = r.eoff[e:e + c - a], r.elen[e:e + c - a], g
+        if taken is not None:
+            taken += got
         found = lens >= 0
         wrong = found & (lens != self.width)
         if wrong.any():
@@ -382,17 +397,23 @@ class RedisRowEngine:
         return self.verify(found, recs, sk, where, bad_out)
 
     def write(self, keys: np.ndarray, sealed: np.ndarray, deleted: np.ndarray,
-              token: bytes | None = None) -> int:
+              token: bytes | None = None, release: np.ndarray = _NO_BUCKETS) -> int:
         """HSET the sealed rows of ``keys``, HDEL ``deleted``; returns rows deleted.
 
         With ``token`` every bucket write is fenced: it lands only while this token holds the
-        bucket's lock, else :class:`RowLockError` is raised after the batch.
+        bucket's lock, else :class:`RowLockError` is raised after the batch. ``release``:
+        buckets whose locks (held by ``token``) are released after the writes, in the same
+        round trip.
         """
         parts = [(True, keys, sealed), (False, deleted, None)]
         cmds = [c for p in parts for c in self._write_commands(*p, token, raw=True)]
-        if not cmds:
+        if not cmds and not release.size:
             return 0
         n_set = sum(1 for c in cmds if c[0])
+        n_write = len(cmds)
+        locks = [self.runtime.locks[k] for k in release.tolist()]
+        cmds += [(False, k, [resp.array_head(5, (b"EVALSHA", _RELEASE_SHA, b"1", k, token))])
+                 for k in locks]
         self.counters["round_trips"] += 1
         try:
             res = self._ints(self.store.execute_raw(
@@ -401,7 +422,9 @@ class RedisRowEngine:
         except RawFallback:  # every command can run again: same rows, same fence token
             self.counters["raw_fallbacks"] += 1
             res = self.store.execute([c[1:] for p in parts
-                                      for c in self._write_commands(*p, token, raw=False)])
+                                      for c in self._write_commands(*p, token, raw=False)]
+                                     + [(k, ("EVAL", _RELEASE, 1, k, token)) for k in locks])
+        res = res[:n_write]
         self.counters["writes"] += int(keys.shape[0])
         if token is not None and any(int(r) < 0 for r in res):
             raise RowLockError(
@@ -502,6 +525,41 @@ class RedisRowEngine:
             time.sleep(pause * (1 + random.random()))
             pause = min(pause * 2, 0.004)
         return token
+
+    def lock_get(self, buckets: np.ndarray, keys: np.ndarray, token: bytes | None,
+                 bad_out: list[np.ndarray] | None = None
+                 ) -> tuple[bytes, np.ndarray, np.ndarray]:
+        """:meth:`lock` ``buckets`` and :meth:`get_found` ``keys`` (unique) in one round trip.
+
+        Returns ``(token, positions, records)``. When a lock is busy, the locks after it are
+        released and the rest is done as by :meth:`lock`, then the rows are read again.
+        """
+        b = self.runtime
+        token = token or uuid.uuid4().hex.encode()
+        if keys.shape[0] == 0:
+            return self.lock(buckets, token), np.zeros(0, np.int64), np.zeros((0, self.width),
+                                                                               np.uint8)
+        order, _, chunks = self._grouped(b, keys)
+        taken: list[bool] = []
+        try:
+            found, recs = self._get_raw(b, keys[order], chunks, False,
+                                        f"{self.options.url!r} ({b.model_tag})", bad_out,
+                                        buckets.tolist(), token, taken)
+        except RawFallback:
+            self.counters["raw_fallbacks"] += 1
+            self.unlock(buckets, token)  # any lock the raw attempt took
+            taken = [False] * buckets.size
+        self.counters["round_trips"] += 1
+        if all(taken):
+            self.counters["reads"] += int(keys.shape[0])
+            return token, order[found], recs
+        first = taken.index(False)
+        late = buckets[first:][np.asarray(taken[first:], bool)]
+        self.unlock(late, token)
+        self.lock(buckets[first:], token)
+        if bad_out is not None:
+            bad_out.clear()
+        return (token, *self.get_found(keys, read=False, bad_out=bad_out))
 
     def unlock(self, buckets: np.ndarray, token: bytes) -> None:
         """Release the locks of ``buckets`` this token holds."""
