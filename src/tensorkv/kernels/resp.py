@@ -167,6 +167,9 @@ def _parse(buf, end, st, rtype, rval, roff, eoff, elen):  # pragma: no cover - c
                 if q + v + 2 > end:
                     status = MORE
                     break
+                if buf[q + v] != 13 or buf[q + v + 1] != 10:
+                    status = UNEXPECTED
+                    break
                 rtype[r] = BULK
                 rval[r] = v
                 roff[r] = q

@@ -120,6 +120,8 @@ def run(store: Any, keys: list[bytes], chunks: list[list[Any]], elems: list[int]
         reply_bytes: list[int], *, read: bool, recv_bytes: int = RECV_BYTES) -> list[Replies]:
     """Send every command, then read every reply; one :class:`Replies` per connection.
 
+    An error reply raises (:func:`check_errors`) once every reply has been read.
+
     Parameters
     ----------
     store
@@ -145,6 +147,10 @@ def run(store: Any, keys: list[bytes], chunks: list[list[Any]], elems: list[int]
                              sum(reply_bytes[i] for i in idx), recv_bytes)
             r.commands = idx
             out.append(r)
+        for r in out:
+            check_errors(r)
+    except rex.ResponseError:
+        raise  # an error reply: every reply was read, the connections are clean
     except BaseException as exc:
         for _, conn, _ in sent:
             conn.disconnect()

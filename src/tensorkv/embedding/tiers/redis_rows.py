@@ -30,7 +30,7 @@ from tensorkv.embedding.tiers.redis_options import RedisTableOptions
 from tensorkv.errors import ConfigError, CorruptRecordError, RowLockError, ShapeError
 from tensorkv.kernels import resp
 from tensorkv.kernels.checksums import record_checksums
-from tensorkv.stores import open_store, redis_raw
+from tensorkv.stores import open_store
 from tensorkv.stores.redis_keys import bounds, key_slots
 from tensorkv.stores.redis_raw import RawFallback
 
@@ -370,7 +370,6 @@ class RedisRowEngine:
         group = np.empty(n, np.int64)
         got = [False] * len(lead)
         for g, r in enumerate(groups):
-            redis_raw.check_errors(r)
             for j, i in enumerate(r.commands):
                 if i < len(lead):
                     got[i] = bool(r.rtype[j] == resp.SIMPLE)
@@ -475,7 +474,6 @@ class RedisRowEngine:
         """The integer replies of raw commands, in command order."""
         out = [0] * n
         for r in groups:
-            redis_raw.check_errors(r)
             if (r.rtype != resp.INT).any():
                 raise RawFallback("a write answered with a reply that is not an integer")
             for i, v in zip(r.commands, r.rval.tolist(), strict=True):
