@@ -241,3 +241,36 @@ def test_engine_reads_wrong_sized_rows_as_corrupt(redis_server):
     pos, _ = engine.get_found(np.arange(4), bad_out=bad)
     assert sorted(pos.tolist()) == [0, 1, 3] and np.concatenate(bad).tolist() == [2]
     t.close()
+
+
+def test_generic_path_gives_the_same_rows(redis_server, monkeypatch):
+    """With the raw path refused every time, the generic path does all the work."""
+    from tensorkv.stores.redis import RedisStore
+
+    def refuse(*args, **kwargs):
+        raise RawFallback("refused by the test")
+
+    url = f"redis://127.0.0.1:{redis_server.port}/0"
+    ref = tensorkv.EmbeddingTable(8, optimizer="adagrad", seed=1)
+    t = _table(url, "rawgeneric", storage_slice=2)
+    monkeypatch.setattr(RedisStore, "execute_raw", refuse)
+    keys = np.arange(50)
+    for tab in (t, ref):
+        tab.lookup(keys)
+        tab.apply_gradients(keys, np.ones((50, 8), np.float32))
+        tab.upsert(keys[:10], np.full((10, 8), 3.0, np.float32))
+        tab.remove(keys[40:])
+    np.testing.assert_array_equal(t.lookup(keys, insert=False), ref.lookup(keys, insert=False))
+    engine = t._rows.engine
+    assert engine.counters["raw_fallbacks"] >= 4
+    c = redis_server.client()
+    try:
+        c.hset(engine.runtime.names[0], np.int64(2).tobytes(), b"short")
+    finally:
+        c.close()
+    bad: list[np.ndarray] = []
+    pos, _ = engine.get_found(np.arange(4), bad_out=bad)
+    assert sorted(pos.tolist()) == [0, 1, 3] and np.concatenate(bad).tolist() == [2]
+    with pytest.raises(CorruptRecordError, match="5"):
+        t.lookup(np.arange(4), insert=False)
+    t.close()
