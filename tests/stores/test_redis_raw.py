@@ -12,7 +12,7 @@ import pytest
 import redis.exceptions as rex
 
 import tensorkv
-from tensorkv.errors import CorruptRecordError, StoreError
+from tensorkv.errors import CorruptRecordError, RowLockError, StoreError
 from tensorkv.kernels import resp
 from tensorkv.stores import open_store, redis_raw
 from tensorkv.stores.redis_raw import RawFallback
@@ -33,7 +33,7 @@ class FakeSock:
 
 
 MIXED = (b":-12\r\n+OK\r\n-ERR bad thing\r\n$3\r\nabc\r\n$-1\r\n_\r\n*-1\r\n"
-         b"*4\r\n$2\r\nxy\r\n$-1\r\n_\r\n$0\r\n\r\n*0\r\n")
+         b"*6\r\n$2\r\nxy\r\n$-1\r\n_\r\n$0\r\n\r\n:-7\r\n-WRONGTYPE no\r\n*0\r\n")
 
 
 def _read(data: bytes, n: int, chunk: int = 1 << 20, size_hint: int = 64) -> redis_raw.Replies:
@@ -48,15 +48,18 @@ def test_parse_every_reply_type_in_any_split(chunk):
     assert r.rval[0] == -12 and r.text(1) == "OK" and r.text(2) == "ERR bad thing"
     assert r.text(3) == "abc"
     first, count = int(r.roff[7]), int(r.rval[7])
-    assert count == 4 and r.rval[8] == 0
-    assert r.elen[first:first + 4].tolist() == [2, -1, -1, 0]
+    assert count == 6 and r.rval[8] == 0
+    assert r.elen[first:first + 6].tolist() == [2, -1, -1, 0, -2, -3]
     assert bytes(r.buf[r.eoff[first]:r.eoff[first] + 2]) == b"xy"
+    assert r.eoff[first + 4] == -7
+    with pytest.raises(rex.ResponseError, match="no"):
+        redis_raw.element_errors(r)
 
 
 @pytest.mark.parametrize("data", [
     b"%1\r\n$1\r\na\r\n$1\r\nb\r\n",  # RESP3 map
     b"*1\r\n*1\r\n$1\r\na\r\n",  # nested array
-    b"*1\r\n:1\r\n",  # an integer inside an array
+    b"*1\r\n+OK\r\n",  # a simple string inside an array
     b"$3\r\nabcXY",  # no CRLF after a bulk string
     b":12a\r\n",  # not a number
     b"*20\r\n",  # more elements than the buffers hold
@@ -152,7 +155,11 @@ def _table(url: str, tag: str, **options) -> tensorkv.EmbeddingTable:
     return tensorkv.EmbeddingTable(8, optimizer="adagrad", seed=1, storage=opt)
 
 
-def test_table_falls_back_on_noscript_and_wrong_type(redis_server):
+def test_table_falls_back_on_noscript_and_wrong_type(redis_server, monkeypatch):
+    def no_session(store):
+        raise RawFallback("as on a Cluster: the Lua fence")
+
+    monkeypatch.setattr(redis_raw, "session", no_session)
     url = f"redis://127.0.0.1:{redis_server.port}/0"
     ref = tensorkv.EmbeddingTable(8, optimizer="adagrad", seed=1)
     t = _table(url, "rawfb", storage_slice=2)
@@ -273,4 +280,66 @@ def test_generic_path_gives_the_same_rows(redis_server, monkeypatch):
     assert sorted(pos.tolist()) == [0, 1, 3] and np.concatenate(bad).tolist() == [2]
     with pytest.raises(CorruptRecordError, match="5"):
         t.lookup(np.arange(4), insert=False)
+    t.close()
+
+
+def _set_lock_when_watched(monkeypatch, server, value):
+    """After the WATCH/MGET round trip, set every lock to ``value`` (None: delete them)."""
+    real = redis_raw.read_replies
+    calls = []
+
+    def read(sock, n, *args, **kwargs):
+        r = real(sock, n, *args, **kwargs)
+        if n == 2 and not calls and r.rtype[1] == resp.ARRAY:  # the WATCH + MGET replies
+            calls.append(1)
+            c = server.client()
+            try:
+                for k in c.keys(b"*rawwatch*:lock"):
+                    c.delete(k) if value is None else c.set(k, value)
+            finally:
+                c.close()
+        return r
+
+    monkeypatch.setattr(redis_raw, "read_replies", read)
+
+
+@pytest.mark.parametrize("value", [None, b"someone-else"])
+def test_watched_write_aborts_when_the_lock_changes(redis_server, monkeypatch, value):
+    """A lock that expires or changes hands between the WATCH and EXEC: nothing is written."""
+    url = f"redis://127.0.0.1:{redis_server.port}/0"
+    t = _table(url, f"rawwatch{value is None}", storage_slice=2)
+    keys = np.arange(10)
+    t.upsert(keys, np.ones((10, 8), np.float32))
+    before = t.lookup(keys, insert=False)
+    _set_lock_when_watched(monkeypatch, redis_server, value)
+    with pytest.raises(RowLockError, match="nothing was written"):
+        t.upsert(keys, np.full((10, 8), 5.0, np.float32))
+    monkeypatch.undo()
+    c = redis_server.client()
+    try:
+        c.delete(*t._rows.engine.runtime.locks)
+    finally:
+        c.close()
+    np.testing.assert_array_equal(t.lookup(keys, insert=False), before)
+    t.upsert(keys, np.full((10, 8), 5.0, np.float32))
+    assert (t.lookup(keys, insert=False) == 5).all()
+    assert t._rows.engine.counters["raw_fallbacks"] == 0
+    t.close()
+
+
+def test_watched_write_error_inside_exec(redis_server):
+    """A bucket that is not a hash: the error of the command inside EXEC is the store's."""
+    url = f"redis://127.0.0.1:{redis_server.port}/0"
+    t = _table(url, "rawexecerr", storage_slice=1)
+    engine = t._rows.engine
+    c = redis_server.client()
+    try:
+        c.set(engine.runtime.names[0], b"x")
+    finally:
+        c.close()
+    token = engine.lock(np.arange(1))
+    with pytest.raises(StoreError, match="WRONGTYPE"):
+        engine.write(np.arange(2), engine.seal(np.zeros((2, engine.width), np.uint8)),
+                     np.zeros(0, np.int64), token)
+    engine.unlock(np.arange(1), token)
     t.close()

@@ -93,12 +93,31 @@ def _parse(buf, end, st, rtype, rval, roff, eoff, elen):  # pragma: no cover - c
     cap = eoff.shape[0]
     status = DONE
     while True:
-        if rem > 0:  # an element of an array: a bulk string or a nil
+        if rem > 0:  # an element of an array: a bulk string, a nil or an integer
             if pos >= end:
                 status = MORE
                 break
             c = buf[pos]
-            if c == 36:  # '$'
+            if c == 58:  # ':' (the replies of EXEC)
+                v, q = _number(buf, pos + 1, end)
+                if q == -1:
+                    status = MORE
+                    break
+                if q == -2:
+                    status = UNEXPECTED
+                    break
+                eoff[e] = v
+                elen[e] = -2
+                pos = q
+            elif c == 45:  # '-': an error (of a command inside EXEC)
+                eol = _line_end(buf, pos + 1, end)
+                if eol < 0:
+                    status = MORE
+                    break
+                eoff[e] = pos + 1
+                elen[e] = -3
+                pos = eol + 2
+            elif c == 36:  # '$'
                 v, q = _number(buf, pos + 1, end)
                 if q == -1:
                     status = MORE
@@ -216,8 +235,9 @@ def parse_replies(buf: np.ndarray, end: int, st: np.ndarray, rtype: np.ndarray,
         the length of a string or the element count of an array; the offset of a string in
         ``buf`` or the index of an array's first element.
     eoff, elen
-        Per array element: offset in ``buf`` and length (-1: nil). Arrays may hold bulk
-        strings and nils only.
+        Per array element: offset in ``buf`` and length (-1: nil); for an integer its value
+        and -2; for an error the offset of its message (ended by CRLF) and -3. Arrays may
+        hold bulk strings, nils, integers and errors only.
 
     Returns
     -------

@@ -12,6 +12,8 @@ exception for the message.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +21,7 @@ import numpy as np
 from redis import exceptions as rex
 from redis._parsers.base import BaseParser
 
+from tensorkv.errors import TensorKVError
 from tensorkv.kernels import resp
 from tensorkv.stores.redis_keys import key_slots
 
@@ -28,6 +31,12 @@ RECV_BYTES = 1 << 20
 _FALLBACK_ERRORS = (rex.MovedError, rex.AskError, rex.TryAgainError, rex.ClusterDownError,
                     rex.NoScriptError, rex.BusyLoadingError, rex.ReadOnlyError,
                     rex.MasterDownError)
+
+
+def _dropped(exc: BaseException) -> bool:
+    """Whether ``exc`` is a dropped or timed-out connection (not a tensorkv error)."""
+    return (isinstance(exc, (rex.ConnectionError, rex.TimeoutError, OSError))
+            and not isinstance(exc, TensorKVError))
 
 
 class RawFallback(Exception):
@@ -86,6 +95,15 @@ def read_replies(sock: Any, n_replies: int, max_elems: int, size_hint: int,
             return Replies(buf, *rep, eoff, elen)
 
 
+def element_errors(replies: Replies) -> None:
+    """Raise redis-py's exception for the first error inside an array reply (EXEC's)."""
+    bad = np.flatnonzero(replies.elen == -3)
+    if bad.size:
+        a = int(replies.eoff[bad[0]])
+        msg = replies.buf[a:].tobytes().split(b"\r\n", 1)[0].decode("utf-8", "replace")
+        raise BaseParser.parse_error(msg)
+
+
 def check_errors(replies: Replies) -> None:
     """Raise redis-py's exception for the first error reply of ``replies``.
 
@@ -98,6 +116,39 @@ def check_errors(replies: Replies) -> None:
         if isinstance(exc, _FALLBACK_ERRORS):
             raise RawFallback(str(exc)) from exc
         raise exc
+
+
+@contextmanager
+def session(store: Any) -> Iterator[Callable[..., Replies]]:
+    """One connection to a standalone or Sentinel-managed primary, for several round trips.
+
+    Yields ``call(pieces, n_replies, elems=0, size=64)``: sends the RESP ``pieces`` and
+    reads ``n_replies`` replies (error replies are returned, not raised: inside MULTI they
+    belong to the caller). Any exception drops the connection (so no WATCH outlives the
+    session); a dropped connection raises :class:`RawFallback`. A Cluster raises
+    :class:`RawFallback` at once (a transaction spans one hash slot there).
+    """
+    if store.mode == "cluster":
+        raise RawFallback("a Cluster transaction spans one hash slot")
+    store._check_open()
+    store._check_writable()
+    with store._errors():
+        pool = store._client.connection_pool
+        conn = pool.get_connection()
+        try:
+            def call(pieces: list[Any], n_replies: int, elems: int = 0,
+                     size: int = 64) -> Replies:
+                conn.send_packed_command(pieces)
+                return read_replies(conn._sock, n_replies, elems, size)
+
+            yield call
+        except BaseException as exc:
+            conn.disconnect()
+            if _dropped(exc):
+                raise RawFallback(f"connection failed: {exc}") from exc
+            raise
+        finally:
+            pool.release(conn)
 
 
 def _pools(store: Any, keys: list[bytes], read: bool) -> list[tuple[Any, list[int]]]:
@@ -154,7 +205,7 @@ def run(store: Any, keys: list[bytes], chunks: list[list[Any]], elems: list[int]
     except BaseException as exc:
         for _, conn, _ in sent:
             conn.disconnect()
-        if isinstance(exc, (rex.ConnectionError, rex.TimeoutError, OSError)):
+        if _dropped(exc):
             raise RawFallback(f"connection failed: {exc}") from exc
         raise
     finally:
@@ -163,4 +214,5 @@ def run(store: Any, keys: list[bytes], chunks: list[list[Any]], elems: list[int]
     return out
 
 
-__all__ = ["RECV_BYTES", "RawFallback", "Replies", "check_errors", "read_replies", "run"]
+__all__ = ["RECV_BYTES", "RawFallback", "Replies", "check_errors", "element_errors",
+           "read_replies", "run", "session"]

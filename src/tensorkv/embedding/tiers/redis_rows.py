@@ -30,7 +30,7 @@ from tensorkv.embedding.tiers.redis_options import RedisTableOptions
 from tensorkv.errors import ConfigError, CorruptRecordError, RowLockError, ShapeError
 from tensorkv.kernels import resp
 from tensorkv.kernels.checksums import record_checksums
-from tensorkv.stores import open_store
+from tensorkv.stores import open_store, redis_raw
 from tensorkv.stores.redis_keys import bounds, key_slots
 from tensorkv.stores.redis_raw import RawFallback
 
@@ -404,6 +404,11 @@ class RedisRowEngine:
         buckets whose locks (held by ``token``) are released after the writes, in the same
         round trip.
         """
+        if token is not None and (keys.size or deleted.size):
+            try:
+                return self._write_watched(keys, sealed, deleted, token, release)
+            except RawFallback:
+                self.counters["raw_fallbacks"] += 1
         parts = [(True, keys, sealed), (False, deleted, None)]
         cmds = [c for p in parts for c in self._write_commands(*p, token, raw=True)]
         if not cmds and not release.size:
@@ -426,14 +431,62 @@ class RedisRowEngine:
         res = res[:n_write]
         self.counters["writes"] += int(keys.shape[0])
         if token is not None and any(int(r) < 0 for r in res):
-            raise RowLockError(
-                f"a bucket lock of table {self.options.table_name!r} at {self.options.url!r} "
-                f"expired (lock_ttl_seconds={self.options.lock_ttl_seconds}) or the server "
-                "restarted before the batch was written; the batch was written only in part. "
-                "Retry the step; raise lock_ttl_seconds if steps take longer")
+            self._lost_lock("the batch was written only in part")
         n_del = int(sum(int(r) for r in res[n_set:]))
         self.counters["deletes"] += n_del
         return n_del
+
+    def _write_watched(self, keys: np.ndarray, sealed: np.ndarray, deleted: np.ndarray,
+                       token: bytes, release: np.ndarray) -> int:
+        """:meth:`write` fenced by WATCH on the bucket locks and one MULTI/EXEC.
+
+        First round trip: WATCH the locks, read them (all must hold ``token``); second:
+        MULTI, the plain HSET/HDEL, DEL of the ``release`` locks, EXEC. A lock that expired
+        or changed hands after the WATCH aborts the EXEC: nothing is written. Raises
+        :class:`RawFallback` on a Cluster (the Lua fence runs there) or on a dropped
+        connection.
+        """
+        b = self.runtime
+        written = np.unique(np.concatenate([b.of(keys), b.of(deleted)]))
+        watched = [b.locks[k] for k in np.union1d(written, release).tolist()]
+        n_locks = len(watched)
+        with redis_raw.session(self.store) as call:
+            r = call([resp.array_head(1 + n_locks, (b"WATCH", *watched)),
+                      resp.array_head(1 + n_locks, (b"MGET", *watched))], 2, n_locks,
+                     64 + n_locks * (len(token) + 16))
+            if r.rtype.tolist() != [resp.SIMPLE, resp.ARRAY]:
+                raise RawFallback("WATCH/MGET answered with other replies")
+            held = [r.buf[o:o + n].tobytes() if n >= 0 else None
+                    for o, n in zip(r.eoff.tolist(), r.elen.tolist(), strict=True)]
+            if any(h != token for h in held):
+                self._lost_lock("nothing was written")
+            cmds = [c for p in [(True, keys, sealed), (False, deleted, None)]
+                    for c in self._write_commands(*p, None, raw=True)]
+            rel = [b.locks[k] for k in release.tolist()]
+            tail = [resp.array_head(1 + len(rel), (b"DEL", *rel))] if rel else []
+            pieces = ([resp.array_head(1, (b"MULTI",))] + [x for c in cmds for x in c[2]]
+                      + tail + [resp.array_head(1, (b"EXEC",))])
+            n = len(cmds) + len(tail)
+            r = call(pieces, n + 2, n, 64 + 16 * n)
+            redis_raw.check_errors(r)  # e.g. OOM while queueing: EXECABORT
+            if r.rtype[-1] == resp.NIL:
+                self._lost_lock("nothing was written")
+            redis_raw.element_errors(r)  # e.g. WRONGTYPE: a bucket that is not a hash
+            if r.rtype[-1] != resp.ARRAY or r.rval[-1] != n or (r.elen[:n] != -2).any():
+                raise RawFallback("EXEC answered with other replies")
+        res = r.eoff[:n].tolist()
+        self.counters["round_trips"] += 2
+        self.counters["writes"] += int(keys.shape[0])
+        n_del = int(sum(v for c, v in zip(cmds, res, strict=False) if not c[0]))
+        self.counters["deletes"] += n_del
+        return n_del
+
+    def _lost_lock(self, what: str) -> None:
+        raise RowLockError(
+            f"a bucket lock of table {self.options.table_name!r} at {self.options.url!r} "
+            f"expired (lock_ttl_seconds={self.options.lock_ttl_seconds}) or the server "
+            f"restarted before the batch was written; {what}. Retry the step; raise "
+            "lock_ttl_seconds if steps take longer")
 
     def _write_commands(self, setting: bool, keys: np.ndarray, sealed: np.ndarray | None,
                         token: bytes | None, raw: bool) -> list[tuple[bool, bytes, Any]]:
