@@ -15,7 +15,7 @@ Adagrad slot (552 bytes with the checksum), ``n_keys`` keys, batches of 16,384 r
 
 Figures are keys per second (best of ``repeat`` passes). ``-p`` options: ``n_keys``,
 ``batch``, ``repeat``, ``cluster`` (false: skip the Clusters). Current figures:
-docs/benchmarks.md ("Redis-resident tables").
+docs/benchmarks.md ("bench redis-table").
 """
 
 from __future__ import annotations
