@@ -77,12 +77,12 @@ def test_closed_mid_reply_is_a_connection_error():
 
 def test_parse_resumes_from_its_state():
     buf = np.frombuffer(b"*2\r\n$3\r\nabc\r\n$-1\r\n", np.uint8).copy()
-    st = np.zeros(4, np.int64)
+    st = np.zeros(5, np.int64)
     rep = [np.zeros(1, np.int64) for _ in range(3)]
     eo, el = np.zeros(2, np.int64), np.zeros(2, np.int64)
     assert resp.parse_replies(buf, 10, st, *rep, eo, el) == resp.MORE
     assert resp.parse_replies(buf, buf.size, st, *rep, eo, el) == resp.DONE
-    assert st.tolist() == [buf.size, 1, 0, 2] and el.tolist() == [3, -1]
+    assert st.tolist() == [buf.size, 1, 0, 2, 0] and el.tolist() == [3, -1]
 
 
 def test_frame_columns_and_heads():
@@ -91,10 +91,13 @@ def test_frame_columns_and_heads():
     out = resp.frame_columns([f, v])
     assert out.tobytes() == b"$2\r\nab\r\n$3\r\nxyz\r\n$2\r\ncd\r\n$3\r\nuvw\r\n"
     assert resp.array_head(3, (b"HSET", b"k")) == b"*3\r\n$4\r\nHSET\r\n$1\r\nk\r\n"
-    dst = np.array([1, -1, 0])
-    rows = np.zeros((2, 2), np.uint8)
-    resp.gather_rows(np.frombuffer(b"abcdef", np.uint8), np.array([0, 2, 4]), dst, rows)
-    assert rows.tobytes() == b"efab"
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 1 << 20])
+def test_rows_of_the_asked_width_are_copied_as_they_come(chunk):
+    data = b"*4\r\n$2\r\nab\r\n$-1\r\n$3\r\nxyz\r\n$2\r\ncd\r\n*1\r\n$2\r\nef\r\n"
+    r = redis_raw.read_replies(FakeSock(data, chunk), 2, 5, 8, chunk, row_width=2)
+    assert r.rows.tobytes() == b"abcdef" and r.elen.tolist() == [2, -1, 3, 2, 2]
 
 
 # ---------------------------------------------------------------------------- real servers
@@ -107,7 +110,8 @@ def _hset_hmget(store, name: bytes, keys: np.ndarray, values: np.ndarray,
     q = resp.frame_columns([ask.astype("<i8").view(np.uint8).reshape(-1, 8)])
     heads = [resp.array_head(2 + ask.size, (b"HMGET", name))] * 2
     (r,) = redis_raw.run(store, [name, name], [[heads[0], q], [heads[1], q]],
-                         [ask.size] * 2, [16, 16], read=True, recv_bytes=recv_bytes)
+                         [ask.size] * 2, [16, 16], read=True, recv_bytes=recv_bytes,
+                         row_width=552)
     return r
 
 
@@ -124,10 +128,8 @@ def test_round_trip_with_nils(redis_server, recv_bytes):
         for j in range(2):
             e = int(r.roff[j])
             assert r.elen[e:e + 5].tolist() == [552, -1, 552, -1, 552]
-            rows = np.zeros((5, 552), np.uint8)
-            dst = np.where(r.elen[e:e + 5] >= 0, np.arange(5), -1)
-            resp.gather_rows(r.buf, r.eoff[e:e + 5], dst, rows)
-            np.testing.assert_array_equal(rows[[0, 2, 4]], values[[5, 299, 0]])
+            np.testing.assert_array_equal(r.buf[r.eoff[e]:r.eoff[e] + 552], values[5])
+        np.testing.assert_array_equal(r.rows, values[[5, 299, 0, 5, 299, 0]])
         # the pooled connection came back clean: the generic path still works on it
         assert store.execute([(b"raw:rt", ("HLEN", b"raw:rt"))]) == [300]
 

@@ -5,8 +5,8 @@ per argument. When every trailing argument of a batch has the same size (8-byte 
 packed rows), the framing of each row of arguments is one fixed-size record:
 :func:`frame_columns` fills all of them with a few array assignments, and :func:`array_head`
 frames the few leading arguments of each command. :func:`parse_replies` reads the replies of a
-pipeline from raw bytes, resumably (a reply may arrive over many ``recv`` calls), and
-:func:`gather_rows` copies the values of array replies into a row array. Used by
+pipeline from raw bytes, resumably (a reply may arrive over many ``recv`` calls), copying the
+array elements of a given size into a row array as they arrive. Used by
 :mod:`tensorkv.stores.redis_raw`; see docs/redis_table.md ("Wire format").
 """
 
@@ -87,10 +87,11 @@ def _line_end(buf, pos, end):  # pragma: no cover - compiled
 
 
 @njit(nogil=True, cache=True)
-def _parse(buf, end, st, rtype, rval, roff, eoff, elen):  # pragma: no cover - compiled
-    pos, r, rem, e = st[0], st[1], st[2], st[3]
+def _parse(buf, end, st, rtype, rval, roff, eoff, elen, rows):  # pragma: no cover - compiled
+    pos, r, rem, e, nrow = st[0], st[1], st[2], st[3], st[4]
     nrep = rtype.shape[0]
     cap = eoff.shape[0]
+    width = rows.shape[1] if rows.shape[0] else -1
     status = DONE
     while True:
         if rem > 0:  # an element of an array: a bulk string, a nil or an integer
@@ -139,6 +140,9 @@ def _parse(buf, end, st, rtype, rval, roff, eoff, elen):  # pragma: no cover - c
                     eoff[e] = q
                     elen[e] = v
                     pos = q + v + 2
+                    if v == width:
+                        rows[nrow, :] = buf[q:q + v]
+                        nrow += 1
             elif c == 95:  # '_': RESP3 null
                 if pos + 3 > end:
                     status = MORE
@@ -213,13 +217,16 @@ def _parse(buf, end, st, rtype, rval, roff, eoff, elen):  # pragma: no cover - c
             status = UNEXPECTED
             break
         r += 1
-    st[0], st[1], st[2], st[3] = pos, r, rem, e
+    st[0], st[1], st[2], st[3], st[4] = pos, r, rem, e, nrow
     return status
+
+
+_NO_ROWS = np.zeros((0, 1), np.uint8)
 
 
 def parse_replies(buf: np.ndarray, end: int, st: np.ndarray, rtype: np.ndarray,
                   rval: np.ndarray, roff: np.ndarray, eoff: np.ndarray,
-                  elen: np.ndarray) -> int:
+                  elen: np.ndarray, rows: np.ndarray | None = None) -> int:
     """Parse replies from ``buf[:end]``, resuming at the state ``st``; returns a status.
 
     Parameters
@@ -227,8 +234,8 @@ def parse_replies(buf: np.ndarray, end: int, st: np.ndarray, rtype: np.ndarray,
     buf, end
         The bytes received so far (``uint8``) and how many there are.
     st
-        ``int64[4]``, zeros at first: position, replies done, elements left in the current
-        array, elements done. Updated in place.
+        ``int64[5]``, zeros at first: position, replies done, elements left in the current
+        array, elements done, rows copied. Updated in place.
     rtype, rval, roff
         Per reply (their length is the number of replies): its type (:data:`INT`,
         :data:`SIMPLE`, :data:`ERROR`, :data:`BULK`, :data:`NIL`, :data:`ARRAY`); the integer,
@@ -238,6 +245,10 @@ def parse_replies(buf: np.ndarray, end: int, st: np.ndarray, rtype: np.ndarray,
         Per array element: offset in ``buf`` and length (-1: nil); for an integer its value
         and -2; for an error the offset of its message (ended by CRLF) and -3. Arrays may
         hold bulk strings, nils, integers and errors only.
+    rows
+        ``uint8[m, width]`` (None: no copies): every array element of exactly ``width`` bytes
+        is copied into the next row as soon as it is complete (``st[4]`` rows so far), so the
+        copy runs while later replies are still on their way.
 
     Returns
     -------
@@ -246,23 +257,9 @@ def parse_replies(buf: np.ndarray, end: int, st: np.ndarray, rtype: np.ndarray,
         bytes needed) or :data:`UNEXPECTED` (a reply this parser does not handle, or more
         array elements than ``eoff`` holds).
     """
-    return int(_parse(buf, np.int64(end), st, rtype, rval, roff, eoff, elen))
-
-
-@njit(nogil=True, cache=True)
-def _gather(buf, off, dst, out):  # pragma: no cover - compiled
-    w = out.shape[1]
-    for i in range(off.shape[0]):
-        d = dst[i]
-        if d >= 0:
-            o = off[i]
-            out[d, :] = buf[o:o + w]
-
-
-def gather_rows(buf: np.ndarray, off: np.ndarray, dst: np.ndarray, out: np.ndarray) -> None:
-    """``out[dst[i]] = buf[off[i]:off[i] + width]`` for every ``i`` with ``dst[i] >= 0``."""
-    _gather(buf, off, dst, out)
+    return int(_parse(buf, np.int64(end), st, rtype, rval, roff, eoff, elen,
+                      _NO_ROWS if rows is None else rows))
 
 
 __all__ = ["ARRAY", "BULK", "DONE", "ERROR", "INT", "MORE", "NIL", "SIMPLE", "UNEXPECTED",
-           "array_head", "bulk", "frame_columns", "gather_rows", "parse_replies"]
+           "array_head", "bulk", "frame_columns", "parse_replies"]

@@ -47,7 +47,8 @@ class RawFallback(Exception):
 class Replies:
     """The parsed replies of one connection (see :func:`tensorkv.kernels.resp.parse_replies`).
 
-    ``commands``: the indices (in the batch) of the commands these replies answer, in order.
+    ``rows``: the array elements of the asked row width, in reply order; ``commands``: the
+    indices (in the batch) of the commands these replies answer, in order.
     """
 
     buf: np.ndarray
@@ -56,6 +57,7 @@ class Replies:
     roff: np.ndarray
     eoff: np.ndarray
     elen: np.ndarray
+    rows: np.ndarray
     commands: list[int] = field(default_factory=list)
 
     def text(self, i: int) -> str:
@@ -65,19 +67,21 @@ class Replies:
 
 
 def read_replies(sock: Any, n_replies: int, max_elems: int, size_hint: int,
-                 recv_bytes: int = RECV_BYTES) -> Replies:
+                 recv_bytes: int = RECV_BYTES, row_width: int = 0) -> Replies:
     """Read ``n_replies`` replies from ``sock`` (up to ``max_elems`` array elements in all).
 
-    ``size_hint``: the expected reply bytes (the buffer grows past it when needed). Reads
+    ``size_hint``: the expected reply bytes (the buffer grows past it when needed);
+    ``row_width``: array elements of this size are copied into ``rows`` as they come. Reads
     exactly the replies' bytes' worth of parsing: bytes after the last reply raise
     :class:`RawFallback` (the connection must then be dropped).
     """
     buf = np.empty(max(size_hint, 64), np.uint8)
     view = memoryview(buf)
-    st = np.zeros(4, np.int64)
+    st = np.zeros(5, np.int64)
     rep = [np.zeros(n_replies, np.int64) for _ in range(3)]
     eoff = np.zeros(max_elems, np.int64)
     elen = np.zeros(max_elems, np.int64)
+    rows = np.empty((max_elems if row_width else 0, max(row_width, 1)), np.uint8)
     end = 0
     while True:
         if end == buf.size:
@@ -88,11 +92,11 @@ def read_replies(sock: Any, n_replies: int, max_elems: int, size_hint: int,
         if not got:
             raise rex.ConnectionError("the server closed the connection mid-reply")
         end += got
-        status = resp.parse_replies(buf, end, st, *rep, eoff, elen)
+        status = resp.parse_replies(buf, end, st, *rep, eoff, elen, rows)
         if status == resp.UNEXPECTED or (status == resp.DONE and st[0] != end):
             raise RawFallback("a reply the raw path does not parse")
         if status == resp.DONE:
-            return Replies(buf, *rep, eoff, elen)
+            return Replies(buf, *rep, eoff, elen, rows[:st[4]])
 
 
 def element_errors(replies: Replies) -> None:
@@ -168,7 +172,8 @@ def _pools(store: Any, keys: list[bytes], read: bool) -> list[tuple[Any, list[in
 
 
 def run(store: Any, keys: list[bytes], chunks: list[list[Any]], elems: list[int],
-        reply_bytes: list[int], *, read: bool, recv_bytes: int = RECV_BYTES) -> list[Replies]:
+        reply_bytes: list[int], *, read: bool, recv_bytes: int = RECV_BYTES,
+        row_width: int = 0) -> list[Replies]:
     """Send every command, then read every reply; one :class:`Replies` per connection.
 
     An error reply raises (:func:`check_errors`) once every reply has been read.
@@ -185,6 +190,8 @@ def run(store: Any, keys: list[bytes], chunks: list[list[Any]], elems: list[int]
         Each command's expected array elements and reply bytes (sizes the buffers).
     read
         The commands only read (they may go to replicas).
+    recv_bytes, row_width
+        See :func:`read_replies`.
     """
     sent: list[tuple[Any, Any, list[int]]] = []
     try:
@@ -195,7 +202,7 @@ def run(store: Any, keys: list[bytes], chunks: list[list[Any]], elems: list[int]
         out = []
         for _, conn, idx in sent:
             r = read_replies(conn._sock, len(idx), sum(elems[i] for i in idx),
-                             sum(reply_bytes[i] for i in idx), recv_bytes)
+                             sum(reply_bytes[i] for i in idx), recv_bytes, row_width)
             r.commands = idx
             out.append(r)
         for r in out:

@@ -365,9 +365,9 @@ class RedisRowEngine:
                                      framed[a:c]]) for k, a, c in chunks]
         elems = [0] * len(lead) + [c - a for _, a, c in chunks]
         groups = self.store.execute_raw([c[0] for c in cmds], [c[1] for c in cmds], elems,
-                                        [16 + m * row for m in elems], read=read)
-        off, lens = np.empty(n, np.int64), np.empty(n, np.int64)
-        group = np.empty(n, np.int64)
+                                        [16 + m * row for m in elems], read=read,
+                                        row_width=self.width)
+        lens, group = np.empty(n, np.int64), np.empty(n, np.int64)
         got = [False] * len(lead)
         for g, r in enumerate(groups):
             for j, i in enumerate(r.commands):
@@ -378,7 +378,7 @@ class RedisRowEngine:
                 if r.rtype[j] != resp.ARRAY or r.rval[j] != c - a:
                     raise RawFallback(f"HMGET answered with reply type {int(r.rtype[j])}")
                 e = int(r.roff[j])
-                off[a:c], lens[a:c], group[a:c] = r.eoff[e:e + c - a], r.elen[e:e + c - a], g
+                lens[a:c], group[a:c] = r.elen[e:e + c - a], g
         if taken is not None:
             taken += got
         found = lens >= 0
@@ -388,11 +388,13 @@ class RedisRowEngine:
                 self._wrong_sizes(where, lens[wrong].tolist())
             bad_out.append(sk[wrong])
             found &= ~wrong
-        dst = np.where(found, np.cumsum(found) - 1, -1)
-        recs = np.empty((int(np.count_nonzero(found)), self.width), np.uint8)
-        for g, r in enumerate(groups):
-            sel = group == g if len(groups) > 1 else slice(None)
-            resp.gather_rows(r.buf, off[sel], dst[sel], recs)
+        if len(groups) == 1:  # the rows came in key order
+            recs = groups[0].rows
+        else:  # each connection's rows came in key order: merge them
+            recs = np.empty((int(np.count_nonzero(found)), self.width), np.uint8)
+            dst = np.cumsum(found) - 1
+            for g, r in enumerate(groups):
+                recs[dst[found & (group == g)]] = r.rows
         return self.verify(found, recs, sk, where, bad_out)
 
     def write(self, keys: np.ndarray, sealed: np.ndarray, deleted: np.ndarray,
