@@ -345,3 +345,27 @@ def test_watched_write_error_inside_exec(redis_server):
                      np.zeros(0, np.int64), token)
     engine.unlock(np.arange(1), token)
     t.close()
+
+
+def test_dropped_connection_in_the_watched_write_falls_back(redis_server, monkeypatch):
+    """A connection lost before EXEC: the write runs again through the Lua fence."""
+    real = redis_raw.read_replies
+    dropped = []
+
+    def drop_once(sock, n, *args, **kwargs):
+        if n == 2 and not dropped:
+            dropped.append(1)
+            raise rex.ConnectionError("dropped by the test")
+        return real(sock, n, *args, **kwargs)
+
+    url = f"redis://127.0.0.1:{redis_server.port}/0"
+    ref = tensorkv.EmbeddingTable(8, optimizer="adagrad", seed=1)
+    t = _table(url, "rawdrop", storage_slice=2)
+    keys = np.arange(20)
+    ref.lookup(keys)
+    monkeypatch.setattr(redis_raw, "read_replies", drop_once)
+    t.lookup(keys)
+    assert dropped and t._rows.engine.counters["raw_fallbacks"] >= 1
+    np.testing.assert_array_equal(t.lookup(keys, insert=False), ref.lookup(keys, insert=False))
+    np.testing.assert_array_equal(t.frequency(keys), ref.frequency(keys))
+    t.close()
