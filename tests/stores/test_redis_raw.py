@@ -90,6 +90,8 @@ def test_frame_columns_and_heads():
     v = np.frombuffer(b"xyz" b"uvw", np.uint8).reshape(2, 3)
     out = resp.frame_columns([f, v])
     assert out.tobytes() == b"$2\r\nab\r\n$3\r\nxyz\r\n$2\r\ncd\r\n$3\r\nuvw\r\n"
+    swapped = resp.frame_columns([f, v], np.array([1, 0]))
+    assert swapped.tobytes() == b"$2\r\ncd\r\n$3\r\nuvw\r\n$2\r\nab\r\n$3\r\nxyz\r\n"
     assert resp.array_head(3, (b"HSET", b"k")) == b"*3\r\n$4\r\nHSET\r\n$1\r\nk\r\n"
 
 

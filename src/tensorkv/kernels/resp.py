@@ -33,14 +33,15 @@ def array_head(n_args: int, leading: Sequence[bytes]) -> bytes:
     return b"*%d\r\n" % n_args + b"".join(map(bulk, leading))
 
 
-def frame_columns(cols: Sequence[np.ndarray]) -> np.ndarray:
+def frame_columns(cols: Sequence[np.ndarray], order: np.ndarray | None = None) -> np.ndarray:
     r"""Frame row ``i`` of every column as consecutive bulk strings: ``uint8[n, record]``.
 
     ``cols``: ``uint8[n, w_c]`` arrays, one per argument of a row (for HSET, the field then the
     value). Row ``i`` of the result is ``$w_0\r\n<cols[0][i]>\r\n$w_1\r\n...``, the bytes
-    of those arguments inside a command.
+    of those arguments inside a command. ``order``: frame rows ``order`` of the columns
+    instead (taken straight into the result).
     """
-    n = cols[0].shape[0]
+    n = cols[0].shape[0] if order is None else order.shape[0]
     heads = [b"$%d\r\n" % c.shape[1] for c in cols]
     width = sum(len(h) + c.shape[1] + 2 for h, c in zip(heads, cols, strict=True))
     out = np.empty((n, width), np.uint8)
@@ -49,7 +50,10 @@ def frame_columns(cols: Sequence[np.ndarray]) -> np.ndarray:
         w = c.shape[1]
         out[:, at:at + len(h)] = np.frombuffer(h, np.uint8)
         at += len(h)
-        out[:, at:at + w] = c
+        if order is None:
+            out[:, at:at + w] = c
+        else:  # mode="clip" takes straight into the strided view (no temporary)
+            np.take(c, order, axis=0, out=out[:, at:at + w], mode="clip")
         at += w
         out[:, at] = 13
         out[:, at + 1] = 10

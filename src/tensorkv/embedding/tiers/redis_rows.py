@@ -501,12 +501,11 @@ class RedisRowEngine:
             return []
         b = self.runtime
         order, _, chunks = self._grouped(b, keys)
-        sk = keys[order]
         if raw:
-            cols = [_key_bytes(sk)] + ([sealed[order]] if setting else [])
-            framed = resp.frame_columns(cols)
+            cols = [_key_bytes(keys)] + ([sealed] if setting else [])
+            framed = resp.frame_columns(cols, order)
         else:
-            fields = encode_fields(sk)
+            fields = encode_fields(keys[order])
             vals = sealed[order].view(f"V{self.width}").ravel().tolist() if setting else []
         out: list[tuple[bool, bytes, Any]] = []
         for k, a, c in chunks:
