@@ -136,6 +136,7 @@ def session(store: Any) -> Iterator[Callable[..., Replies]]:
         raise RawFallback("a Cluster transaction spans one hash slot")
     store._check_open()
     store._check_writable()
+    store._unwaited = True  # flush() waits for the replicas (wait_replicas)
     with store._errors():
         pool = store._client.connection_pool
         conn = pool.get_connection()
