@@ -98,13 +98,13 @@ def test_lost_lock_fails_the_commit(redis_server, tag, monkeypatch):
     t.lookup(np.arange(6))
     real = redis_rows.RedisRowEngine.write
 
-    def expire_locks_first(self, keys, sealed, deleted, token=None):
+    def expire_locks_first(self, keys, sealed, deleted, token=None, **kw):
         c = redis_server.client()
         try:  # as if the locks expired (lock_ttl_seconds) while the step ran
             c.delete(*self.runtime.locks)
         finally:
             c.close()
-        return real(self, keys, sealed, deleted, token)
+        return real(self, keys, sealed, deleted, token, **kw)
 
     monkeypatch.setattr(redis_rows.RedisRowEngine, "write", expire_locks_first)
     with pytest.raises(RowLockError, match="expired"):

@@ -6,7 +6,8 @@ step looks up a batch of keys and applies gradients. With ``sgd`` (lr 1) the
 gradients are small integers (exact in float32, so the sum over every writer does not depend
 on the order); with ``adagrad`` the table has one bucket (one lock, so commits are totally
 ordered) and each apply's commit appends ``SEED:STEP`` to the Redis list ``<TAG>:order``
-while the lock is still held: the test replays the batches in that order. Prints ``done``.
+before its write, while the lock is held: the test replays the batches in that order. Prints
+``done``.
 """
 
 import sys
@@ -35,12 +36,11 @@ def main() -> None:
     current: list[str] = []
     real_write = redis_rows.RedisRowEngine.write
 
-    def logged_write(self, keys, sealed, deleted, token=None):
-        n = real_write(self, keys, sealed, deleted, token)
-        if current and keys.size:  # still under the bucket lock: the commit order
+    def logged_write(self, keys, sealed, deleted, token=None, **kw):
+        if current and keys.size:  # under the bucket locks (the write releases them)
             key = f"{current[1]}:order".encode()
             self.store.execute([(key, ("RPUSH", key, current[0].encode()))])
-        return n
+        return real_write(self, keys, sealed, deleted, token, **kw)
 
     redis_rows.RedisRowEngine.write = logged_write
     for optimizer in ("sgd", "adagrad"):

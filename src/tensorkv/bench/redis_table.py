@@ -5,7 +5,8 @@ then Redis Clusters of 1 and 3 masters) and removes them at the end. Rows of dim
 Adagrad slot (552 bytes with the checksum), ``n_keys`` keys, batches of 16,384 random keys:
 
 * ``upsert``: ``table.upsert`` (exact mode) vs the Redis store holding one string key per
-  row (``RedisStore.put_many`` of the same records) and vs the DRAM table.
+  row (``RedisStore.put_many`` of the same records) and vs the DRAM table; then in
+  last-writer-wins mode (no locks, no fenced writes).
 * ``lookup``: a read-only (serving) table's ``lookup`` vs ``RedisStore.get_many`` of the
   records decoded into rows, and vs the DRAM table.
 * ``lookup+apply``: a training step (lookup, then Adagrad) in exact mode and in
@@ -14,7 +15,7 @@ Adagrad slot (552 bytes with the checksum), ``n_keys`` keys, batches of 16,384 r
 
 Figures are keys per second (best of ``repeat`` passes). ``-p`` options: ``n_keys``,
 ``batch``, ``repeat``, ``cluster`` (false: skip the Clusters). Current figures:
-docs/benchmarks.md ("Redis-resident tables").
+docs/benchmarks.md ("bench redis-table").
 """
 
 from __future__ import annotations
@@ -181,7 +182,9 @@ def run(quick: bool, report: Report, *, n_keys: int | None = None, batch: int = 
         report.add("lookup (read-only table)", "keys/s", lk, "DRAM table", base["lookup"])
         tr_exact = timed / measure(train(table), repeat=repeat, warmup=0).best
         lww = _table(srv.url, model_tag_runtime="bench", consistency="last_writer_wins")
+        up_lww = timed / measure(upsert(lww), repeat=repeat, warmup=0).best
         tr_lww = timed / measure(train(lww), repeat=repeat, warmup=0).best
+        report.add("upsert, last_writer_wins", "keys/s", up_lww, "DRAM table", base["upsert"])
         report.add("lookup+apply, exact", "keys/s", tr_exact, "last_writer_wins", tr_lww)
         report.add("lookup+apply, exact", "keys/s", tr_exact, "DRAM table", base["train"])
         report.add("lookup+apply, last_writer_wins", "keys/s", tr_lww, "DRAM table",

@@ -35,6 +35,7 @@ from tensorkv.errors import (
     StoreUnavailableError,
     TensorKVError,
 )
+from tensorkv.stores import redis_raw
 from tensorkv.stores.base import Capabilities, KVStore, WriteOp, prefix_upper_bound
 from tensorkv.stores.redis_config import RedisOptions, resolve_options
 from tensorkv.stores.redis_keys import (
@@ -594,6 +595,24 @@ class RedisStore(KVStore):
             client = self._reader if read else self._client
             return send_packed(client.connection_pool, [c for _, c in commands],
                                retries=self.options.retries, backoff=self.options.retry_backoff)
+
+    def execute_raw(self, keys: list[bytes], chunks: list[list[Any]], elems: list[int],
+                    reply_bytes: list[int], *, read: bool = False,
+                    row_width: int = 0) -> list[Any]:
+        """Run commands framed as RESP bytes on the raw path (:mod:`.redis_raw`).
+
+        Routed like :meth:`execute` (``keys``: one routing key per command); returns the
+        parsed replies per connection (``row_width``: array elements of that size are
+        copied into their ``rows`` as they arrive). Raises :class:`~.redis_raw.RawFallback` when the
+        batch must run on :meth:`execute` instead (redirects, dropped connections).
+        """
+        self._check_open()
+        if not read:
+            self._check_writable()
+            self._unwaited = True
+        with self._errors():
+            return redis_raw.run(self, keys, chunks, elems, reply_bytes, read=read,
+                                 row_width=row_width)
 
     def identity(self) -> str | None:
         """The run ids of the primaries serving the data (they change on restart or failover)."""

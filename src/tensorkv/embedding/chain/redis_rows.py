@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -106,16 +107,23 @@ class RedisRows(ArenaRows):
         a = self.arena
         if keys.shape[0] == 0:
             return
-        if self._exact:
-            self._lock_buckets(keys)
+        need = (np.setdiff1d(np.unique(self.engine.runtime.of(keys)), self._locked)
+                if self._exact else _NO_KEYS)
         want = np.unique(keys[a.find(keys) < 0])
         if want.size == 0:
+            if need.size:
+                self._lock_buckets(need)
             return
         sink = RowSink(a, self.layout)
         if self._cache is not None:
             want = self._from_cache(want, sink)
         bad: list[np.ndarray] | None = [] if replace else None
-        pos, recs = self.engine.get_found(want, read=self.options.read_only, bad_out=bad)
+        if need.size:  # take the locks and read the rows in one round trip
+            self._token = self._token or uuid.uuid4().hex.encode()
+            self._locked = np.union1d(self._locked, need)
+            _, pos, recs = self.engine.lock_get(need, want, self._token, bad)
+        else:
+            pos, recs = self.engine.get_found(want, read=self.options.read_only, bad_out=bad)
         if bad:  # written over or removed at the commit
             self._corrupt.append(np.concatenate(bad))
         got = want[pos]
@@ -128,11 +136,9 @@ class RedisRows(ArenaRows):
             if self._cache is not None:
                 self._to_cache(got, recs)
 
-    def _lock_buckets(self, keys: np.ndarray) -> None:
-        need = np.setdiff1d(np.unique(self.engine.runtime.of(keys)), self._locked)
-        if need.size:
-            self._token = self.engine.lock(need, self._token)
-            self._locked = np.union1d(self._locked, need)
+    def _lock_buckets(self, need: np.ndarray) -> None:
+        self._token = self.engine.lock(need, self._token)
+        self._locked = np.union1d(self._locked, need)
 
     def _from_cache(self, want: np.ndarray, sink: RowSink) -> np.ndarray:
         """Move cached rows of ``want`` into the working set; returns the keys still wanted."""
@@ -164,9 +170,10 @@ class RedisRows(ArenaRows):
 
     def finish(self, ok: bool) -> None:
         """End of an operation: write back what changed (if ``ok``), empty the working set."""
+        released = False
         try:
             if ok and not self.options.read_only:
-                self._commit()
+                released = self._commit()
         finally:
             a = self.arena
             if len(a):
@@ -174,14 +181,15 @@ class RedisRows(ArenaRows):
             self._loaded, self._corrupt = [], []
             token, locked = self._token, self._locked
             self._token, self._locked = None, _NO_KEYS
-            if token is not None and locked.size:
+            if token is not None and locked.size and not released:
                 if ok:
                     self.engine.unlock(locked, token)
                 else:
                     with contextlib.suppress(Exception):  # the first error is the one to see
                         self.engine.unlock(locked, token)
 
-    def _commit(self) -> None:
+    def _commit(self) -> bool:
+        """Write back what changed; returns whether the write released the bucket locks."""
         a = self.arena
         hw = a.high_water
         live = np.flatnonzero(a.live[:hw].view(np.bool_))
@@ -192,13 +200,14 @@ class RedisRows(ArenaRows):
             loaded = np.concatenate([loaded, *self._corrupt])
         deleted = loaded[a.find(loaded) < 0] if loaded.size else _NO_KEYS
         if keys.size == 0 and deleted.size == 0:
-            return
+            return False
         buf = np.zeros((keys.size, self.engine.width), np.uint8)
         if keys.size:
             RowSource(a, self.layout, keys, changed).pack(buf)
             self.engine.seal(buf)
-        self.engine.write(keys, buf, deleted, self._token)
+        self.engine.write(keys, buf, deleted, self._token, release=self._locked)
         self._counts["rows_written"] += int(keys.size)
+        return True
 
     # --- rows below tier 0 ---------------------------------------------------------------------
     def read_lower(self, keys: np.ndarray) -> tuple[np.ndarray, Any]:  # noqa: D102

@@ -12,6 +12,7 @@ and fenced writes. Layout, locks and migration: docs/redis_table.md.
 from __future__ import annotations
 
 import functools
+import hashlib
 import itertools
 import json
 import operator
@@ -27,9 +28,11 @@ import numpy as np
 from tensorkv.embedding.tiers.base import RecordLayout
 from tensorkv.embedding.tiers.redis_options import RedisTableOptions
 from tensorkv.errors import ConfigError, CorruptRecordError, RowLockError, ShapeError
+from tensorkv.kernels import resp
 from tensorkv.kernels.checksums import record_checksums
-from tensorkv.stores import open_store
+from tensorkv.stores import open_store, redis_raw
 from tensorkv.stores.redis_keys import bounds, key_slots
+from tensorkv.stores.redis_raw import RawFallback
 
 #: Fields per Lua script call (Lua's unpack() limit is ~8000 values).
 SCRIPT_FIELDS = 2000
@@ -44,10 +47,13 @@ if n > 0 then redis.call('HSET', KEYS[1], unpack(ARGV, 3, 2 + 2 * n)) end
 if #ARGV > 2 + 2 * n then return redis.call('HDEL', KEYS[1], unpack(ARGV, 3 + 2 * n, #ARGV)) end
 return 0
 """
+_FENCED_SHA = hashlib.sha1(_FENCED_WRITE.encode()).hexdigest().encode()
 _RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
 """
+_RELEASE_SHA = hashlib.sha1(_RELEASE.encode()).hexdigest().encode()
+_NO_BUCKETS = np.zeros(0, np.int64)
 _SET_ABSENT = """
 local n = 0
 for i = 1, #ARGV, 2 do n = n + redis.call('HSETNX', KEYS[1], ARGV[i], ARGV[i + 1]) end
@@ -126,6 +132,11 @@ class Buckets:
                 "using_hash_storage_slice": self.by_hash}
 
 
+def _key_bytes(keys: np.ndarray) -> np.ndarray:
+    """Hash fields of int64 keys as ``uint8[n, 8]`` (little-endian)."""
+    return np.ascontiguousarray(keys, "<i8").view(np.uint8).reshape(-1, 8)
+
+
 def encode_fields(keys: np.ndarray) -> list[bytes]:
     """Hash fields of int64 keys: their 8 little-endian bytes."""
     return keys.astype("<i8").view("V8").tolist()
@@ -170,7 +181,8 @@ class RedisRowEngine:
                               o.redis_hash_tags_import, o.using_hash_storage_slice)
         self._ks = max(1, min(o.keys_sending_size, SCRIPT_FIELDS))
         self.counters = {"reads": 0, "writes": 0, "deletes": 0, "round_trips": 0,
-                         "lock_waits": 0, "migrated": 0}
+                         "lock_waits": 0, "migrated": 0,
+                         "raw_fallbacks": 0}
 
     def close(self) -> None:
         """Close the connection."""
@@ -245,12 +257,24 @@ class RedisRowEngine:
                 replies[i] = None
             return self.decode(replies, keys, where, bad_out)
         if len(blob) != nf * self.width:
-            bad = [len(v) for v in itertools.compress(replies, found) if len(v) != self.width]
-            raise CorruptRecordError(
-                f"{where} holds values of {bad[:3]} bytes; rows of this table are {self.width} "
-                "bytes (record + checksum): a value written by something else, or another "
-                "layout")
+            self._wrong_sizes(where, [len(v) for v in itertools.compress(replies, found)
+                                      if len(v) != self.width])
         recs = np.frombuffer(blob, np.uint8).reshape(nf, self.width)
+        return self.verify(found, recs, keys, where, bad_out)
+
+    def _wrong_sizes(self, where: str, sizes: list[int]) -> None:
+        raise CorruptRecordError(
+            f"{where} holds values of {sizes[:3]} bytes; rows of this table are {self.width} "
+            "bytes (record + checksum): a value written by something else, or another layout")
+
+    def verify(self, found: np.ndarray, recs: np.ndarray, keys: np.ndarray | None, where: str,
+               bad_out: list[np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Check the checksums (and keys) of ``recs``, the rows of ``keys[found]``.
+
+        Returns ``(found, recs)``, without the failing rows when ``bad_out`` is given (see
+        :meth:`decode`); otherwise a failing row raises :class:`CorruptRecordError`.
+        """
+        nf = recs.shape[0]
         sums = recs[:, self.record_bytes:].copy().view(np.int64)[:, 0]
         bad_rows = np.flatnonzero(record_checksums(recs, self.record_bytes) != sums)
         if keys is not None and nf:
@@ -307,59 +331,208 @@ class RedisRowEngine:
             return np.zeros(0, np.int64), np.zeros((0, self.width), np.uint8)
         order, _, chunks = self._grouped(b, keys)
         sk = keys[order]
-        fields = encode_fields(sk)
-        cmds = [(b.names[k], ("HMGET", b.names[k], *fields[a:c])) for k, a, c in chunks]
-        replies = self.store.execute(cmds, read=read and self.options.redis_read_access_slave)
+        read = read and self.options.redis_read_access_slave
+        where = f"{self.options.url!r} ({b.model_tag})"
         self.counters["round_trips"] += 1
         self.counters["reads"] += n
-        flat = list(itertools.chain.from_iterable(replies))
-        found_s, recs = self.decode(flat, sk, f"{self.options.url!r} ({b.model_tag})", bad_out)
+        try:
+            found_s, recs = self._get_raw(b, sk, chunks, read, where, bad_out)
+        except RawFallback:
+            self.counters["raw_fallbacks"] += 1
+            fields = encode_fields(sk)
+            cmds = [(b.names[k], ("HMGET", b.names[k], *fields[a:c])) for k, a, c in chunks]
+            replies = self.store.execute(cmds, read=read)
+            flat = list(itertools.chain.from_iterable(replies))
+            found_s, recs = self.decode(flat, sk, where, bad_out)
         return order[found_s], recs
 
+    def _get_raw(self, b: Buckets, sk: np.ndarray, chunks: list[tuple[int, int, int]],
+                 read: bool, where: str, bad_out: list[np.ndarray] | None,
+                 locks: Sequence[int] = (), token: bytes = b"",
+                 taken: list[bool] | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`get_found` of the sorted keys ``sk`` on the raw RESP path.
+
+        ``locks``: buckets whose locks are taken (SET NX) for ``token`` before the reads, in
+        the same round trip; whether each was taken is appended to ``taken``.
+        """
+        n = sk.shape[0]
+        framed = resp.frame_columns([_key_bytes(sk)])
+        row = len(resp.bulk(bytes(self.width)))
+        ttl = b"%d" % int(self.options.lock_ttl_seconds * 1000)
+        lead = [(b.locks[k], [resp.array_head(6, (b"SET", b.locks[k], token, b"NX", b"PX",
+                                                  ttl))]) for k in locks]
+        cmds = lead + [(b.names[k], [resp.array_head(c - a + 2, (b"HMGET", b.names[k])),
+                                     framed[a:c]]) for k, a, c in chunks]
+        elems = [0] * len(lead) + [c - a for _, a, c in chunks]
+        groups = self.store.execute_raw([c[0] for c in cmds], [c[1] for c in cmds], elems,
+                                        [16 + m * row for m in elems], read=read,
+                                        row_width=self.width)
+        lens, group = np.empty(n, np.int64), np.empty(n, np.int64)
+        got = [False] * len(lead)
+        for g, r in enumerate(groups):
+            for j, i in enumerate(r.commands):
+                if i < len(lead):
+                    got[i] = bool(r.rtype[j] == resp.SIMPLE)
+                    continue
+                _, a, c = chunks[i - len(lead)]
+                if r.rtype[j] != resp.ARRAY or r.rval[j] != c - a:
+                    raise RawFallback(f"HMGET answered with reply type {int(r.rtype[j])}")
+                e = int(r.roff[j])
+                lens[a:c], group[a:c] = r.elen[e:e + c - a], g
+        if taken is not None:
+            taken += got
+        found = lens >= 0
+        wrong = found & (lens != self.width)
+        if wrong.any():
+            if bad_out is None:
+                self._wrong_sizes(where, lens[wrong].tolist())
+            bad_out.append(sk[wrong])
+            found &= ~wrong
+        if len(groups) == 1:  # the rows came in key order
+            recs = groups[0].rows
+        else:  # each connection's rows came in key order: merge them
+            recs = np.empty((int(np.count_nonzero(found)), self.width), np.uint8)
+            dst = np.cumsum(found) - 1
+            for g, r in enumerate(groups):
+                recs[dst[found & (group == g)]] = r.rows
+        return self.verify(found, recs, sk, where, bad_out)
+
     def write(self, keys: np.ndarray, sealed: np.ndarray, deleted: np.ndarray,
-              token: bytes | None = None) -> int:
+              token: bytes | None = None, release: np.ndarray = _NO_BUCKETS) -> int:
         """HSET the sealed rows of ``keys``, HDEL ``deleted``; returns rows deleted.
 
         With ``token`` every bucket write is fenced: it lands only while this token holds the
-        bucket's lock, else :class:`RowLockError` is raised after the batch.
+        bucket's lock, else :class:`RowLockError` is raised after the batch. ``release``:
+        buckets whose locks (held by ``token``) are released after the writes, in the same
+        round trip.
         """
-        b = self.runtime
-        cmds: list[tuple[bytes, tuple[Any, ...]]] = []
-        if keys.shape[0]:
-            order, _, chunks = self._grouped(b, keys)
-            fields = encode_fields(keys[order])
-            vals = sealed[order].view(f"V{self.width}").ravel().tolist()
-            for k, a, c in chunks:
-                pairs = _interleave(fields[a:c], vals[a:c])
-                if token is None:
-                    cmds.append((b.names[k], ("HSET", b.names[k], *pairs)))
-                else:
-                    cmds.append((b.names[k], ("EVAL", _FENCED_WRITE, b"2", b.names[k],
-                                              b.locks[k], token, b"%d" % (c - a), *pairs)))
-        n_set = len(cmds)
-        if deleted.shape[0]:
-            order, _, chunks = self._grouped(b, deleted)
-            fields = encode_fields(deleted[order])
-            for k, a, c in chunks:
-                if token is None:
-                    cmds.append((b.names[k], ("HDEL", b.names[k], *fields[a:c])))
-                else:
-                    cmds.append((b.names[k], ("EVAL", _FENCED_WRITE, b"2", b.names[k],
-                                              b.locks[k], token, b"0", *fields[a:c])))
-        if not cmds:
+        if token is not None and (keys.size or deleted.size):
+            try:
+                return self._write_watched(keys, sealed, deleted, token, release)
+            except RawFallback:
+                self.counters["raw_fallbacks"] += 1
+        parts = [(True, keys, sealed), (False, deleted, None)]
+        cmds = [c for p in parts for c in self._write_commands(*p, token, raw=True)]
+        if not cmds and not release.size:
             return 0
-        res = self.store.execute(cmds)
+        n_set = sum(1 for c in cmds if c[0])
+        n_write = len(cmds)
+        locks = [self.runtime.locks[k] for k in release.tolist()]
+        cmds += [(False, k, [resp.array_head(5, (b"EVALSHA", _RELEASE_SHA, b"1", k, token))])
+                 for k in locks]
         self.counters["round_trips"] += 1
+        try:
+            res = self._ints(self.store.execute_raw(
+                [c[1] for c in cmds], [c[2] for c in cmds], [0] * len(cmds),
+                [32] * len(cmds)), len(cmds))
+        except RawFallback:  # every command can run again: same rows, same fence token
+            self.counters["raw_fallbacks"] += 1
+            res = self.store.execute([c[1:] for p in parts
+                                      for c in self._write_commands(*p, token, raw=False)]
+                                     + [(k, ("EVAL", _RELEASE, 1, k, token)) for k in locks])
+        res = res[:n_write]
         self.counters["writes"] += int(keys.shape[0])
         if token is not None and any(int(r) < 0 for r in res):
-            raise RowLockError(
-                f"a bucket lock of table {self.options.table_name!r} at {self.options.url!r} "
-                f"expired (lock_ttl_seconds={self.options.lock_ttl_seconds}) or the server "
-                "restarted before the batch was written; the batch was written only in part. "
-                "Retry the step; raise lock_ttl_seconds if steps take longer")
+            self._lost_lock("the batch was written only in part")
         n_del = int(sum(int(r) for r in res[n_set:]))
         self.counters["deletes"] += n_del
         return n_del
+
+    def _write_watched(self, keys: np.ndarray, sealed: np.ndarray, deleted: np.ndarray,
+                       token: bytes, release: np.ndarray) -> int:
+        """:meth:`write` fenced by WATCH on the bucket locks and one MULTI/EXEC.
+
+        First round trip: WATCH the locks, read them (all must hold ``token``); second:
+        MULTI, the plain HSET/HDEL, DEL of the ``release`` locks, EXEC. A lock that expired
+        or changed hands after the WATCH aborts the EXEC: nothing is written. Raises
+        :class:`RawFallback` on a Cluster (the Lua fence runs there) or on a dropped
+        connection.
+        """
+        b = self.runtime
+        written = np.unique(np.concatenate([b.of(keys), b.of(deleted)]))
+        watched = [b.locks[k] for k in np.union1d(written, release).tolist()]
+        n_locks = len(watched)
+        with redis_raw.session(self.store) as call:
+            r = call([resp.array_head(1 + n_locks, (b"WATCH", *watched)),
+                      resp.array_head(1 + n_locks, (b"MGET", *watched))], 2, n_locks,
+                     64 + n_locks * (len(token) + 16))
+            if r.rtype.tolist() != [resp.SIMPLE, resp.ARRAY]:
+                raise RawFallback("WATCH/MGET answered with other replies")
+            held = [r.buf[o:o + n].tobytes() if n >= 0 else None
+                    for o, n in zip(r.eoff.tolist(), r.elen.tolist(), strict=True)]
+            if any(h != token for h in held):
+                self._lost_lock("nothing was written")
+            cmds = [c for p in [(True, keys, sealed), (False, deleted, None)]
+                    for c in self._write_commands(*p, None, raw=True)]
+            rel = [b.locks[k] for k in release.tolist()]
+            tail = [resp.array_head(1 + len(rel), (b"DEL", *rel))] if rel else []
+            pieces = ([resp.array_head(1, (b"MULTI",))] + [x for c in cmds for x in c[2]]
+                      + tail + [resp.array_head(1, (b"EXEC",))])
+            n = len(cmds) + len(tail)
+            r = call(pieces, n + 2, n, 64 + 16 * n)
+            redis_raw.check_errors(r)  # e.g. OOM while queueing: EXECABORT
+            if r.rtype[-1] == resp.NIL:
+                self._lost_lock("nothing was written")
+            redis_raw.element_errors(r)  # e.g. WRONGTYPE: a bucket that is not a hash
+            if r.rtype[-1] != resp.ARRAY or r.rval[-1] != n or (r.elen[:n] != -2).any():
+                raise RawFallback("EXEC answered with other replies")
+        res = r.eoff[:n].tolist()
+        self.counters["round_trips"] += 2
+        self.counters["writes"] += int(keys.shape[0])
+        n_del = int(sum(v for c, v in zip(cmds, res, strict=False) if not c[0]))
+        self.counters["deletes"] += n_del
+        return n_del
+
+    def _lost_lock(self, what: str) -> None:
+        raise RowLockError(
+            f"a bucket lock of table {self.options.table_name!r} at {self.options.url!r} "
+            f"expired (lock_ttl_seconds={self.options.lock_ttl_seconds}) or the server "
+            f"restarted before the batch was written; {what}. Retry the step; raise "
+            "lock_ttl_seconds if steps take longer")
+
+    def _write_commands(self, setting: bool, keys: np.ndarray, sealed: np.ndarray | None,
+                        token: bytes | None, raw: bool) -> list[tuple[bool, bytes, Any]]:
+        """``[(setting, bucket, command)]`` writing (HSET) or deleting (HDEL) ``keys``' rows.
+
+        With ``token``: fenced writes (:data:`_FENCED_WRITE`). ``raw``: each command as RESP
+        pieces (EVALSHA), else as redis-py arguments (EVAL).
+        """
+        if keys.shape[0] == 0:
+            return []
+        b = self.runtime
+        order, _, chunks = self._grouped(b, keys)
+        if raw:
+            cols = [_key_bytes(keys)] + ([sealed] if setting else [])
+            framed = resp.frame_columns(cols, order)
+        else:
+            fields = encode_fields(keys[order])
+            vals = sealed[order].view(f"V{self.width}").ravel().tolist() if setting else []
+        out: list[tuple[bool, bytes, Any]] = []
+        for k, a, c in chunks:
+            m, name = c - a, b.names[k]
+            if token is None:
+                lead: tuple[Any, ...] = (b"HSET" if setting else b"HDEL", name)
+            else:
+                script = (b"EVALSHA", _FENCED_SHA) if raw else (b"EVAL", _FENCED_WRITE)
+                lead = (*script, b"2", name, b.locks[k], token, b"%d" % (m if setting else 0))
+            if raw:
+                n_args = len(lead) + m * (2 if setting else 1)
+                out.append((setting, name, [resp.array_head(n_args, lead), framed[a:c]]))
+            else:
+                args = _interleave(fields[a:c], vals[a:c]) if setting else fields[a:c]
+                out.append((setting, name, (*lead, *args)))
+        return out
+
+    @staticmethod
+    def _ints(groups: list[Any], n: int) -> list[int]:
+        """The integer replies of raw commands, in command order."""
+        out = [0] * n
+        for r in groups:
+            if (r.rtype != resp.INT).any():
+                raise RawFallback("a write answered with a reply that is not an integer")
+            for i, v in zip(r.commands, r.rval.tolist(), strict=True):
+                out[i] = v
+        return out
 
     def delete(self, keys: np.ndarray) -> int:
         """HDEL ``keys``; returns how many were stored."""
@@ -404,6 +577,41 @@ class RedisRowEngine:
             time.sleep(pause * (1 + random.random()))
             pause = min(pause * 2, 0.004)
         return token
+
+    def lock_get(self, buckets: np.ndarray, keys: np.ndarray, token: bytes | None,
+                 bad_out: list[np.ndarray] | None = None
+                 ) -> tuple[bytes, np.ndarray, np.ndarray]:
+        """:meth:`lock` ``buckets`` and :meth:`get_found` ``keys`` (unique) in one round trip.
+
+        Returns ``(token, positions, records)``. When a lock is busy, the locks after it are
+        released and the rest is done as by :meth:`lock`, then the rows are read again.
+        """
+        b = self.runtime
+        token = token or uuid.uuid4().hex.encode()
+        if keys.shape[0] == 0:
+            return self.lock(buckets, token), np.zeros(0, np.int64), np.zeros((0, self.width),
+                                                                               np.uint8)
+        order, _, chunks = self._grouped(b, keys)
+        taken: list[bool] = []
+        try:
+            found, recs = self._get_raw(b, keys[order], chunks, False,
+                                        f"{self.options.url!r} ({b.model_tag})", bad_out,
+                                        buckets.tolist(), token, taken)
+        except RawFallback:
+            self.counters["raw_fallbacks"] += 1
+            self.unlock(buckets, token)  # any lock the raw attempt took
+            taken = [False] * buckets.size
+        self.counters["round_trips"] += 1
+        if all(taken):
+            self.counters["reads"] += int(keys.shape[0])
+            return token, order[found], recs
+        first = taken.index(False)
+        late = buckets[first:][np.asarray(taken[first:], bool)]
+        self.unlock(late, token)
+        self.lock(buckets[first:], token)
+        if bad_out is not None:
+            bad_out.clear()
+        return (token, *self.get_found(keys, read=False, bad_out=bad_out))
 
     def unlock(self, buckets: np.ndarray, token: bytes) -> None:
         """Release the locks of ``buckets`` this token holds."""
