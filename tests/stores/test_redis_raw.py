@@ -12,6 +12,7 @@ import pytest
 import redis.exceptions as rex
 
 import tensorkv
+from tensorkv.embedding.tiers import redis_rows as redis_rows_tier
 from tensorkv.errors import CorruptRecordError, RowLockError, StoreError
 from tensorkv.kernels import resp
 from tensorkv.stores import open_store, redis_raw
@@ -173,7 +174,7 @@ def test_table_falls_back_on_noscript_and_wrong_type(redis_server, monkeypatch):
         tab.lookup(keys)
     c = redis_server.client()
     try:
-        c.script_flush()  # the fenced write's EVALSHA answers NOSCRIPT: EVAL runs it
+        c.script_flush()  # the raw path sends the scripts' text: nothing to reload
     finally:
         c.close()
     for tab in (t, ref):
@@ -203,12 +204,38 @@ def test_table_on_tls_and_acl(server, request):
         tab.apply_gradients(keys, np.full((100, 8), 0.5, np.float32))
     np.testing.assert_array_equal(t.lookup(keys, insert=False), ref.lookup(keys, insert=False))
     engine = t._rows.engine
-    assert engine.counters["raw_fallbacks"] <= 1  # the first EVALSHA may find no script
+    assert engine.counters["raw_fallbacks"] == 0
     before = engine.counters["raw_fallbacks"]
     for tab in (t, ref):
         tab.apply_gradients(keys, np.full((100, 8), 0.25, np.float32))
     np.testing.assert_array_equal(t.lookup(keys, insert=False), ref.lookup(keys, insert=False))
     assert engine.counters["raw_fallbacks"] == before
+    t.close()
+
+
+def test_fenced_write_with_only_the_release_script_cached(redis_server, monkeypatch):
+    """The Lua fence (as on a Cluster) on a server that caches the release script only.
+
+    The batch's fenced writes and lock releases go in one pipeline: the writes must not
+    answer NOSCRIPT while the releases run, or the writes sent again find no lock.
+    """
+    def no_session(store):
+        raise RawFallback("as on a Cluster: the Lua fence")
+
+    c = redis_server.client()
+    try:
+        c.script_flush()
+        c.script_load(redis_rows_tier._RELEASE)
+    finally:
+        c.close()
+    monkeypatch.setattr(redis_raw, "session", no_session)
+    ref = tensorkv.EmbeddingTable(8, optimizer="adagrad", seed=1)
+    t = _table(f"redis://127.0.0.1:{redis_server.port}/0", "rawrel", storage_slice=3)
+    keys = np.arange(60)
+    for tab in (t, ref):
+        tab.lookup(keys)
+        tab.apply_gradients(keys, np.full((60, 8), 0.5, np.float32))
+    np.testing.assert_array_equal(t.lookup(keys, insert=False), ref.lookup(keys, insert=False))
     t.close()
 
 

@@ -12,7 +12,6 @@ and fenced writes. Layout, locks and migration: docs/redis_table.md.
 from __future__ import annotations
 
 import functools
-import hashlib
 import itertools
 import json
 import operator
@@ -47,12 +46,13 @@ if n > 0 then redis.call('HSET', KEYS[1], unpack(ARGV, 3, 2 + 2 * n)) end
 if #ARGV > 2 + 2 * n then return redis.call('HDEL', KEYS[1], unpack(ARGV, 3 + 2 * n, #ARGV)) end
 return 0
 """
-_FENCED_SHA = hashlib.sha1(_FENCED_WRITE.encode()).hexdigest().encode()
 _RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
 """
-_RELEASE_SHA = hashlib.sha1(_RELEASE.encode()).hexdigest().encode()
+# The raw path sends the scripts' text (EVAL), never EVALSHA: a batch whose fenced writes
+# answered NOSCRIPT while its lock releases ran could not be sent again.
+_FENCED_BODY, _RELEASE_BODY = _FENCED_WRITE.encode(), _RELEASE.encode()
 _NO_BUCKETS = np.zeros(0, np.int64)
 _SET_ABSENT = """
 local n = 0
@@ -418,7 +418,7 @@ class RedisRowEngine:
         n_set = sum(1 for c in cmds if c[0])
         n_write = len(cmds)
         locks = [self.runtime.locks[k] for k in release.tolist()]
-        cmds += [(False, k, [resp.array_head(5, (b"EVALSHA", _RELEASE_SHA, b"1", k, token))])
+        cmds += [(False, k, [resp.array_head(5, (b"EVAL", _RELEASE_BODY, b"1", k, token))])
                  for k in locks]
         self.counters["round_trips"] += 1
         try:
@@ -495,7 +495,7 @@ class RedisRowEngine:
         """``[(setting, bucket, command)]`` writing (HSET) or deleting (HDEL) ``keys``' rows.
 
         With ``token``: fenced writes (:data:`_FENCED_WRITE`). ``raw``: each command as RESP
-        pieces (EVALSHA), else as redis-py arguments (EVAL).
+        pieces, else as redis-py arguments.
         """
         if keys.shape[0] == 0:
             return []
@@ -513,7 +513,7 @@ class RedisRowEngine:
             if token is None:
                 lead: tuple[Any, ...] = (b"HSET" if setting else b"HDEL", name)
             else:
-                script = (b"EVALSHA", _FENCED_SHA) if raw else (b"EVAL", _FENCED_WRITE)
+                script = (b"EVAL", _FENCED_BODY) if raw else (b"EVAL", _FENCED_WRITE)
                 lead = (*script, b"2", name, b.locks[k], token, b"%d" % (m if setting else 0))
             if raw:
                 n_args = len(lead) + m * (2 if setting else 1)
