@@ -15,7 +15,8 @@ import time
 import uuid
 from typing import Any, NamedTuple
 
-from tensorkv.distributed.shard import BEHIND
+from tensorkv.distributed import wire
+from tensorkv.distributed.wire import BEHIND
 from tensorkv.errors import ShardUnavailableError, import_optional
 
 
@@ -32,6 +33,7 @@ class Request(NamedTuple):
     name: str  #: the table
     args: tuple
     mutating: bool
+    frame: bool = False  #: sent as one ``bytes`` frame (:mod:`~tensorkv.distributed.wire`)
 
 
 class Channel:
@@ -66,19 +68,33 @@ class Channel:
         """Number of shards."""
         return len(self.actors)
 
-    def send(self, s: int, method: str, name: str, args: tuple,
-             mutating: bool) -> tuple[Any, Request]:
-        """Send one request to shard ``s``; ``(object ref, request)``."""
+    def send(self, s: int, method: str, name: str, args: tuple, mutating: bool,
+             dim: int = 0) -> tuple[Any, Request]:
+        """Send one request to shard ``s``; ``(object ref, request)``.
+
+        ``dim``: the table's row width; a small ``pull``/``peek``/``push`` then travels as
+        one frame (:func:`tensorkv.distributed.wire.fits`).
+        """
         if mutating:
             self.seq[s] += 1
-        req = Request(self.seq[s], method, name, args, mutating)
+        req = Request(self.seq[s], method, name, args, mutating,
+                      bool(dim) and wire.fits(method, args, dim))
         if mutating and self.logging:
             self.log[s].append(req)
         return self._remote(s, req), req
 
     def _remote(self, s: int, req: Request) -> Any:
+        if req.frame:
+            return self.actors[s].frame.remote(
+                wire.pack_request(req.method, req.name, self.worker, req.seq, req.args))
         fn = getattr(self.actors[s], req.method)
         return fn.remote(req.name, self.worker, req.seq, *req.args)
+
+    @staticmethod
+    def _get(ray: Any, ref: Any, **kw: Any) -> Any:
+        """``ray.get(ref)``, a reply frame unpacked."""
+        out = ray.get(ref, **kw)
+        return wire.unpack_reply(out) if isinstance(out, bytes) else out
 
     def result(self, s: int, ref: Any, req: Request) -> Any:
         """``(result, delta, seq)`` of a request sent by :meth:`send`, recovering if needed.
@@ -88,7 +104,7 @@ class Channel:
         """
         ray = ray_module()
         try:
-            out = ray.get(ref)
+            out = self._get(ray, ref)
         except ray.exceptions.RayTaskError as exc:
             cause = getattr(exc, "cause", None)
             if isinstance(cause, BaseException) and not isinstance(
@@ -145,7 +161,7 @@ class Channel:
             own, failed = None, False
             for r, ref in refs:
                 try:
-                    out = ray.get(ref)
+                    out = self._get(ray, ref)
                 except ray.exceptions.RayTaskError as exc:
                     cause = getattr(exc, "cause", None)
                     if not isinstance(cause, BaseException) or isinstance(
@@ -168,7 +184,7 @@ class Channel:
             if own is not None:
                 return own
             try:
-                out = ray.get(self._remote(s, req))
+                out = self._get(ray, self._remote(s, req))
             except ray.exceptions.RayActorError:
                 continue
             if not (isinstance(out, str) and out == BEHIND):

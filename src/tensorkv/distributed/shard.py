@@ -26,12 +26,11 @@ from typing import Any
 import numpy as np
 
 from tensorkv.checkpoint import delete_tag, list_tags, load, save, tag_info
+from tensorkv.distributed import wire
+from tensorkv.distributed.wire import BEHIND
 from tensorkv.embedding.filters import Eviction
 from tensorkv.embedding.table import EmbeddingTable
 from tensorkv.errors import ConfigError, TagNotFoundError, import_optional
-
-#: Answer of a request that found the shard behind the client (it lost updates in a restart).
-BEHIND = "behind"
 
 #: Methods of the table a client may call through :meth:`ShardServer.call`, and whether each
 #: changes the table (mutating calls carry a sequence number and are applied exactly once).
@@ -303,6 +302,14 @@ class ShardServer:
             ck = self._done(worker, seq)
         after = t.mutation_seq
         return (n, t.step), ck, after - before, after
+
+    def frame(self, data: bytes) -> bytes:
+        """A ``pull``, ``peek`` or ``push`` request packed as one frame; the answer packed.
+
+        See :mod:`tensorkv.distributed.wire` (small requests travel so).
+        """
+        method, name, worker, seq, args = wire.unpack_request(data)
+        return wire.pack_reply(getattr(self, method)(name, worker, seq, *args))
 
     def call(self, name: str, worker: str, seq: int, method: str, args: tuple) -> Any:
         """Any other table method (:data:`TABLE_METHODS`); ``(result, ckpt, delta, seq)``."""

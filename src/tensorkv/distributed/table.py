@@ -198,7 +198,7 @@ class ShardedEmbeddingTable:
         ch = self.channel
         out = []
         for s in range(ch.num_shards) if shards is None else shards:
-            ref, req = ch.send(s, method, self.name, args_of(s), mutating)
+            ref, req = ch.send(s, method, self.name, args_of(s), mutating, self.dim)
             out.append((s, ref, req))
         return out
 
