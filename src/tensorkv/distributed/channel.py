@@ -15,7 +15,9 @@ import time
 import uuid
 from typing import Any, NamedTuple
 
-from tensorkv.distributed import wire
+import numpy as np
+
+from tensorkv.distributed import shm, wire
 from tensorkv.distributed.wire import BEHIND
 from tensorkv.errors import ShardUnavailableError, import_optional
 
@@ -34,6 +36,7 @@ class Request(NamedTuple):
     args: tuple
     mutating: bool
     frame: bool = False  #: sent as one ``bytes`` frame (:mod:`~tensorkv.distributed.wire`)
+    dim: int = 0  #: the table's row width (room for a pull's rows)
 
 
 class Channel:
@@ -51,10 +54,13 @@ class Channel:
     recover_timeout
         Seconds to wait for a restarted shard before raising
         :class:`~tensorkv.errors.ShardUnavailableError`.
+    shared_memory
+        Move large pulls and pushes to shards on this node through shared-memory buffers
+        (:mod:`~tensorkv.distributed.shm`) rather than Ray's object store.
     """
 
     def __init__(self, actors: list[Any], worker: str | None = None, logging: bool = True,
-                 recover_timeout: float = 60.0) -> None:
+                 recover_timeout: float = 60.0, shared_memory: bool = True) -> None:
         self.actors = list(actors)
         self.worker = worker or uuid.uuid4().hex
         self.logging = logging
@@ -62,6 +68,7 @@ class Channel:
         self.seq = [0] * len(self.actors)
         self.log: list[collections.deque[Request]] = [collections.deque() for _ in self.actors]
         self.recoveries = 0
+        self.link = shm.Link(len(self.actors)) if shared_memory and shm.available() else None
 
     @property
     def num_shards(self) -> int:
@@ -78,17 +85,58 @@ class Channel:
         if mutating:
             self.seq[s] += 1
         req = Request(self.seq[s], method, name, args, mutating,
-                      bool(dim) and wire.fits(method, args, dim))
+                      bool(dim) and wire.fits(method, args, dim), dim)
         if mutating and self.logging:
             self.log[s].append(req)
         return self._remote(s, req), req
 
-    def _remote(self, s: int, req: Request) -> Any:
+    def _remote(self, s: int, req: Request, plain: bool = False) -> Any:
         if req.frame:
             return self.actors[s].frame.remote(
                 wire.pack_request(req.method, req.name, self.worker, req.seq, req.args))
+        if not plain and self.link is not None and self.link.enabled[s]:
+            ref = self._remote_shm(s, req)
+            if ref is not None:
+                return ref
         fn = getattr(self.actors[s], req.method)
         return fn.remote(req.name, self.worker, req.seq, *req.args)
+
+    def _free(self, buf: shm.Buffer) -> bool:
+        """Whether no request uses ``buf`` (one whose answer was never read is done)."""
+        if buf.holder is None:
+            return True
+        if ray_module().wait([buf.holder], timeout=0)[0]:
+            buf.holder = None
+            return True
+        return False
+
+    def _remote_shm(self, s: int, req: Request) -> Any:
+        """Send a pull or push through the shared-memory buffers of shard ``s``, or None."""
+        assert self.link is not None
+        q, r = self.link.request[s], self.link.reply[s]
+        a = self.actors[s]
+        if req.method == "pull" and not req.args[2] and self._free(q) and self._free(r):
+            kc, insert = req.args[0], req.args[1]
+            q.ensure(kc.nbytes)
+            q.array(0, np.int64, kc.shape)[...] = kc
+            r.ensure(kc.shape[1] * req.dim * 4)
+            ref = a.pull_shm.remote(
+                req.name, self.worker, req.seq, shm.descriptor(q, 0, np.int64, kc.shape),
+                shm.descriptor(r, 0, np.float32, (kc.shape[1], req.dim)), insert)
+            q.holder = r.holder = ref
+            return ref
+        if req.method == "push" and self._free(q):
+            keys, grads, step, tick = req.args
+            at = -(-keys.nbytes // 64) * 64
+            q.ensure(at + grads.nbytes)
+            q.array(0, np.int64, keys.shape)[...] = keys
+            q.array(at, np.float32, grads.shape)[...] = grads
+            ref = a.push_shm.remote(
+                req.name, self.worker, req.seq, shm.descriptor(q, 0, np.int64, keys.shape),
+                shm.descriptor(q, at, np.float32, grads.shape), step, tick)
+            q.holder = ref
+            return ref
+        return None
 
     @staticmethod
     def _get(ray: Any, ref: Any, **kw: Any) -> Any:
@@ -113,9 +161,20 @@ class Channel:
             out = BEHIND
         except ray.exceptions.RayActorError:
             out = BEHIND
+        link = self.link
+        if link is not None:
+            for buf in (link.request[s], link.reply[s]):
+                if buf.holder is ref:
+                    buf.holder = None
+            if isinstance(out, str) and out == shm.NO_SHM:  # the shard is on another node
+                link.enabled[s] = False
+                out = self._get(ray, self._remote(s, req))
         if isinstance(out, str) and out == BEHIND:
             out = self._recover(s, req)
         value, ckpt, delta, seq = out
+        if isinstance(value, shm.Rows):  # valid until the next request to the shard
+            assert link is not None
+            value = link.reply[s].array(0, np.float32, (value.m, value.dim))
         self._trim(s, ckpt)
         return value, delta, seq
 
@@ -157,7 +216,7 @@ class Channel:
                     "them. Give the ParameterServer a checkpoint_url= so shards checkpoint "
                     "and clients keep what came after; the table must be restored from a "
                     "checkpoint now")
-            refs = [(r, self._remote(s, r)) for r in todo]
+            refs = [(r, self._remote(s, r, plain=True)) for r in todo]
             own, failed = None, False
             for r, ref in refs:
                 try:
@@ -184,7 +243,7 @@ class Channel:
             if own is not None:
                 return own
             try:
-                out = self._get(ray, self._remote(s, req))
+                out = self._get(ray, self._remote(s, req, plain=True))
             except ray.exceptions.RayActorError:
                 continue
             if not (isinstance(out, str) and out == BEHIND):

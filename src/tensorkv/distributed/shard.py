@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from tensorkv.checkpoint import delete_tag, list_tags, load, save, tag_info
-from tensorkv.distributed import wire
+from tensorkv.distributed import shm, wire
 from tensorkv.distributed.wire import BEHIND
 from tensorkv.embedding.filters import Eviction
 from tensorkv.embedding.table import EmbeddingTable
@@ -100,6 +100,7 @@ class ShardServer:
         self.peeked: dict[str, list[int]] = {}  # table -> [hits, misses] counted by peeks
         self.evicted: dict[str, int] = {}  # table -> rows removed by max_rows evictions
         self.started = time.time()
+        self.mapped = shm.Mapped()  # clients' shared-memory buffers
         self.restored_from: str | None = None
         if self.url is not None and self._recover():
             return
@@ -206,7 +207,7 @@ class ShardServer:
 
     # --- the data path ---------------------------------------------------------------------
     def pull(self, name: str, worker: str, seq: int, keys_counts: np.ndarray,
-             insert: bool, touch: bool = False) -> Any:
+             insert: bool, touch: bool = False, out: np.ndarray | None = None) -> Any:
         """Rows of distinct keys, each seen some times (a lookup of every sighting).
 
         ``keys_counts`` is int64 ``[2, n]``: the keys, and how often each was seen (one
@@ -218,7 +219,8 @@ class ShardServer:
         key read differently (an admission filter admitting a key mid-batch, with a
         ``default_value``); or :data:`BEHIND`. With ``touch`` (the lookup of keys a
         :meth:`peek` read already) ``rows`` is ``(absent, rows[absent])``: only the rows of
-        keys that had no row before, unless the rows are per sighting.
+        keys that had no row before, unless the rows are per sighting. ``out``: where to
+        write rows per key (``[len(keys), dim]`` float32; rows per sighting go elsewhere).
         """
         state = self._admit(worker, seq, insert)
         if state == BEHIND:
@@ -226,12 +228,12 @@ class ShardServer:
         keys, counts = keys_counts[0], keys_counts[1]
         t = self._table(name)
         if state == "dup" or not insert:
-            rows = self._lookup(t, keys, counts, False)
+            rows = self._lookup(t, keys, counts, False, out)
             return rows, (self.ckpt_applied.get(worker, 0) if insert else 0), 0, 0
         before = t.mutation_seq
         try:
             absent = ~t.contains(keys) if touch else None
-            rows = self._lookup(t, keys, counts, True)
+            rows = self._lookup(t, keys, counts, True, out)
         finally:
             ck = self._done(worker, seq)
         after = t.mutation_seq
@@ -258,16 +260,51 @@ class ShardServer:
         peeked[1] += int(counts.sum()) - hits
         return rows, 0, 0, 0
 
+    def pull_shm(self, name: str, worker: str, seq: int, request: tuple, reply: tuple,
+                 insert: bool) -> Any:
+        """:meth:`pull` of keys and counts in a client's shared-memory buffer.
+
+        ``request``, ``reply``: descriptors (:func:`tensorkv.distributed.shm.descriptor`) of
+        the ``[2, n]`` keys and counts, and of ``[n, dim]`` float32 room for the rows. Rows
+        per key are written there and answered as :class:`~tensorkv.distributed.shm.Rows`;
+        rows per sighting come back as an array. :data:`~tensorkv.distributed.shm.NO_SHM`
+        if the buffers cannot be mapped here (nothing was done).
+        """
+        try:
+            kc, out = self.mapped.array(request), self.mapped.array(reply)
+        except OSError:
+            return shm.NO_SHM
+        res = self.pull(name, worker, seq, kc, insert, out=out)
+        if isinstance(res, str) or res[0] is not out:
+            return res
+        return (shm.Rows(*out.shape), *res[1:])
+
+    def push_shm(self, name: str, worker: str, seq: int, keys: tuple, grads: tuple,
+                 step: int | None, tick: bool = False) -> Any:
+        """:meth:`push` of keys and gradients in a client's shared-memory buffer.
+
+        ``keys``, ``grads``: their descriptors. :data:`~tensorkv.distributed.shm.NO_SHM` if
+        the buffer cannot be mapped here (nothing was done).
+        """
+        try:
+            k, g = self.mapped.array(keys), self.mapped.array(grads)
+        except OSError:
+            return shm.NO_SHM
+        return self.push(name, worker, seq, k, g, step, tick)
+
     @staticmethod
     def _lookup(t: EmbeddingTable, keys: np.ndarray, counts: np.ndarray,
-                insert: bool) -> np.ndarray:
-        """Look every sighting up (counters and admission see them all); rows per key."""
+                insert: bool, out: np.ndarray | None = None) -> np.ndarray:
+        """Look every sighting up (counters and admission see them all); rows per key.
+
+        ``out``: write rows per key there (and return it).
+        """
         if not (counts.size and int(counts.max()) > 1):
-            return t.lookup(keys, insert=insert)
+            return t.lookup(keys, insert=insert, out=out)
         every = t.lookup(np.repeat(keys, counts), insert=insert)
         first = np.zeros(keys.shape[0], np.int64)
         np.cumsum(counts[:-1], out=first[1:])
-        rows = every[first]
+        rows = np.take(every, first, axis=0, out=out)
         # sightings of one key read alike unless an admission filter admits it mid-batch
         # and a default_value differs from its initial value: compare only then
         if t.admission is not None and insert:
@@ -295,7 +332,7 @@ class ShardServer:
         t = self._table(name)
         before = t.mutation_seq
         try:
-            n = t.apply_gradients(keys, grads, step=step)
+            n = t.apply_gradients(keys, grads, step=step, unique=True)  # distinct keys
             if n == 0 and tick:
                 self._tick(t)
         finally:

@@ -66,6 +66,16 @@ class Split:
         """Positions (in ``uniq``) of shard ``s``'s keys."""
         return self.order[self.bounds[s]:self.bounds[s + 1]]
 
+    @property
+    def dest(self) -> np.ndarray:
+        """Each sighting's key's place in shard order (``uniq[order]``)."""
+        d = getattr(self, "_dest", None)
+        if d is None:
+            rank = np.empty(self.uniq.shape[0], np.int64)
+            rank[self.order] = np.arange(self.uniq.shape[0])
+            d = self._dest = rank[self.inverse]
+        return d
+
 
 class SeqMap:
     """Shard change counters -> the table's :attr:`~ShardedEmbeddingTable.mutation_seq`.
@@ -172,6 +182,7 @@ class ShardedEmbeddingTable:
         self._prefetch: tuple[np.ndarray, Split, list[tuple[int, Any, Any]] | None,
                               int] | None = None
         self._seq_map = SeqMap(channel.num_shards)
+        self._split: tuple[np.ndarray, Split] | None = None  # the last lookup's keys, split
         self._eviction = Eviction.from_config(spec.get("eviction"))
         self._admission = spec.get("admission") is not None
         # mutation_seq as the single-process table counts it: one operation grows it as much
@@ -254,11 +265,22 @@ class ShardedEmbeddingTable:
     def _rows_of(self, sp: Split, sent: list[tuple[int, Any, Any]], out: np.ndarray | None,
                  peeked: list[tuple[int, Any, Any]] | None = None) -> np.ndarray:
         u = sp.uniq.shape[0]
-        urows = np.empty((u, self.dim), np.float32)
-        per_sighting = []
+        n = sp.keys.shape[0]
         before = {} if peeked is None else dict(zip([x[0] for x in peeked],
                                                     self._gather(peeked), strict=True))
-        for (s, _, _), rows in zip(sent, self._gather(sent), strict=True):
+        got = self._gather(sent)
+        if peeked is None and all(isinstance(r, np.ndarray) and r.shape[0] ==
+                                  sp.bounds[s + 1] - sp.bounds[s]
+                                  for (s, _, _), r in zip(sent, got, strict=True)):
+            # every shard's rows per key: straight into batch order, one pass each
+            res = np.empty((n, self.dim), np.float32) if out is None else out
+            dest = sp.dest
+            for (s, _, _), rows in zip(sent, got, strict=True):
+                sk.gather_part(rows, dest, int(sp.bounds[s]), int(sp.bounds[s + 1]), res)
+            return res
+        urows = np.empty((u, self.dim), np.float32)
+        per_sighting = []
+        for (s, _, _), rows in zip(sent, got, strict=True):
             p = sp.part(s)
             if isinstance(rows, tuple):  # a touch: the peeked rows, and those of new keys
                 absent, new_rows = rows
@@ -268,7 +290,6 @@ class ShardedEmbeddingTable:
                 urows[p] = rows
             else:
                 per_sighting.append((s, rows))
-        n = sp.keys.shape[0]
         res = np.empty((n, self.dim), np.float32) if out is None else out
         np.take(urows, sp.inverse, axis=0, out=res)
         if per_sighting:  # sightings of one key read differently (admission mid-batch)
@@ -301,6 +322,7 @@ class ShardedEmbeddingTable:
         pre, self._prefetch = self._prefetch, None
         same = pre is not None and np.array_equal(pre[0], k)
         sp = pre[1] if pre is not None and same else Split(k, self.num_shards)
+        self._split = (k.copy() if pre is None or not same else pre[0], sp)
         if (pre is not None and same and insert and pre[2] is not None
                 and pre[3] == sum(self.channel.seq)):
             # nothing of ours changed since the peek: only new keys' rows come back now
@@ -363,15 +385,16 @@ class ShardedEmbeddingTable:
                                                                                  np.integer))):
             raise ConfigError(f"step={step!r} must be an integer or None")
         g = np.ascontiguousarray(g, dtype=np.float32)
-        # distinct keys grouped by shard; each one's gradients summed straight into its place
-        sp = Split(k, self.num_shards)
+        # distinct keys grouped by shard (as the lookup of these keys split them); each one's
+        # gradients summed straight into its place
+        last, self._split = self._split, None
+        sp = (last[1] if last is not None and last[1].bounds.shape[0] == self.num_shards + 1
+              and np.array_equal(last[0], k) else Split(k, self.num_shards))
         u = sp.uniq.shape[0]
-        rank = np.empty(u, np.int64)
-        rank[sp.order] = np.arange(u)
         uniq = sp.uniq[sp.order]
         sums, bad = np.empty((u, self.dim), np.float32), np.empty(u, np.bool_)
         if n:
-            sk.sum_rows_at(g, rank[sp.inverse], np.zeros(u, np.bool_), sums, bad)
+            sk.sum_rows_at(g, sp.dest, np.zeros(u, np.bool_), sums, bad)
         if bad.any() and self.nan_policy == "raise":
             bad_keys = uniq[bad]
             raise NonFiniteGradientError(

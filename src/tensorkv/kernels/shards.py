@@ -31,3 +31,19 @@ def sum_rows_at(grads, dest, seen, sums_out, bad_out):  # pragma: no cover - com
         for c in range(dim):
             s += sums_out[p, c] * np.float32(0.0)
         bad_out[p] = s != s
+
+
+@njit(nogil=True, cache=True)
+def gather_part(rows, dest, lo, hi, out):  # pragma: no cover - compiled
+    """``out[i] = rows[dest[i] - lo]`` for every ``i`` with ``lo <= dest[i] < hi``.
+
+    One shard's answer (the rows of distinct keys ``lo..hi`` in shard order) scattered
+    straight into batch order: ``dest[i]`` is sighting ``i``'s key's place in shard order.
+    """
+    dim = rows.shape[1]
+    for i in range(dest.shape[0]):
+        r = dest[i]
+        if lo <= r < hi:
+            src = r - lo
+            for c in range(dim):
+                out[i, c] = rows[src, c]
