@@ -87,3 +87,24 @@ def test_rows_scatter_straight_into_batch_order():
         lo, hi = int(sp.bounds[s]), int(sp.bounds[s + 1])
         sk.gather_part(urows[sp.order][lo:hi], sp.dest, lo, hi, out)
     np.testing.assert_array_equal(out, urows[sp.inverse])
+
+
+def test_split_by_shard_matches_the_checkpoint_hash_ranges():
+    from tensorkv.checkpoint.layout import shard_of_keys
+
+    rng = np.random.default_rng(0)
+    keys = np.concatenate([rng.integers(-2**63, 2**63 - 1, 3000, dtype=np.int64),
+                           np.array([0, -1, 2**63 - 1, -2**63]), np.arange(50)])
+    batch = np.concatenate([keys, keys[::3]])
+    for n in (1, 2, 3, 7, 100):
+        sp = Split(batch, n)
+        sid = shard_of_keys(sp.uniq, n)
+        want = np.argsort(sid, kind="stable")
+        np.testing.assert_array_equal(sp.order, want)
+        np.testing.assert_array_equal(sp.bounds, np.searchsorted(sid[want], np.arange(n + 1)))
+        np.testing.assert_array_equal(sp.counts, np.bincount(sp.inverse))
+        rank = np.empty_like(want)
+        rank[want] = np.arange(want.size)
+        np.testing.assert_array_equal(sp.dest, rank[sp.inverse])
+    empty = Split(np.empty(0, np.int64), 2)
+    assert empty.bounds.tolist() == [0, 0, 0] and empty.dest.size == 0

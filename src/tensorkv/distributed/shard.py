@@ -80,6 +80,9 @@ class ShardServer:
     def __init__(self, ps_name: str, index: int, num_shards: int, generation: int = 0,
                  checkpoint_url: str | None = None, checkpoint_every: int = 100,
                  init_from: tuple[str, str] | None = None, full_every: int = 20) -> None:
+        # the table's parallel kernels wait for work asleep, not spinning: several shards
+        # (and their clients) share the node's cores (read when the thread pool starts)
+        os.environ.setdefault("OMP_WAIT_POLICY", "passive")
         self.ps_name = ps_name
         self.index = int(index)
         self.num_shards = int(num_shards)

@@ -43,6 +43,8 @@ class Split:
     order, bounds
         ``uniq[order[bounds[s]:bounds[s + 1]]]`` are shard ``s``'s keys (first-sighting order
         kept).
+    dest
+        Each sighting's key's place in that order.
     """
 
     def __init__(self, keys: np.ndarray, num_shards: int, uniq: np.ndarray | None = None,
@@ -57,24 +59,17 @@ class Split:
         self.keys = keys
         self.uniq = uniq
         self.inverse = inverse
-        self.counts = np.bincount(inverse, minlength=uniq.shape[0]) if n else np.zeros(0, np.int64)
-        sid = shard_of_keys(uniq, num_shards)
-        self.order = np.argsort(sid, kind="stable")
-        self.bounds = np.searchsorted(sid[self.order], np.arange(num_shards + 1))
+        u = uniq.shape[0]
+        self.order = np.empty(u, np.int64)
+        self.bounds = np.empty(num_shards + 1, np.int64)
+        self.dest = np.empty(n, np.int64)  # each sighting's key's place in shard order
+        self.counts = np.empty(u, np.int64)
+        sk.split_by_shard(uniq, inverse, num_shards, self.order, self.bounds, self.dest,
+                          self.counts)
 
     def part(self, s: int) -> np.ndarray:
         """Positions (in ``uniq``) of shard ``s``'s keys."""
         return self.order[self.bounds[s]:self.bounds[s + 1]]
-
-    @property
-    def dest(self) -> np.ndarray:
-        """Each sighting's key's place in shard order (``uniq[order]``)."""
-        d = getattr(self, "_dest", None)
-        if d is None:
-            rank = np.empty(self.uniq.shape[0], np.int64)
-            rank[self.order] = np.arange(self.uniq.shape[0])
-            d = self._dest = rank[self.inverse]
-        return d
 
 
 class SeqMap:
