@@ -108,3 +108,29 @@ def test_split_by_shard_matches_the_checkpoint_hash_ranges():
         np.testing.assert_array_equal(sp.dest, rank[sp.inverse])
     empty = Split(np.empty(0, np.int64), 2)
     assert empty.bounds.tolist() == [0, 0, 0] and empty.dest.size == 0
+
+
+def test_arrays_inside_a_buffer_are_found_by_address(tmp_path):
+    b = shm.Buffer(str(tmp_path), "x")
+    assert b.offset_of(np.zeros(3)) == -1  # not mapped yet
+    b.ensure(1 << 20)
+    a = b.array(128, np.float32, (4, 4))
+    assert b.offset_of(a) == 128 and b.offset_of(a[1:]) == 128 + 16
+    assert b.offset_of(a[:, :2]) == -1  # not contiguous
+    assert b.offset_of(np.zeros(4)) == -1
+    b.close()
+
+
+def test_a_shard_reuses_its_scratch_rows_for_repeated_keys():
+    s = ShardServer("u", 0, 1)
+    s.create("t", {"dim": 4, "optimizer": "sgd", "seed": 1})
+    ref = tensorkv.EmbeddingTable(4, optimizer="sgd", seed=1)
+    out = np.empty((3, 4), np.float32)
+    for seq, counts in enumerate(([1, 3, 2], [2, 2, 2]), 1):
+        k = np.array([4, 5, 6])
+        rows, *_ = s.pull("t", "w", seq, np.stack([k, counts]), True, out=out)
+        assert rows is out
+        np.testing.assert_array_equal(out, ref.lookup(np.repeat(k, counts))[np.cumsum(
+            [0, *counts[:-1]])])
+    assert s.scratch[4].shape[0] >= 6
+    np.testing.assert_array_equal(s.tables["t"].frequency(k), ref.frequency(k))

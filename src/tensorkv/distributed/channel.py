@@ -102,13 +102,28 @@ class Channel:
         return fn.remote(req.name, self.worker, req.seq, *req.args)
 
     def _free(self, buf: shm.Buffer) -> bool:
-        """Whether no request uses ``buf`` (one whose answer was never read is done)."""
-        if buf.holder is None:
+        """Whether no request uses ``buf`` (those whose answers were never read are done)."""
+        h = buf.holders
+        if not h:
             return True
-        if ray_module().wait([buf.holder], timeout=0)[0]:
-            buf.holder = None
+        if len(ray_module().wait(h, num_returns=len(h), timeout=0)[0]) == len(h):
+            h.clear()
             return True
         return False
+
+    def staging(self, nbytes: int) -> shm.Buffer | None:
+        """A shared-memory buffer to build a push's keys and gradients in, or None.
+
+        The arrays of a push that lie in it travel without a copy. None when the buffers are
+        off, busy (updates in flight) or the requests are logged for replay (the log must
+        keep its own copy).
+        """
+        link = self.link
+        if link is None or self.logging or not all(link.enabled) or \
+                not self._free(link.staging):
+            return None
+        link.staging.ensure(nbytes)
+        return link.staging
 
     def _remote_shm(self, s: int, req: Request) -> Any:
         """Send a pull or push through the shared-memory buffers of shard ``s``, or None."""
@@ -123,20 +138,28 @@ class Channel:
             ref = a.pull_shm.remote(
                 req.name, self.worker, req.seq, shm.descriptor(q, 0, np.int64, kc.shape),
                 shm.descriptor(r, 0, np.float32, (kc.shape[1], req.dim)), insert)
-            q.holder = r.holder = ref
+            q.holders.append(ref)
+            r.holders.append(ref)
             return ref
-        if req.method == "push" and self._free(q):
-            keys, grads, step, tick = req.args
-            at = -(-keys.nbytes // 64) * 64
-            q.ensure(at + grads.nbytes)
+        if req.method != "push":
+            return None
+        keys, grads, step, tick = req.args
+        st = self.link.staging
+        at_k, at_g = st.offset_of(keys), st.offset_of(grads)
+        if at_k >= 0 and at_g >= 0:  # built in the staging buffer: no copy
+            buf = st
+        elif self._free(q):
+            buf, at_k, at_g = q, 0, -(-keys.nbytes // 64) * 64
+            q.ensure(at_g + grads.nbytes)
             q.array(0, np.int64, keys.shape)[...] = keys
-            q.array(at, np.float32, grads.shape)[...] = grads
-            ref = a.push_shm.remote(
-                req.name, self.worker, req.seq, shm.descriptor(q, 0, np.int64, keys.shape),
-                shm.descriptor(q, at, np.float32, grads.shape), step, tick)
-            q.holder = ref
-            return ref
-        return None
+            q.array(at_g, np.float32, grads.shape)[...] = grads
+        else:
+            return None
+        ref = a.push_shm.remote(
+            req.name, self.worker, req.seq, shm.descriptor(buf, at_k, np.int64, keys.shape),
+            shm.descriptor(buf, at_g, np.float32, grads.shape), step, tick)
+        buf.holders.append(ref)
+        return ref
 
     @staticmethod
     def _get(ray: Any, ref: Any, **kw: Any) -> Any:
@@ -163,9 +186,9 @@ class Channel:
             out = BEHIND
         link = self.link
         if link is not None:
-            for buf in (link.request[s], link.reply[s]):
-                if buf.holder is ref:
-                    buf.holder = None
+            for buf in (link.request[s], link.reply[s], link.staging):
+                if ref in buf.holders:
+                    buf.holders.remove(ref)
             if isinstance(out, str) and out == shm.NO_SHM:  # the shard is on another node
                 link.enabled[s] = False
                 out = self._get(ray, self._remote(s, req))

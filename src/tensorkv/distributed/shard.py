@@ -104,6 +104,7 @@ class ShardServer:
         self.evicted: dict[str, int] = {}  # table -> rows removed by max_rows evictions
         self.started = time.time()
         self.mapped = shm.Mapped()  # clients' shared-memory buffers
+        self.scratch: dict[int, np.ndarray] = {}  # dim -> rows of every sighting, reused
         self.restored_from: str | None = None
         if self.url is not None and self._recover():
             return
@@ -295,8 +296,7 @@ class ShardServer:
             return shm.NO_SHM
         return self.push(name, worker, seq, k, g, step, tick)
 
-    @staticmethod
-    def _lookup(t: EmbeddingTable, keys: np.ndarray, counts: np.ndarray,
+    def _lookup(self, t: EmbeddingTable, keys: np.ndarray, counts: np.ndarray,
                 insert: bool, out: np.ndarray | None = None) -> np.ndarray:
         """Look every sighting up (counters and admission see them all); rows per key.
 
@@ -304,7 +304,14 @@ class ShardServer:
         """
         if not (counts.size and int(counts.max()) > 1):
             return t.lookup(keys, insert=insert, out=out)
-        every = t.lookup(np.repeat(keys, counts), insert=insert)
+        n = int(counts.sum())
+        scratch = self.scratch.get(t.dim)
+        if out is not None and (scratch is None or scratch.shape[0] < n):
+            scratch = self.scratch[t.dim] = np.empty((n + n // 4, t.dim), np.float32)
+        # rows per sighting: into a buffer reused across calls when the rows per key go to
+        # ``out`` (no pages of a new array to fault in), else a new array (it is returned)
+        every = t.lookup(np.repeat(keys, counts), insert=insert,
+                         out=None if out is None else scratch[:n])
         first = np.zeros(keys.shape[0], np.int64)
         np.cumsum(counts[:-1], out=first[1:])
         rows = np.take(every, first, axis=0, out=out)
@@ -316,7 +323,7 @@ class ShardServer:
                 idx = np.repeat(np.arange(keys.shape[0]), counts)
                 multi = np.isin(idx, dup)
                 if not np.array_equal(every[multi], rows[idx[multi]]):
-                    return every
+                    return every if out is None else every.copy()
         return rows
 
     def push(self, name: str, worker: str, seq: int, keys: np.ndarray, grads: np.ndarray,

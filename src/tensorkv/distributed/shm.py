@@ -93,7 +93,8 @@ class Buffer:
         self.path = ""
         self.size = 0
         self.mem: mmap.mmap | None = None
-        self.holder: Any = None  #: the object ref of the request using it, or None
+        self.holders: list[Any] = []  #: object refs of the requests using it
+        self.address = 0  #: where it is mapped in this process
 
     def ensure(self, nbytes: int) -> None:
         """Make room for ``nbytes`` (a new, larger file when needed)."""
@@ -104,8 +105,17 @@ class Buffer:
         path = os.path.join(self.directory,
                             f"{_PREFIX}{os.getpid()}-{self.tag}-{next(_count)}")
         mem = _map(path, size, True)
-        np.frombuffer(mem, np.uint8)[::4096] = 0  # map every page now, not in the hot path
+        whole = np.frombuffer(mem, np.uint8)
+        whole[::4096] = 0  # map every page now, not in the hot path
         self.path, self.size, self.mem = path, size, mem
+        self.address = int(whole.ctypes.data)
+
+    def offset_of(self, a: np.ndarray) -> int:
+        """Where array ``a`` starts in the buffer, or -1 if it is not a contiguous view of it."""
+        if self.mem is None or not a.flags.c_contiguous:
+            return -1
+        at = int(a.__array_interface__["data"][0]) - self.address
+        return at if at >= 0 and at + a.nbytes <= self.size else -1
 
     def array(self, offset: int, dtype: Any, shape: tuple[int, ...]) -> np.ndarray:
         """A view of the buffer."""
@@ -121,7 +131,7 @@ class Buffer:
         if self.mem is not None:
             with contextlib.suppress(BufferError):  # views still alive: the GC unmaps it
                 self.mem.close()
-        self.path, self.size, self.mem = "", 0, None
+        self.path, self.size, self.mem, self.address = "", 0, None, 0
 
 
 class Link:
@@ -140,8 +150,10 @@ class Link:
         tag = uuid.uuid4().hex[:8]
         self.request = [Buffer(directory, f"{tag}-{s}q") for s in range(num_shards)]
         self.reply = [Buffer(directory, f"{tag}-{s}r") for s in range(num_shards)]
+        self.staging = Buffer(directory, f"{tag}-st")  #: a push's keys and sums, all shards
         self.enabled = [True] * num_shards
-        self._finalizer = weakref.finalize(self, _close_all, self.request + self.reply)
+        self._finalizer = weakref.finalize(self, _close_all,
+                                           [*self.request, *self.reply, self.staging])
 
     def close(self) -> None:
         """Remove every buffer file."""

@@ -386,8 +386,15 @@ class ShardedEmbeddingTable:
         sp = (last[1] if last is not None and last[1].bounds.shape[0] == self.num_shards + 1
               and np.array_equal(last[0], k) else Split(k, self.num_shards))
         u = sp.uniq.shape[0]
-        uniq = sp.uniq[sp.order]
-        sums, bad = np.empty((u, self.dim), np.float32), np.empty(u, np.bool_)
+        at = -(-u * 8 // 64) * 64
+        st = self.channel.staging(at + u * self.dim * 4) if u else None
+        if st is not None:  # built where the shards read them
+            uniq = st.array(0, np.int64, (u,))
+            sums = st.array(at, np.float32, (u, self.dim))
+        else:
+            uniq, sums = np.empty(u, np.int64), np.empty((u, self.dim), np.float32)
+        np.take(sp.uniq, sp.order, out=uniq)
+        bad = np.empty(u, np.bool_)
         if n:
             sk.sum_rows_at(g, sp.dest, np.zeros(u, np.bool_), sums, bad)
         if bad.any() and self.nan_policy == "raise":
