@@ -134,3 +134,30 @@ def test_a_shard_reuses_its_scratch_rows_for_repeated_keys():
             [0, *counts[:-1]])])
     assert s.scratch[4].shape[0] >= 6
     np.testing.assert_array_equal(s.tables["t"].frequency(k), ref.frequency(k))
+
+
+def test_a_shard_unmaps_the_buffers_of_clients_gone(tmp_path):
+    side = shm.Mapped()
+    links = [shm.Link(1, str(tmp_path)) for _ in range(2)]
+    for link in links:
+        link.request[0].ensure(64)
+        side.array(shm.descriptor(link.request[0], 0, np.int64, (2,)))
+    assert len(side.maps) == 2
+    links[0].close()
+    third = shm.Link(1, str(tmp_path))
+    third.request[0].ensure(64)
+    side.array(shm.descriptor(third.request[0], 0, np.int64, (2,)))
+    assert len(side.maps) == 2  # the first client's buffer is unmapped
+    links[1].close()
+    third.close()
+
+
+def test_a_forked_child_leaves_its_parents_buffers(tmp_path):
+    link = shm.Link(1, str(tmp_path))
+    link.request[0].ensure(64)
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        shm._close_all(os.getppid(), link.request)
+        os._exit(0 if os.path.exists(link.request[0].path) else 1)
+    assert os.waitpid(pid, 0)[1] == 0
+    link.close()

@@ -152,7 +152,7 @@ class Link:
         self.reply = [Buffer(directory, f"{tag}-{s}r") for s in range(num_shards)]
         self.staging = Buffer(directory, f"{tag}-st")  #: a push's keys and sums, all shards
         self.enabled = [True] * num_shards
-        self._finalizer = weakref.finalize(self, _close_all,
+        self._finalizer = weakref.finalize(self, _close_all, os.getpid(),
                                            [*self.request, *self.reply, self.staging])
 
     def close(self) -> None:
@@ -160,7 +160,9 @@ class Link:
         self._finalizer()
 
 
-def _close_all(buffers: list[Buffer]) -> None:
+def _close_all(pid: int, buffers: list[Buffer]) -> None:
+    if os.getpid() != pid:  # a forked child: the files are its parent's
+        return
     for b in buffers:
         b.close()
 
@@ -184,9 +186,20 @@ class Mapped:
             if have is not None:
                 with contextlib.suppress(BufferError):
                     have[1].close()
+            else:
+                self._forget_gone()
             self.maps[key] = have = (path, mem)
         dt = np.dtype(dtype)
         return np.frombuffer(have[1], dt, int(np.prod(shape)), offset).reshape(shape)
+
+
+    def _forget_gone(self) -> None:
+        """Unmap the buffers whose files are gone (their clients ended): frees their memory."""
+        for key, (path, mem) in list(self.maps.items()):
+            if not os.path.exists(path):
+                del self.maps[key]
+                with contextlib.suppress(BufferError):
+                    mem.close()
 
 
 def descriptor(buf: Buffer, offset: int, dtype: Any, shape: tuple[int, ...]) -> tuple:
