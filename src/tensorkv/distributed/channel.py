@@ -134,10 +134,11 @@ class Channel:
             kc, insert = req.args[0], req.args[1]
             q.ensure(kc.nbytes)
             q.array(0, np.int64, kc.shape)[...] = kc
-            r.ensure(kc.shape[1] * req.dim * 4)
+            n = int(kc[1].sum())  # room for every sighting: the shard looks them all up
+            r.ensure(n * req.dim * 4)
             ref = a.pull_shm.remote(
                 req.name, self.worker, req.seq, shm.descriptor(q, 0, np.int64, kc.shape),
-                shm.descriptor(r, 0, np.float32, (kc.shape[1], req.dim)), insert)
+                shm.descriptor(r, 0, np.float32, (n, req.dim)), insert)
             q.holders.append(ref)
             r.holders.append(ref)
             return ref

@@ -104,7 +104,6 @@ class ShardServer:
         self.evicted: dict[str, int] = {}  # table -> rows removed by max_rows evictions
         self.started = time.time()
         self.mapped = shm.Mapped()  # clients' shared-memory buffers
-        self.scratch: dict[int, np.ndarray] = {}  # dim -> rows of every sighting, reused
         self.restored_from: str | None = None
         if self.url is not None and self._recover():
             return
@@ -269,19 +268,20 @@ class ShardServer:
         """:meth:`pull` of keys and counts in a client's shared-memory buffer.
 
         ``request``, ``reply``: descriptors (:func:`tensorkv.distributed.shm.descriptor`) of
-        the ``[2, n]`` keys and counts, and of ``[n, dim]`` float32 room for the rows. Rows
-        per key are written there and answered as :class:`~tensorkv.distributed.shm.Rows`;
-        rows per sighting come back as an array. :data:`~tensorkv.distributed.shm.NO_SHM`
-        if the buffers cannot be mapped here (nothing was done).
+        the ``[2, n]`` keys and counts, and of ``[counts.sum(), dim]`` float32 room for the
+        rows. Rows per key are written to its start and answered as
+        :class:`~tensorkv.distributed.shm.Rows`; rows per sighting come back as an array.
+        :data:`~tensorkv.distributed.shm.NO_SHM` if the buffers cannot be mapped here
+        (nothing was done).
         """
         try:
             kc, out = self.mapped.array(request), self.mapped.array(reply)
         except OSError:
             return shm.NO_SHM
         res = self.pull(name, worker, seq, kc, insert, out=out)
-        if isinstance(res, str) or res[0] is not out:
+        if isinstance(res, str) or not _starts(res[0], out, kc.shape[1]):
             return res
-        return (shm.Rows(*out.shape), *res[1:])
+        return (shm.Rows(*res[0].shape), *res[1:])
 
     def push_shm(self, name: str, worker: str, seq: int, keys: tuple, grads: tuple,
                  step: int | None, tick: bool = False) -> Any:
@@ -296,34 +296,44 @@ class ShardServer:
             return shm.NO_SHM
         return self.push(name, worker, seq, k, g, step, tick)
 
-    def _lookup(self, t: EmbeddingTable, keys: np.ndarray, counts: np.ndarray,
+    @staticmethod
+    def _lookup(t: EmbeddingTable, keys: np.ndarray, counts: np.ndarray,
                 insert: bool, out: np.ndarray | None = None) -> np.ndarray:
         """Look every sighting up (counters and admission see them all); rows per key.
 
-        ``out``: write rows per key there (and return it).
+        ``out``: room for the rows; rows per key are written to its start (and a view of it
+        returned). With room for every sighting, no row is copied twice.
         """
+        u = keys.shape[0]
         if not (counts.size and int(counts.max()) > 1):
-            return t.lookup(keys, insert=insert, out=out)
+            return t.lookup(keys, insert=insert, out=None if out is None else out[:u])
         n = int(counts.sum())
-        scratch = self.scratch.get(t.dim)
-        if out is not None and (scratch is None or scratch.shape[0] < n):
-            scratch = self.scratch[t.dim] = np.empty((n + n // 4, t.dim), np.float32)
-        # rows per sighting: into a buffer reused across calls when the rows per key go to
-        # ``out`` (no pages of a new array to fault in), else a new array (it is returned)
-        every = t.lookup(np.repeat(keys, counts), insert=insert,
-                         out=None if out is None else scratch[:n])
+        if t.admission is None:
+            # each key once (first sightings in order: the same rows are inserted, in the
+            # same order), then the further sightings: one lookup that counts them all, and
+            # the rows per key are its first rows
+            dup = np.flatnonzero(counts > 1)
+            both = np.concatenate([keys, np.repeat(keys[dup], counts[dup] - 1)])
+            room = out if out is not None and out.shape[0] >= n else \
+                np.empty((n, t.dim), np.float32)
+            t.lookup(both, insert=insert, out=room[:n])
+            if out is None:
+                return room[:u]
+            if room is not out:
+                out[:u] = room[:u]
+            return out[:u]
+        every = t.lookup(np.repeat(keys, counts), insert=insert)
         first = np.zeros(keys.shape[0], np.int64)
         np.cumsum(counts[:-1], out=first[1:])
-        rows = np.take(every, first, axis=0, out=out)
+        rows = np.take(every, first, axis=0, out=None if out is None else out[:u])
         # sightings of one key read alike unless an admission filter admits it mid-batch
         # and a default_value differs from its initial value: compare only then
-        if t.admission is not None and insert:
+        if insert:
             dup = np.flatnonzero(counts > 1)
-            if dup.size:
-                idx = np.repeat(np.arange(keys.shape[0]), counts)
-                multi = np.isin(idx, dup)
-                if not np.array_equal(every[multi], rows[idx[multi]]):
-                    return every if out is None else every.copy()
+            idx = np.repeat(np.arange(keys.shape[0]), counts)
+            multi = np.isin(idx, dup)
+            if not np.array_equal(every[multi], rows[idx[multi]]):
+                return every
         return rows
 
     def push(self, name: str, worker: str, seq: int, keys: np.ndarray, grads: np.ndarray,
@@ -586,6 +596,12 @@ class ShardServer:
     def ping(self) -> int:
         """Nothing: the cost of one call (the ``bench ps`` overhead figure)."""
         return os.getpid()
+
+
+def _starts(rows: Any, buf: np.ndarray, u: int) -> bool:
+    """Whether ``rows`` are the first ``u`` rows of ``buf`` (rows per key written there)."""
+    return (isinstance(rows, np.ndarray) and rows.shape[0] == u
+            and rows.__array_interface__["data"][0] == buf.__array_interface__["data"][0])
 
 
 __all__ = ["BEHIND", "TABLE_METHODS", "ShardServer", "checkpoint_prefix", "dumps"]
