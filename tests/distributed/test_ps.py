@@ -274,6 +274,17 @@ def test_large_batches_through_shared_memory_or_the_object_store(ps, ray_cluster
         _train([ref3, t3], 2, seed=4, **big)
         assert far.channel.link.enabled == [False, False]
         assert_same_rows(table_rows(t3), table_rows(ref3), seq=False)
+    # /dev/shm full: every request takes the object store
+
+    def full(self, nbytes):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(shm.Buffer, "ensure", full)
+    with ParameterServer(2, name=f"{ps.name}-full") as no_room:
+        ref4 = tensorkv.EmbeddingTable(16, **kw)
+        t4 = no_room.table("n", 16, **kw)
+        _train([ref4, t4], 2, seed=5, **big)
+        assert_same_rows(table_rows(t4), table_rows(ref4), seq=False)
 
 
 def test_async_updates_in_flight_take_the_object_store(ps):

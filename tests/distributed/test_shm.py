@@ -3,6 +3,7 @@
 import os
 
 import numpy as np
+import pytest
 
 import tensorkv
 from tensorkv.distributed import shm
@@ -166,3 +167,14 @@ def test_a_forked_child_leaves_its_parents_buffers(tmp_path):
         os._exit(0 if os.path.exists(link.request[0].path) else 1)
     assert os.waitpid(pid, 0)[1] == 0
     link.close()
+
+
+def test_a_full_dev_shm_is_an_error_at_once_not_a_crash_later(tmp_path, monkeypatch):
+    def full(fd, offset, size):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(shm.os, "posix_fallocate", full)
+    b = shm.Buffer(str(tmp_path), "x")
+    with pytest.raises(OSError, match="No space"):
+        b.ensure(1 << 20)
+    assert b.size == 0 and os.listdir(tmp_path) == []

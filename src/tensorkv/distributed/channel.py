@@ -122,7 +122,10 @@ class Channel:
         if link is None or self.logging or not all(link.enabled) or \
                 not self._free(link.staging):
             return None
-        link.staging.ensure(nbytes)
+        try:
+            link.staging.ensure(nbytes)
+        except OSError:  # /dev/shm is full
+            return None
         return link.staging
 
     def _remote_shm(self, s: int, req: Request) -> Any:
@@ -132,10 +135,13 @@ class Channel:
         a = self.actors[s]
         if req.method == "pull" and not req.args[2] and self._free(q) and self._free(r):
             kc, insert = req.args[0], req.args[1]
-            q.ensure(kc.nbytes)
-            q.array(0, np.int64, kc.shape)[...] = kc
             n = int(kc[1].sum())  # room for every sighting: the shard looks them all up
-            r.ensure(n * req.dim * 4)
+            try:
+                q.ensure(kc.nbytes)
+                r.ensure(n * req.dim * 4)
+            except OSError:  # /dev/shm is full: Ray's object store
+                return None
+            q.array(0, np.int64, kc.shape)[...] = kc
             ref = a.pull_shm.remote(
                 req.name, self.worker, req.seq, shm.descriptor(q, 0, np.int64, kc.shape),
                 shm.descriptor(r, 0, np.float32, (n, req.dim)), insert)
@@ -151,7 +157,10 @@ class Channel:
             buf = st
         elif self._free(q):
             buf, at_k, at_g = q, 0, -(-keys.nbytes // 64) * 64
-            q.ensure(at_g + grads.nbytes)
+            try:
+                q.ensure(at_g + grads.nbytes)
+            except OSError:
+                return None
             q.array(0, np.int64, keys.shape)[...] = keys
             q.array(at_g, np.float32, grads.shape)[...] = grads
         else:

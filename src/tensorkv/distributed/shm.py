@@ -74,7 +74,11 @@ def _map(path: str, size: int, create: bool) -> mmap.mmap:
     fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
     try:
         if create:
-            os.ftruncate(fd, size)
+            try:  # the memory now, or ENOSPC now: never a SIGBUS when a page is first used
+                os.posix_fallocate(fd, 0, size)
+            except OSError:
+                os.unlink(path)
+                raise
         return mmap.mmap(fd, size)
     finally:
         os.close(fd)
@@ -97,7 +101,10 @@ class Buffer:
         self.address = 0  #: where it is mapped in this process
 
     def ensure(self, nbytes: int) -> None:
-        """Make room for ``nbytes`` (a new, larger file when needed)."""
+        """Make room for ``nbytes`` (a new, larger file when needed).
+
+        Raises ``OSError`` when ``/dev/shm`` has no room (the buffer is then empty).
+        """
         if nbytes <= self.size:
             return
         size = max(1 << 20, 1 << (int(nbytes) - 1).bit_length())
