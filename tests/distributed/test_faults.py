@@ -116,3 +116,24 @@ def test_a_lost_shard_without_checkpoints_is_an_error(ray_cluster):
         _restarted(ps.actors[0], ray, pid)
         with pytest.raises(ShardUnavailableError, match="lost this client's requests"):
             t.lookup(np.arange(5))
+
+
+def test_a_shard_killed_amid_large_batches_through_shared_memory(ray_cluster, tmp_path):
+    """Batches too large for a frame travel through the shared-memory buffers; a SIGKILL
+    of a shard with updates in flight still loses nothing."""
+    ray = ray_cluster
+    url = f"lmdb://{tmp_path / 'ck'}"
+    kw = {"optimizer": "adagrad", "initializer": "normal", "seed": 3}
+    with ParameterServer(2, name="sigkill-big", checkpoint_url=url, checkpoint_every=3) as ps:
+        t = ps.table("b", 16, mode="async", staleness=2, **kw)
+        ref = tensorkv.EmbeddingTable(16, **kw)
+        assert ps.channel.link is not None
+        for i, (k, g) in enumerate(_batches(1, 9, high=20_000, n=3000, dim=16)):
+            if i in (3, 7):
+                os.kill(_pid(ps.actors[i % 2], ray), signal.SIGKILL)
+            np.testing.assert_array_equal(t.lookup(k), ref.lookup(k))
+            t.apply_gradients(k, g)
+            ref.apply_gradients(k, g)
+        t.drain()
+        assert_same_rows(table_rows(t), table_rows(ref), seq=False)
+        assert ps.channel.recoveries >= 2

@@ -3,6 +3,8 @@
 Every test shares the module's 2-shard server (``ps`` in conftest.py) on the session's Ray.
 """
 
+import os
+
 import numpy as np
 import pytest
 
@@ -238,3 +240,57 @@ def test_ps_status_command(ps):
     assert res.exit_code == 0 and '"requests_per_s"' in res.output
     res = CliRunner().invoke(main, ["ps", "status", "nope"])
     assert res.exit_code != 0 and "no parameter server named 'nope'" in res.output
+
+
+def test_large_batches_through_shared_memory_or_the_object_store(ps, ray_cluster, monkeypatch):
+    """Batches too large for a frame: shared memory, Ray's object store, and the fallback."""
+    from tensorkv.distributed import shm
+
+    kw = {"optimizer": "adagrad", "initializer": "normal", "seed": 6}
+    ref = tensorkv.EmbeddingTable(16, **kw)
+    big = {"high": 20_000, "batch": 6000, "dim": 16}
+    t = ps.table("big-shm", 16, **kw)
+    assert ps.channel.link is not None
+    _train([ref, t], 3, seed=2, **big)
+    assert_same_rows(table_rows(t), table_rows(ref), seq=False)
+    assert t.mutation_seq == ref.mutation_seq
+    with ParameterServer(2, name=f"{ps.name}-plain", shared_memory=False) as plain:
+        assert plain.channel.link is None
+        ref2 = tensorkv.EmbeddingTable(16, **kw)
+        _train([ref2, plain.table("p", 16, **kw)], 2, seed=3, **big)
+        assert_same_rows(table_rows(plain.table("p")), table_rows(ref2), seq=False)
+    # a shard that cannot map the client's buffers (another node): the object store
+    ensure = shm.Buffer.ensure
+
+    def unmappable(self, nbytes):
+        ensure(self, nbytes)
+        if os.path.exists(self.path):
+            os.unlink(self.path)
+
+    monkeypatch.setattr(shm.Buffer, "ensure", unmappable)
+    with ParameterServer(2, name=f"{ps.name}-far") as far:
+        ref3 = tensorkv.EmbeddingTable(16, **kw)
+        t3 = far.table("f", 16, **kw)
+        _train([ref3, t3], 2, seed=4, **big)
+        assert far.channel.link.enabled == [False, False]
+        assert_same_rows(table_rows(t3), table_rows(ref3), seq=False)
+    # /dev/shm full: every request takes the object store
+
+    def full(self, nbytes):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(shm.Buffer, "ensure", full)
+    with ParameterServer(2, name=f"{ps.name}-full") as no_room:
+        ref4 = tensorkv.EmbeddingTable(16, **kw)
+        t4 = no_room.table("n", 16, **kw)
+        _train([ref4, t4], 2, seed=5, **big)
+        assert_same_rows(table_rows(t4), table_rows(ref4), seq=False)
+
+
+def test_async_updates_in_flight_take_the_object_store(ps):
+    kw = {"optimizer": "sgd", "seed": 1}
+    ref = tensorkv.EmbeddingTable(16, **kw)
+    t = ps.table("big-async", 16, mode="async", staleness=3, **kw)
+    _train([ref, t], 4, seed=5, high=20_000, batch=6000, dim=16)
+    t.drain()
+    assert_same_rows(table_rows(t), table_rows(ref), seq=False)

@@ -15,7 +15,10 @@ import time
 import uuid
 from typing import Any, NamedTuple
 
-from tensorkv.distributed.shard import BEHIND
+import numpy as np
+
+from tensorkv.distributed import shm, wire
+from tensorkv.distributed.wire import BEHIND
 from tensorkv.errors import ShardUnavailableError, import_optional
 
 
@@ -32,6 +35,8 @@ class Request(NamedTuple):
     name: str  #: the table
     args: tuple
     mutating: bool
+    frame: bool = False  #: sent as one ``bytes`` frame (:mod:`~tensorkv.distributed.wire`)
+    dim: int = 0  #: the table's row width (room for a pull's rows)
 
 
 class Channel:
@@ -49,10 +54,13 @@ class Channel:
     recover_timeout
         Seconds to wait for a restarted shard before raising
         :class:`~tensorkv.errors.ShardUnavailableError`.
+    shared_memory
+        Move large pulls and pushes to shards on this node through shared-memory buffers
+        (:mod:`~tensorkv.distributed.shm`) rather than Ray's object store.
     """
 
     def __init__(self, actors: list[Any], worker: str | None = None, logging: bool = True,
-                 recover_timeout: float = 60.0) -> None:
+                 recover_timeout: float = 60.0, shared_memory: bool = True) -> None:
         self.actors = list(actors)
         self.worker = worker or uuid.uuid4().hex
         self.logging = logging
@@ -60,25 +68,114 @@ class Channel:
         self.seq = [0] * len(self.actors)
         self.log: list[collections.deque[Request]] = [collections.deque() for _ in self.actors]
         self.recoveries = 0
+        self.link = shm.Link(len(self.actors)) if shared_memory and shm.available() else None
 
     @property
     def num_shards(self) -> int:
         """Number of shards."""
         return len(self.actors)
 
-    def send(self, s: int, method: str, name: str, args: tuple,
-             mutating: bool) -> tuple[Any, Request]:
-        """Send one request to shard ``s``; ``(object ref, request)``."""
+    def send(self, s: int, method: str, name: str, args: tuple, mutating: bool,
+             dim: int = 0) -> tuple[Any, Request]:
+        """Send one request to shard ``s``; ``(object ref, request)``.
+
+        ``dim``: the table's row width; a small ``pull``/``peek``/``push`` then travels as
+        one frame (:func:`tensorkv.distributed.wire.fits`).
+        """
         if mutating:
             self.seq[s] += 1
-        req = Request(self.seq[s], method, name, args, mutating)
+        req = Request(self.seq[s], method, name, args, mutating,
+                      bool(dim) and wire.fits(method, args, dim), dim)
         if mutating and self.logging:
             self.log[s].append(req)
         return self._remote(s, req), req
 
-    def _remote(self, s: int, req: Request) -> Any:
+    def _remote(self, s: int, req: Request, plain: bool = False) -> Any:
+        if req.frame:
+            return self.actors[s].frame.remote(
+                wire.pack_request(req.method, req.name, self.worker, req.seq, req.args))
+        if not plain and self.link is not None and self.link.enabled[s]:
+            ref = self._remote_shm(s, req)
+            if ref is not None:
+                return ref
         fn = getattr(self.actors[s], req.method)
         return fn.remote(req.name, self.worker, req.seq, *req.args)
+
+    def _free(self, buf: shm.Buffer) -> bool:
+        """Whether no request uses ``buf`` (those whose answers were never read are done)."""
+        h = buf.holders
+        if not h:
+            return True
+        if len(ray_module().wait(h, num_returns=len(h), timeout=0)[0]) == len(h):
+            h.clear()
+            return True
+        return False
+
+    def staging(self, nbytes: int) -> shm.Buffer | None:
+        """A shared-memory buffer to build a push's keys and gradients in, or None.
+
+        The arrays of a push that lie in it travel without a copy. None when the buffers are
+        off, busy (updates in flight) or the requests are logged for replay (the log must
+        keep its own copy).
+        """
+        link = self.link
+        if link is None or self.logging or not all(link.enabled) or \
+                not self._free(link.staging):
+            return None
+        try:
+            link.staging.ensure(nbytes)
+        except OSError:  # /dev/shm is full
+            return None
+        return link.staging
+
+    def _remote_shm(self, s: int, req: Request) -> Any:
+        """Send a pull or push through the shared-memory buffers of shard ``s``, or None."""
+        assert self.link is not None
+        q, r = self.link.request[s], self.link.reply[s]
+        a = self.actors[s]
+        if req.method == "pull" and not req.args[2] and self._free(q) and self._free(r):
+            kc, insert = req.args[0], req.args[1]
+            n = int(kc[1].sum())  # room for every sighting: the shard looks them all up
+            try:
+                q.ensure(kc.nbytes)
+                r.ensure(n * req.dim * 4)
+            except OSError:  # /dev/shm is full: Ray's object store
+                return None
+            q.array(0, np.int64, kc.shape)[...] = kc
+            ref = a.pull_shm.remote(
+                req.name, self.worker, req.seq, shm.descriptor(q, 0, np.int64, kc.shape),
+                shm.descriptor(r, 0, np.float32, (n, req.dim)), insert)
+            q.holders.append(ref)
+            r.holders.append(ref)
+            return ref
+        if req.method != "push":
+            return None
+        keys, grads, step, tick = req.args
+        st = self.link.staging
+        at_k, at_g = st.offset_of(keys), st.offset_of(grads)
+        if at_k >= 0 and at_g >= 0:  # built in the staging buffer: no copy
+            buf = st
+        elif self._free(q):
+            buf, at_k, at_g = q, 0, -(-keys.nbytes // 64) * 64
+            try:
+                q.ensure(at_g + grads.nbytes)
+            except OSError:
+                return None
+            q.array(0, np.int64, keys.shape)[...] = keys
+            q.array(at_g, np.float32, grads.shape)[...] = grads
+        else:
+            return None
+        ref = a.push_shm.remote(
+            req.name, self.worker, req.seq, shm.descriptor(buf, at_k, np.int64, keys.shape),
+            shm.descriptor(buf, at_g, np.float32, grads.shape), step, tick)
+        buf.holders.append(ref)
+        return ref
+
+    @staticmethod
+    def _get(ray: Any, ref: Any, **kw: Any) -> Any:
+        """``ray.get(ref)``, a reply frame unpacked."""
+        out = ray.get(ref, **kw)
+        return wire.unpack_reply(out) if isinstance(out, bytes) else out
 
     def result(self, s: int, ref: Any, req: Request) -> Any:
         """``(result, delta, seq)`` of a request sent by :meth:`send`, recovering if needed.
@@ -88,7 +185,7 @@ class Channel:
         """
         ray = ray_module()
         try:
-            out = ray.get(ref)
+            out = self._get(ray, ref)
         except ray.exceptions.RayTaskError as exc:
             cause = getattr(exc, "cause", None)
             if isinstance(cause, BaseException) and not isinstance(
@@ -97,9 +194,20 @@ class Channel:
             out = BEHIND
         except ray.exceptions.RayActorError:
             out = BEHIND
+        link = self.link
+        if link is not None:
+            for buf in (link.request[s], link.reply[s], link.staging):
+                if ref in buf.holders:
+                    buf.holders.remove(ref)
+            if isinstance(out, str) and out == shm.NO_SHM:  # the shard is on another node
+                link.enabled[s] = False
+                out = self._get(ray, self._remote(s, req))
         if isinstance(out, str) and out == BEHIND:
             out = self._recover(s, req)
         value, ckpt, delta, seq = out
+        if isinstance(value, shm.Rows):  # valid until the next request to the shard
+            assert link is not None
+            value = link.reply[s].array(0, np.float32, (value.m, value.dim))
         self._trim(s, ckpt)
         return value, delta, seq
 
@@ -141,11 +249,11 @@ class Channel:
                     "them. Give the ParameterServer a checkpoint_url= so shards checkpoint "
                     "and clients keep what came after; the table must be restored from a "
                     "checkpoint now")
-            refs = [(r, self._remote(s, r)) for r in todo]
+            refs = [(r, self._remote(s, r, plain=True)) for r in todo]
             own, failed = None, False
             for r, ref in refs:
                 try:
-                    out = ray.get(ref)
+                    out = self._get(ray, ref)
                 except ray.exceptions.RayTaskError as exc:
                     cause = getattr(exc, "cause", None)
                     if not isinstance(cause, BaseException) or isinstance(
@@ -168,7 +276,7 @@ class Channel:
             if own is not None:
                 return own
             try:
-                out = ray.get(self._remote(s, req))
+                out = self._get(ray, self._remote(s, req, plain=True))
             except ray.exceptions.RayActorError:
                 continue
             if not (isinstance(out, str) and out == BEHIND):

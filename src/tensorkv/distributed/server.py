@@ -84,6 +84,10 @@ class ParameterServer:
         ``scheduling_strategy``); shards default to ``num_cpus=0``.
     recover_timeout
         Seconds a client waits for a restarted shard.
+    shared_memory
+        Move large pulls and pushes to shards on this client's node through reused
+        shared-memory buffers in ``/dev/shm`` rather than Ray's object store (shards on
+        other nodes, and platforms without ``/dev/shm``, use the object store anyway).
 
     Examples
     --------
@@ -102,7 +106,7 @@ class ParameterServer:
                  checkpoint_full_every: int = 20, mode: str = "sync", staleness: int = 2,
                  worker: str | None = None,
                  max_restarts: int | None = None, actor_options: dict[str, Any] | None = None,
-                 recover_timeout: float = 60.0) -> None:
+                 recover_timeout: float = 60.0, shared_memory: bool = True) -> None:
         ray = ray_module()
         if num_shards is not None and (isinstance(num_shards, bool) or
                                        not isinstance(num_shards, int) or num_shards < 1):
@@ -160,7 +164,7 @@ class ParameterServer:
                     f"num_shards={num_shards}; pass num_shards=None to attach")
             actors = self._find_shards(self._state)
         self.channel = Channel(actors, worker, logging=bool(self._state["checkpoint_url"]),
-                               recover_timeout=recover_timeout)
+                               recover_timeout=recover_timeout, shared_memory=shared_memory)
         self._tables: dict[str, ShardedEmbeddingTable] = {}
         if self.owner:
             _LIVE.add(self)
@@ -346,7 +350,10 @@ class ParameterServer:
                 ray.get(a.forget_checkpoints.remote())
             ray.kill(a, no_restart=True)
         ch = Channel(actors, self.channel.worker, logging=bool(state["checkpoint_url"]),
-                     recover_timeout=self.recover_timeout)
+                     recover_timeout=self.recover_timeout,
+                     shared_memory=self.channel.link is not None)
+        if self.channel.link is not None:
+            self.channel.link.close()
         self.channel = ch
         for t in self._tables.values():
             t.channel = ch

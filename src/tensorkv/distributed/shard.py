@@ -26,12 +26,11 @@ from typing import Any
 import numpy as np
 
 from tensorkv.checkpoint import delete_tag, list_tags, load, save, tag_info
+from tensorkv.distributed import shm, wire
+from tensorkv.distributed.wire import BEHIND
 from tensorkv.embedding.filters import Eviction
 from tensorkv.embedding.table import EmbeddingTable
 from tensorkv.errors import ConfigError, TagNotFoundError, import_optional
-
-#: Answer of a request that found the shard behind the client (it lost updates in a restart).
-BEHIND = "behind"
 
 #: Methods of the table a client may call through :meth:`ShardServer.call`, and whether each
 #: changes the table (mutating calls carry a sequence number and are applied exactly once).
@@ -81,6 +80,9 @@ class ShardServer:
     def __init__(self, ps_name: str, index: int, num_shards: int, generation: int = 0,
                  checkpoint_url: str | None = None, checkpoint_every: int = 100,
                  init_from: tuple[str, str] | None = None, full_every: int = 20) -> None:
+        # the table's parallel kernels wait for work asleep, not spinning: several shards
+        # (and their clients) share the node's cores (read when the thread pool starts)
+        os.environ.setdefault("OMP_WAIT_POLICY", "passive")
         self.ps_name = ps_name
         self.index = int(index)
         self.num_shards = int(num_shards)
@@ -101,6 +103,7 @@ class ShardServer:
         self.peeked: dict[str, list[int]] = {}  # table -> [hits, misses] counted by peeks
         self.evicted: dict[str, int] = {}  # table -> rows removed by max_rows evictions
         self.started = time.time()
+        self.mapped = shm.Mapped()  # clients' shared-memory buffers
         self.restored_from: str | None = None
         if self.url is not None and self._recover():
             return
@@ -207,7 +210,7 @@ class ShardServer:
 
     # --- the data path ---------------------------------------------------------------------
     def pull(self, name: str, worker: str, seq: int, keys_counts: np.ndarray,
-             insert: bool, touch: bool = False) -> Any:
+             insert: bool, touch: bool = False, out: np.ndarray | None = None) -> Any:
         """Rows of distinct keys, each seen some times (a lookup of every sighting).
 
         ``keys_counts`` is int64 ``[2, n]``: the keys, and how often each was seen (one
@@ -219,7 +222,8 @@ class ShardServer:
         key read differently (an admission filter admitting a key mid-batch, with a
         ``default_value``); or :data:`BEHIND`. With ``touch`` (the lookup of keys a
         :meth:`peek` read already) ``rows`` is ``(absent, rows[absent])``: only the rows of
-        keys that had no row before, unless the rows are per sighting.
+        keys that had no row before, unless the rows are per sighting. ``out``: where to
+        write rows per key (``[len(keys), dim]`` float32; rows per sighting go elsewhere).
         """
         state = self._admit(worker, seq, insert)
         if state == BEHIND:
@@ -227,12 +231,12 @@ class ShardServer:
         keys, counts = keys_counts[0], keys_counts[1]
         t = self._table(name)
         if state == "dup" or not insert:
-            rows = self._lookup(t, keys, counts, False)
+            rows = self._lookup(t, keys, counts, False, out)
             return rows, (self.ckpt_applied.get(worker, 0) if insert else 0), 0, 0
         before = t.mutation_seq
         try:
             absent = ~t.contains(keys) if touch else None
-            rows = self._lookup(t, keys, counts, True)
+            rows = self._lookup(t, keys, counts, True, out)
         finally:
             ck = self._done(worker, seq)
         after = t.mutation_seq
@@ -259,25 +263,77 @@ class ShardServer:
         peeked[1] += int(counts.sum()) - hits
         return rows, 0, 0, 0
 
+    def pull_shm(self, name: str, worker: str, seq: int, request: tuple, reply: tuple,
+                 insert: bool) -> Any:
+        """:meth:`pull` of keys and counts in a client's shared-memory buffer.
+
+        ``request``, ``reply``: descriptors (:func:`tensorkv.distributed.shm.descriptor`) of
+        the ``[2, n]`` keys and counts, and of ``[counts.sum(), dim]`` float32 room for the
+        rows. Rows per key are written to its start and answered as
+        :class:`~tensorkv.distributed.shm.Rows`; rows per sighting come back as an array.
+        :data:`~tensorkv.distributed.shm.NO_SHM` if the buffers cannot be mapped here
+        (nothing was done).
+        """
+        try:
+            kc, out = self.mapped.array(request), self.mapped.array(reply)
+        except OSError:
+            return shm.NO_SHM
+        res = self.pull(name, worker, seq, kc, insert, out=out)
+        if isinstance(res, str) or not _starts(res[0], out, kc.shape[1]):
+            return res
+        return (shm.Rows(*res[0].shape), *res[1:])
+
+    def push_shm(self, name: str, worker: str, seq: int, keys: tuple, grads: tuple,
+                 step: int | None, tick: bool = False) -> Any:
+        """:meth:`push` of keys and gradients in a client's shared-memory buffer.
+
+        ``keys``, ``grads``: their descriptors. :data:`~tensorkv.distributed.shm.NO_SHM` if
+        the buffer cannot be mapped here (nothing was done).
+        """
+        try:
+            k, g = self.mapped.array(keys), self.mapped.array(grads)
+        except OSError:
+            return shm.NO_SHM
+        return self.push(name, worker, seq, k, g, step, tick)
+
     @staticmethod
     def _lookup(t: EmbeddingTable, keys: np.ndarray, counts: np.ndarray,
-                insert: bool) -> np.ndarray:
-        """Look every sighting up (counters and admission see them all); rows per key."""
+                insert: bool, out: np.ndarray | None = None) -> np.ndarray:
+        """Look every sighting up (counters and admission see them all); rows per key.
+
+        ``out``: room for the rows; rows per key are written to its start (and a view of it
+        returned). With room for every sighting, no row is copied twice.
+        """
+        u = keys.shape[0]
         if not (counts.size and int(counts.max()) > 1):
-            return t.lookup(keys, insert=insert)
+            return t.lookup(keys, insert=insert, out=None if out is None else out[:u])
+        n = int(counts.sum())
+        if t.admission is None:
+            # each key once (first sightings in order: the same rows are inserted, in the
+            # same order), then the further sightings: one lookup that counts them all, and
+            # the rows per key are its first rows
+            dup = np.flatnonzero(counts > 1)
+            both = np.concatenate([keys, np.repeat(keys[dup], counts[dup] - 1)])
+            room = out if out is not None and out.shape[0] >= n else \
+                np.empty((n, t.dim), np.float32)
+            t.lookup(both, insert=insert, out=room[:n])
+            if out is None:
+                return room[:u]
+            if room is not out:
+                out[:u] = room[:u]
+            return out[:u]
         every = t.lookup(np.repeat(keys, counts), insert=insert)
         first = np.zeros(keys.shape[0], np.int64)
         np.cumsum(counts[:-1], out=first[1:])
-        rows = every[first]
+        rows = np.take(every, first, axis=0, out=None if out is None else out[:u])
         # sightings of one key read alike unless an admission filter admits it mid-batch
         # and a default_value differs from its initial value: compare only then
-        if t.admission is not None and insert:
+        if insert:
             dup = np.flatnonzero(counts > 1)
-            if dup.size:
-                idx = np.repeat(np.arange(keys.shape[0]), counts)
-                multi = np.isin(idx, dup)
-                if not np.array_equal(every[multi], rows[idx[multi]]):
-                    return every
+            idx = np.repeat(np.arange(keys.shape[0]), counts)
+            multi = np.isin(idx, dup)
+            if not np.array_equal(every[multi], rows[idx[multi]]):
+                return every
         return rows
 
     def push(self, name: str, worker: str, seq: int, keys: np.ndarray, grads: np.ndarray,
@@ -296,13 +352,21 @@ class ShardServer:
         t = self._table(name)
         before = t.mutation_seq
         try:
-            n = t.apply_gradients(keys, grads, step=step)
+            n = t.apply_gradients(keys, grads, step=step, unique=True)  # distinct keys
             if n == 0 and tick:
                 self._tick(t)
         finally:
             ck = self._done(worker, seq)
         after = t.mutation_seq
         return (n, t.step), ck, after - before, after
+
+    def frame(self, data: bytes) -> bytes:
+        """A ``pull``, ``peek`` or ``push`` request packed as one frame; the answer packed.
+
+        See :mod:`tensorkv.distributed.wire` (small requests travel so).
+        """
+        method, name, worker, seq, args = wire.unpack_request(data)
+        return wire.pack_reply(getattr(self, method)(name, worker, seq, *args))
 
     def call(self, name: str, worker: str, seq: int, method: str, args: tuple) -> Any:
         """Any other table method (:data:`TABLE_METHODS`); ``(result, ckpt, delta, seq)``."""
@@ -532,6 +596,12 @@ class ShardServer:
     def ping(self) -> int:
         """Nothing: the cost of one call (the ``bench ps`` overhead figure)."""
         return os.getpid()
+
+
+def _starts(rows: Any, buf: np.ndarray, u: int) -> bool:
+    """Whether ``rows`` are the first ``u`` rows of ``buf`` (rows per key written there)."""
+    return (isinstance(rows, np.ndarray) and rows.shape[0] == u
+            and rows.__array_interface__["data"][0] == buf.__array_interface__["data"][0])
 
 
 __all__ = ["BEHIND", "TABLE_METHODS", "ShardServer", "checkpoint_prefix", "dumps"]

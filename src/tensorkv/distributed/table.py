@@ -43,6 +43,8 @@ class Split:
     order, bounds
         ``uniq[order[bounds[s]:bounds[s + 1]]]`` are shard ``s``'s keys (first-sighting order
         kept).
+    dest
+        Each sighting's key's place in that order.
     """
 
     def __init__(self, keys: np.ndarray, num_shards: int, uniq: np.ndarray | None = None,
@@ -57,10 +59,13 @@ class Split:
         self.keys = keys
         self.uniq = uniq
         self.inverse = inverse
-        self.counts = np.bincount(inverse, minlength=uniq.shape[0]) if n else np.zeros(0, np.int64)
-        sid = shard_of_keys(uniq, num_shards)
-        self.order = np.argsort(sid, kind="stable")
-        self.bounds = np.searchsorted(sid[self.order], np.arange(num_shards + 1))
+        u = uniq.shape[0]
+        self.order = np.empty(u, np.int64)
+        self.bounds = np.empty(num_shards + 1, np.int64)
+        self.dest = np.empty(n, np.int64)  # each sighting's key's place in shard order
+        self.counts = np.empty(u, np.int64)
+        sk.split_by_shard(uniq, inverse, num_shards, self.order, self.bounds, self.dest,
+                          self.counts)
 
     def part(self, s: int) -> np.ndarray:
         """Positions (in ``uniq``) of shard ``s``'s keys."""
@@ -172,6 +177,7 @@ class ShardedEmbeddingTable:
         self._prefetch: tuple[np.ndarray, Split, list[tuple[int, Any, Any]] | None,
                               int] | None = None
         self._seq_map = SeqMap(channel.num_shards)
+        self._split: tuple[np.ndarray, Split] | None = None  # the last lookup's keys, split
         self._eviction = Eviction.from_config(spec.get("eviction"))
         self._admission = spec.get("admission") is not None
         # mutation_seq as the single-process table counts it: one operation grows it as much
@@ -198,7 +204,7 @@ class ShardedEmbeddingTable:
         ch = self.channel
         out = []
         for s in range(ch.num_shards) if shards is None else shards:
-            ref, req = ch.send(s, method, self.name, args_of(s), mutating)
+            ref, req = ch.send(s, method, self.name, args_of(s), mutating, self.dim)
             out.append((s, ref, req))
         return out
 
@@ -254,11 +260,22 @@ class ShardedEmbeddingTable:
     def _rows_of(self, sp: Split, sent: list[tuple[int, Any, Any]], out: np.ndarray | None,
                  peeked: list[tuple[int, Any, Any]] | None = None) -> np.ndarray:
         u = sp.uniq.shape[0]
-        urows = np.empty((u, self.dim), np.float32)
-        per_sighting = []
+        n = sp.keys.shape[0]
         before = {} if peeked is None else dict(zip([x[0] for x in peeked],
                                                     self._gather(peeked), strict=True))
-        for (s, _, _), rows in zip(sent, self._gather(sent), strict=True):
+        got = self._gather(sent)
+        if peeked is None and all(isinstance(r, np.ndarray) and r.shape[0] ==
+                                  sp.bounds[s + 1] - sp.bounds[s]
+                                  for (s, _, _), r in zip(sent, got, strict=True)):
+            # every shard's rows per key: straight into batch order, one pass each
+            res = np.empty((n, self.dim), np.float32) if out is None else out
+            dest = sp.dest
+            for (s, _, _), rows in zip(sent, got, strict=True):
+                sk.gather_part(rows, dest, int(sp.bounds[s]), int(sp.bounds[s + 1]), res)
+            return res
+        urows = np.empty((u, self.dim), np.float32)
+        per_sighting = []
+        for (s, _, _), rows in zip(sent, got, strict=True):
             p = sp.part(s)
             if isinstance(rows, tuple):  # a touch: the peeked rows, and those of new keys
                 absent, new_rows = rows
@@ -268,7 +285,6 @@ class ShardedEmbeddingTable:
                 urows[p] = rows
             else:
                 per_sighting.append((s, rows))
-        n = sp.keys.shape[0]
         res = np.empty((n, self.dim), np.float32) if out is None else out
         np.take(urows, sp.inverse, axis=0, out=res)
         if per_sighting:  # sightings of one key read differently (admission mid-batch)
@@ -301,6 +317,7 @@ class ShardedEmbeddingTable:
         pre, self._prefetch = self._prefetch, None
         same = pre is not None and np.array_equal(pre[0], k)
         sp = pre[1] if pre is not None and same else Split(k, self.num_shards)
+        self._split = (k.copy() if pre is None or not same else pre[0], sp)
         if (pre is not None and same and insert and pre[2] is not None
                 and pre[3] == sum(self.channel.seq)):
             # nothing of ours changed since the peek: only new keys' rows come back now
@@ -363,15 +380,23 @@ class ShardedEmbeddingTable:
                                                                                  np.integer))):
             raise ConfigError(f"step={step!r} must be an integer or None")
         g = np.ascontiguousarray(g, dtype=np.float32)
-        # distinct keys grouped by shard; each one's gradients summed straight into its place
-        sp = Split(k, self.num_shards)
+        # distinct keys grouped by shard (as the lookup of these keys split them); each one's
+        # gradients summed straight into its place
+        last, self._split = self._split, None
+        sp = (last[1] if last is not None and last[1].bounds.shape[0] == self.num_shards + 1
+              and np.array_equal(last[0], k) else Split(k, self.num_shards))
         u = sp.uniq.shape[0]
-        rank = np.empty(u, np.int64)
-        rank[sp.order] = np.arange(u)
-        uniq = sp.uniq[sp.order]
-        sums, bad = np.empty((u, self.dim), np.float32), np.empty(u, np.bool_)
+        at = -(-u * 8 // 64) * 64
+        st = self.channel.staging(at + u * self.dim * 4) if u else None
+        if st is not None:  # built where the shards read them
+            uniq = st.array(0, np.int64, (u,))
+            sums = st.array(at, np.float32, (u, self.dim))
+        else:
+            uniq, sums = np.empty(u, np.int64), np.empty((u, self.dim), np.float32)
+        np.take(sp.uniq, sp.order, out=uniq)
+        bad = np.empty(u, np.bool_)
         if n:
-            sk.sum_rows_at(g, rank[sp.inverse], np.zeros(u, np.bool_), sums, bad)
+            sk.sum_rows_at(g, sp.dest, np.zeros(u, np.bool_), sums, bad)
         if bad.any() and self.nan_policy == "raise":
             bad_keys = uniq[bad]
             raise NonFiniteGradientError(
