@@ -298,6 +298,21 @@ class KVStore(ABC):
         """
         yield self.get_many(keys)
 
+    def get_many_views(self, keys: Sequence[bytes]) -> list[np.ndarray | None]:
+        """Values as read-only uint8 arrays that stay valid for as long as they live.
+
+        Backends with ``zero_copy_reads`` (LMDB) return views of their data file without
+        copying, pinning the snapshot they were read in while any of them lives; the
+        others return arrays over what :meth:`get_many` returns (no further copy).
+        """
+        out: list[np.ndarray | None] = []
+        for v in self.get_many(keys):
+            a = None if v is None else np.frombuffer(v, np.uint8)
+            if a is not None and a.flags.writeable:
+                a.flags.writeable = False
+            out.append(a)
+        return out
+
     def put_many(self, items: Mapping[bytes, Buffer] | Iterable[tuple[bytes, Buffer]]) -> None:
         """Store several key-value pairs. Values may be any contiguous bytes-like object."""
         self._check_writable()

@@ -35,7 +35,7 @@ from tensorkv.errors import (
     StoreFullError,
     StoreLockedError,
 )
-from tensorkv.stores import lmdb_file
+from tensorkv.stores import lmdb_file, lmdb_views
 from tensorkv.stores.base import Capabilities, KVStore, WriteOp, check_keys
 from tensorkv.stores.embedded import (
     as_bool,
@@ -128,6 +128,7 @@ class _SharedEnv:
         self.bulk_lock = threading.Lock()
         self.gate = _TxnGate()
         self.write_lock = threading.Lock()
+        self.views = lmdb_views.ViewState()  # get_many_views: pins, the second map
         self.pid = os.getpid()
         self.refs = 1
 
@@ -379,6 +380,8 @@ class LMDBStore(KVStore):
         if self._closed:
             self._gate.leave()
             self._check_open()
+        if self._shared.views.dead_txns:
+            lmdb_views.drain(self._shared.views)
 
     def _values(self, get: Any, keys: list[bytes], ahead: contextlib.ExitStack) -> Iterator[Any]:
         """``get`` each key in turn; once a large value turns up, readahead is on in ``ahead``.
@@ -411,7 +414,7 @@ class LMDBStore(KVStore):
         with sh.bulk_lock:
             sh.bulk_readers += 1
             if sh.bulk_readers == 1:  # the map cannot move while a transaction is open
-                sh.bulk_ranges = pages.file_mappings(os.path.join(self.path, "data.mdb"))
+                sh.bulk_ranges = sh.views.lmdb_ranges(os.path.join(self.path, "data.mdb"))
                 pages.madvise_ranges(sh.bulk_ranges, pages.MADV_NORMAL)
         try:
             yield
@@ -425,7 +428,9 @@ class LMDBStore(KVStore):
         """Another process grew the map: adopt its size (needs no active transaction)."""
         self._gate.enter_exclusive()
         try:
-            self._env.set_mapsize(0)
+            lmdb_views.freeze_moved(self._shared.views, self.path, self._env)
+            self._env.set_mapsize(0)  # ends every transaction: renew the pins
+            lmdb_views.renew(self._shared.views, self._env)
         finally:
             self._gate.leave_exclusive()
 
@@ -441,8 +446,10 @@ class LMDBStore(KVStore):
                     "nothing was written. Open it with a larger max_map_size (e.g. "
                     f"?max_map_size={max(2 * current, 1 << 30)}) or delete data",
                 ) from needed
+            lmdb_views.freeze_moved(self._shared.views, self.path, self._env)
             self._env.set_mapsize(min(2 * current, self.max_map_size))
             self.resizes += 1
+            lmdb_views.renew(self._shared.views, self._env)
         finally:
             self._gate.leave_exclusive()
 
@@ -546,6 +553,28 @@ class LMDBStore(KVStore):
             if self._close_pending and not self._views.depth:
                 self._close_pending = False
                 self._finalizer()
+
+    def get_many_views(self, keys: Sequence[bytes]) -> list[Any]:
+        """Values as read-only uint8 arrays over the data file, valid for as long as they live.
+
+        No copy; the read snapshot stays pinned meanwhile (see :mod:`.lmdb_views`).
+        """
+        if not lmdb_views.SUPPORTED:  # pragma: no cover - not Linux: copies
+            return super().get_many_views(keys)
+        self._check_open()
+        ks = check_keys(keys)
+        while True:
+            self._enter()
+            try:
+                return lmdb_views.read(self._shared.views, self.path, self._env, ks,
+                                       self._max_key)
+            except lmdb.MapResizedError:
+                pass
+            except lmdb.Error as exc:
+                raise _damage_error(self.path, exc) from exc
+            finally:
+                self._gate.leave()
+            self._adopt_map_size()
 
     @staticmethod
     def _apply(txn: lmdb.Transaction, ops: list[WriteOp]) -> None:
@@ -762,6 +791,7 @@ class LMDBStore(KVStore):
             self._closed = True
             raise
         self._env = sh.env
+        lmdb_views.renew(sh.views, sh.env)
 
     def _close(self) -> None:
         if getattr(self._views, "depth", 0):
