@@ -259,13 +259,13 @@ class Repository:
                 "created": time.time(), "graph": graph.to_dict(),
                 "hashes": [h.hex() for h in graph.hashes()], "tensors": entries,
             }
-            self.meta.put(manifest_key(mid), json.dumps(manifest, separators=(",", ":"))
-                          .encode())
+            mdata = json.dumps(manifest, separators=(",", ":")).encode()
             entry = {"op": "add", "id": mid, "name": name, "parent": parent, "metrics": mets,
                      "created": manifest["created"], "h": graph.hash_keys().tobytes().hex(),
                      "b": sum(e["nbytes"] for e in entries.values()), "n": len(entries)}
             with self.lock:
-                self.index.append(self.meta, entry)
+                # the manifest and the entry that publishes it: one round trip
+                self.index.append(self.meta, entry, before=[(manifest_key(mid), mdata)])
                 published = True  # visible: from here on, nothing is undone
                 self.manifests[mid] = manifest
         except BaseException as exc:

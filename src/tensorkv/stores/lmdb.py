@@ -609,6 +609,18 @@ class LMDBStore(KVStore):
 
         return bool(self._in_write_txn(step, [(key, value)]))
 
+    def _put_first_absent(self, prefix: bytes, start: int, value: bytes | memoryview,
+                          before: list[tuple[bytes, bytes | memoryview]]) -> int:
+        def step(txn: lmdb.Transaction) -> int:
+            for k, v in before:
+                txn.put(k, v)
+            seq = start
+            while not txn.put(prefix + b"%012d" % seq, value, overwrite=False):
+                seq += 1
+            return seq
+
+        return int(self._in_write_txn(step, [*before, (prefix, value)]))
+
     def _in_write_txn(self, fn: Any, ops: list[WriteOp]) -> Any:
         """Run ``fn(txn)`` in one write transaction, growing the map and replaying as needed."""
         with self._write_lock:
