@@ -279,3 +279,21 @@ def test_reads_share_one_block_when_large(lmdb_url):
         for k, v in sd.items():
             np.testing.assert_array_equal(got[k], v)
         assert got["t0"].base is not None and got["t0"].base is got["t2"].base
+
+
+def test_writes_batch_records_in_a_reused_block(lmdb_url, monkeypatch):
+    from tensorkv.repository import repo as repo_mod
+
+    monkeypatch.setattr(repo_mod, "WRITE_BATCH_BYTES", 8192)
+    sd = {"small": np.arange(100, dtype=np.float32), "mid": np.ones((3, 500), np.float32),
+          "big": np.arange(5000, dtype=np.float64)}  # 40 kB: larger than the block
+    g = {"nodes": [{"name": "x", "op": "input", "type": "input"}]}
+    with Repository(lmdb_url, chunk_bytes=1 << 20) as repo:
+        mid = repo.put(g, sd)
+        sd2 = {k: v + 1 for k, v in sd.items()}
+        mid2 = repo.put(g, sd2)  # the block is reused: the first model's records stay intact
+        for want, m in ((sd, mid), (sd2, mid2)):
+            got = repo.get(m)
+            for k, v in want.items():
+                np.testing.assert_array_equal(got[k], v)
+        assert repo.check(deep=True)["ok"]

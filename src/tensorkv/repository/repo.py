@@ -116,6 +116,7 @@ class Repository:
         self.index = ModelIndex()
         self.lock = threading.RLock()
         self.manifests: dict[str, dict[str, Any]] = {}
+        self._scratch = threading.local()  # .block: this thread's write buffer
         self.pool = ThreadPoolExecutor(threads or max(4, 2 * len(self.providers)),
                                        thread_name_prefix="tensorkv-repo")
 
@@ -335,17 +336,31 @@ class Repository:
 
     def _write_group(self, p: int, tids: list[str],
                      by_tid: dict[str, tuple[np.ndarray, dict[str, Any]]]) -> None:
+        """Write the chunks of ``tids`` to provider ``p``, ``WRITE_BATCH_BYTES`` per call.
+
+        The records of a batch are laid out in one block this thread reuses from put to put
+        (the store copies what it is given), so no new memory is faulted in per put.
+        """
         store = self.providers[p]
+        scratch = getattr(self._scratch, "block", None)
+        if scratch is None:
+            scratch = self._scratch.block = np.empty(WRITE_BATCH_BYTES, np.uint8)
         batch: list[tuple[bytes, np.ndarray]] = []
-        size = 0
+        pos = 0
         for t in tids:
             arr, e = by_tid[t]
-            for kv in tensors.encode_chunks(arr, e):
-                batch.append(kv)
-                size += len(kv[1])
-                if size >= WRITE_BATCH_BYTES:
+            for key, head, payload in tensors.chunk_parts(arr, e):
+                n = len(head) + payload.nbytes
+                if pos + n > scratch.size and batch:
                     store.put_many(batch)
-                    batch, size = [], 0
+                    batch, pos = [], 0
+                if n > scratch.size:  # a chunk larger than the block: a record of its own
+                    store.put_many([(key, tensors.record_of(head, payload))])
+                    continue
+                rec = scratch[pos:pos + n]
+                tensors.record_into(head, payload, rec)
+                batch.append((key, rec))
+                pos += -(-n // 64) * 64
         if batch:
             store.put_many(batch)
 

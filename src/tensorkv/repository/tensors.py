@@ -9,6 +9,7 @@ lives on one provider, chosen by rendezvous hashing of the id over the providers
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -81,23 +82,32 @@ def chunk_keys(entry: dict[str, Any], idx: range | None = None) -> list[bytes]:
     return [chunk_key(entry["id"], i) for i in (idx or range(entry["chunks"]))]
 
 
-def _record(arr: np.ndarray) -> np.ndarray:
-    """One tensor record as a uint8 array; numpy copies the payload, letting threads run."""
-    head, payload = encode_parts(arr)
-    out = np.empty(len(head) + payload.nbytes, np.uint8)
+def record_into(head: bytes, payload: memoryview, out: np.ndarray) -> None:
+    """Write a record (``head`` then ``payload``) into ``out``; numpy copies, freeing the GIL."""
     out[: len(head)] = np.frombuffer(head, np.uint8)
     if payload.nbytes:
         np.copyto(out[len(head):], np.frombuffer(payload, np.uint8))
-    return out
+
+
+def chunk_parts(arr: np.ndarray, entry: dict[str, Any]
+                ) -> Iterator[tuple[bytes, bytes, memoryview]]:
+    """(key, record header, payload) of each chunk of a tensor, the payload not copied."""
+    rows = entry["rows"]
+    for i in range(entry["chunks"]):
+        part = arr if entry["chunks"] == 1 else arr[i * rows:(i + 1) * rows]
+        yield (chunk_key(entry["id"], i), *encode_parts(part))
 
 
 def encode_chunks(arr: np.ndarray, entry: dict[str, Any]) -> list[tuple[bytes, np.ndarray]]:
     """The (key, record) pairs of a tensor's chunks."""
-    rows = entry["rows"]
-    if entry["chunks"] == 1:
-        return [(chunk_key(entry["id"], 0), _record(arr))]
-    return [(chunk_key(entry["id"], i), _record(arr[i * rows:(i + 1) * rows]))
-            for i in range(entry["chunks"])]
+    return [(k, record_of(h, p)) for k, h, p in chunk_parts(arr, entry)]
+
+
+def record_of(head: bytes, payload: memoryview) -> np.ndarray:
+    """A record (``head`` then ``payload``) as a new uint8 array."""
+    out = np.empty(len(head) + payload.nbytes, np.uint8)
+    record_into(head, payload, out)
+    return out
 
 
 def rank(tid: str, provider_ids: list[str]) -> list[int]:
