@@ -47,6 +47,7 @@ from tensorkv.stores.redis_keys import (
     take,
     value_sizes,
 )
+from tensorkv.stores.redis_pack import LargeValuePacker
 
 if TYPE_CHECKING:
     from tensorkv.stores.registry import StoreURL
@@ -293,7 +294,8 @@ class RedisStore(KVStore):
             if self.mode == "standalone":
                 host, port = self._hosts[0]
                 self._probe(host, port)
-                pool_kw = dict(kw, host=host, port=port, db=self._db, retry=self._retry())
+                pool_kw = dict(kw, host=host, port=port, db=self._db, retry=self._retry(),
+                               command_packer=LargeValuePacker())
                 if pool_kw.pop("ssl", False):
                     pool_kw["connection_class"] = redis.SSLConnection
                 if o.max_connections:
