@@ -268,6 +268,9 @@ def test_zero_copy_read_verifies_checksums(lmdb_url):
             repo.read_tensor(mid, "fc.w", copy=False)
         got = repo.read_tensor(mid, "fc.w", copy=False, verify=False)
         assert got[-1] != arr[-1]
+        repo.meta.delete(key)
+        with pytest.raises(CorruptRecordError, match="missing from every provider"):
+            repo.read_tensor(mid, "fc.w", copy=False)
 
 
 def test_reads_share_one_block_when_large(lmdb_url):
@@ -297,3 +300,14 @@ def test_writes_batch_records_in_a_reused_block(lmdb_url, monkeypatch):
             for k, v in want.items():
                 np.testing.assert_array_equal(got[k], v)
         assert repo.check(deep=True)["ok"]
+
+
+def test_a_put_behind_other_writers_is_applied_in_log_order(lmdb_url):
+    g = {"nodes": [{"name": "x", "op": "input", "type": "input"}]}
+    with Repository(lmdb_url) as a, Repository(lmdb_url) as b:
+        first = a.put(g, {}, name="first")
+        second = b.put(g, {}, name="second")  # b has not seen a's entry: applied later
+        assert b.index.get(second) is None
+        assert [r["id"] for r in b.list()] == [first, second]
+        assert [r["id"] for r in a.list()] == [first, second]
+        assert b.read_tensors(second) == {}

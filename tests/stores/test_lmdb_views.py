@@ -84,3 +84,21 @@ def test_other_backends_return_read_only_arrays(tmp_path):
 
 def test_map_base_finds_only_mapped_files(tmp_path):
     assert lmdb_views.map_base(str(tmp_path / "nothing"), 0) is None
+
+
+def test_only_views_whose_value_moved_are_copied_out(store):
+    store.put_many([(b"keep", b"k" * 20000), (b"gone", b"g" * 20000)])
+    keep, gone = store.get_many_views([b"keep", b"gone"])
+    store.delete(b"gone")  # a newer snapshot: "keep" is where it was, "gone" is not
+    state = store._shared.views
+    assert lmdb_views.freeze_moved(state, store.path, store._env) == 1
+    assert bytes(keep) == b"k" * 20000 and bytes(gone) == b"g" * 20000
+    store.put_many([(b"x%d" % i, b"x" * 20000) for i in range(20)])  # reuses gone's pages
+    assert bytes(gone) == b"g" * 20000
+
+
+def test_a_failed_map_is_reported(tmp_path):
+    path = tmp_path / "f"
+    path.write_bytes(b"x" * 4096)
+    with pytest.raises(OSError, match="mmap of"):
+        lmdb_views.FileMap(str(path), 1 << 62)
