@@ -7,9 +7,10 @@ LMDB's own map may move when it is resized; the second map does not. The read tr
 the values came from stays open (a :class:`Pin`) for as long as any array lives, so LMDB does
 not reuse the pages under them: tie-in is by reference, each array's base holding its pin.
 
-A resize of the map in this process ends every open transaction (py-lmdb aborts them); the
-store then renews each live pin at the newest snapshot (:func:`renew`). Pages stay put unless
-their value is deleted or overwritten, and content-addressed values never are while in use.
+A resize of the map in this process ends every open transaction (py-lmdb aborts them).
+Before it, views whose value was deleted or rewritten since they were lent are copied out in
+place (:func:`freeze_moved`); after it, each live pin holds the newest snapshot
+(:func:`renew`), which still holds every other view's value where it was.
 """
 
 from __future__ import annotations
