@@ -224,9 +224,20 @@ def run(quick: bool, report: Report, *, layers: int = 100, model_mb: float | Non
             for i in range(layers - new, layers):
                 child[f"l{i}.w"] = torch.rand(rows, cols)
 
-        t_child = _median(lambda: lm.put(child_g, child, parent=parent), repeat, fresh_child)
-        report.add("store child with 25% new layers", "s", t_child, "store it whole", t_lm,
-                   "goal: ratio <= 0.35")
+        # child and whole model put in turn, so both meet the same page-cache state
+        t_c, t_w = [], []
+        for _ in range(repeat):
+            fresh_child()
+            t0 = time.perf_counter()
+            lm.put(child_g, child, parent=parent)
+            t_c.append(time.perf_counter() - t0)
+            fresh()
+            t0 = time.perf_counter()
+            last["lm"] = lm.put(g, sd)
+            t_w.append(time.perf_counter() - t0)
+        report.add("store child with 25% new layers", "s", statistics.median(t_c),
+                   "store it whole", statistics.median(t_w),
+                   "puts in turn on one repository; goal: ratio <= 0.35")
 
         # ------------------------------------------------------------ loads
         mid = lm.put(g, sd)  # what every format below holds
