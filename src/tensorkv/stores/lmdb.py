@@ -42,13 +42,13 @@ from tensorkv.stores.embedded import (
     as_int,
     as_size,
     chunked_scan,
-    corrupt_error,
     disk_nearly_full,
-    permission_error,
     prepare_directory,
     store_path,
     take_options,
 )
+from tensorkv.stores.lmdb_errors import damage_error as _damage_error
+from tensorkv.stores.lmdb_errors import open_error as _open_error
 
 if TYPE_CHECKING:
     from tensorkv.stores.registry import StoreURL
@@ -138,47 +138,6 @@ BULK_VALUE_BYTES = 256 * 1024
 
 _ENVS: dict[tuple[int, str], _SharedEnv] = {}
 _ENVS_LOCK = threading.Lock()
-
-
-#: LMDB errors that mean a damaged file (or, for the reader-slot and transaction ones, a
-#: lock file or transaction left unusable by damage met earlier).
-_DAMAGE = (
-    lmdb.CorruptedError,
-    lmdb.PageNotFoundError,
-    lmdb.InvalidError,
-    lmdb.VersionMismatchError,
-    lmdb.PanicError,
-    lmdb.BadRslotError,
-    lmdb.BadTxnError,
-    lmdb.PageFullError,
-    lmdb.CursorFullError,
-    lmdb.IncompatibleError,
-    lmdb.DiskError,
-)
-
-
-def _damage_error(path: str, exc: lmdb.Error) -> Exception:
-    """The error to raise for an LMDB error met while opening, reading or writing."""
-    text = str(exc)
-    if isinstance(exc, _DAMAGE) or "Input/output error" in text:
-        return corrupt_error("lmdb", path, f"LMDB reports {type(exc).__name__}: {text}")
-    if isinstance(exc, lmdb.ReadersFullError):
-        return StoreError(
-            f"lmdb store {path!r}: every reader slot is taken ({text}); close other readers "
-            "or open the store with a larger max_readers"
-        )
-    return StoreError(f"lmdb store {path!r}: {type(exc).__name__}: {text}")
-
-
-def _open_error(path: str, exc: lmdb.Error) -> Exception:
-    text = str(exc)
-    if "Permission denied" in text or "Read-only file system" in text:
-        return permission_error("lmdb", path, exc)
-    if "Resource temporarily unavailable" in text:
-        return StoreLockedError(errno.EAGAIN, f"the lmdb store {path!r} is locked: {exc}", path)
-    if isinstance(exc, _DAMAGE):
-        return _damage_error(path, exc)
-    return StoreError(f"cannot open the lmdb store {path!r}: {exc}")
 
 
 def _open_env(
