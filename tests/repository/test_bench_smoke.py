@@ -17,9 +17,12 @@ def test_repo_bench_smoke(tmp_path):
     repo.run(True, report, layers=8, model_mb=0.2, populations="60,120", readers="1",
              providers="1,2", repeat=1, root=str(tmp_path), read_seconds=0.2)
     cases = {r.case for r in report.results}
-    assert {"store model (LMDB, durable)", "load model (LMDB)", "load 25% prefix (LMDB)",
-            "one tensor of a 100-tensor model", "bytes stored, children share 50%",
-            "1 reader processes", "store over 2 Redis providers", "placement over 2 providers",
+    assert {"store model (LMDB, durable)", "load model (LMDB, copying)",
+            "load model (LMDB, zero-copy)", "load 25% prefix (LMDB, copying)",
+            "load 25% prefix (LMDB, zero-copy)", "one tensor of a 100-tensor model (copying)",
+            "one tensor of a 100-tensor model (zero-copy)", "bytes stored, children share 50%",
+            "1 reader processes (copying)", "1 reader processes (zero-copy)",
+            "store over 2 Redis providers", "placement over 2 providers",
             "longest_prefix p50 at 120 models", "metadata puts, 2 client processes"} <= cases
     bad = [r for r in report.results if not (r.value > 0 and r.baseline_value > 0)]
     assert not bad, bad

@@ -229,3 +229,85 @@ def test_a_reader_sees_another_clients_delete(lmdb_url):
         assert_state_equal(reader.get(keep), m.state_dict())
         new = writer.put(mlp((4, 5)))
         assert len(reader.get(new)) == 2  # and another client's put
+
+
+def test_zero_copy_reads(lmdb_url, any_url):
+    arr = np.arange(64 * 100, dtype=np.float32).reshape(100, 64)
+    g = {"nodes": [{"name": "x", "op": "input", "type": "input"},
+                   {"name": "fc", "type": "Dense", "inputs": ["x"],
+                    "params": {"w": {"shape": [100, 64], "dtype": "float32"},
+                               "b": {"shape": [64], "dtype": "float32"}}}]}
+    sd = {"fc.w": arr, "fc.b": torch.arange(64.0)}
+    for url, chunk in ((lmdb_url, 1024), (any_url, 1024), (lmdb_url + "-one", 1 << 20)):
+        with Repository(url, chunk_bytes=chunk) as repo:
+            mid = repo.put(g, sd)
+            b = repo.read_tensor(mid, "fc.b", copy=False)
+            assert isinstance(b, np.ndarray) and not b.flags.writeable
+            np.testing.assert_array_equal(b, np.arange(64.0, dtype=np.float32))
+            for index in [None, slice(9, 11), 7, slice(10, 30), (slice(None, None, -3), 2)]:
+                got = repo.read_tensor(mid, "fc.w", index, copy=False, verify=False)
+                np.testing.assert_array_equal(got, arr if index is None else arr[index])
+            whole = repo.get(mid, copy=False)
+            np.testing.assert_array_equal(whole["fc.w"], arr)
+            if chunk > 1024 and url.startswith("lmdb"):  # one chunk: a view of the file
+                assert whole["fc.w"].base is not None and not whole["fc.w"].flags.owndata
+
+
+def test_zero_copy_read_verifies_checksums(lmdb_url):
+    arr = np.arange(256, dtype=np.float32)
+    g = {"nodes": [{"name": "x", "op": "input", "type": "input"},
+                   {"name": "fc", "type": "Dense", "inputs": ["x"],
+                    "params": {"w": {"shape": [256], "dtype": "float32"}}}]}
+    with Repository(lmdb_url) as repo:
+        mid = repo.put(g, {"fc.w": arr})
+        key = tensors.chunk_key(repo.manifest(mid)["tensors"]["fc.w"]["id"], 0)
+        rec = bytearray(repo.meta.get(key))
+        rec[-1] ^= 0xFF
+        repo.meta.put(key, bytes(rec))
+        with pytest.raises(CorruptRecordError, match="checksum"):
+            repo.read_tensor(mid, "fc.w", copy=False)
+        got = repo.read_tensor(mid, "fc.w", copy=False, verify=False)
+        assert got[-1] != arr[-1]
+        repo.meta.delete(key)
+        with pytest.raises(CorruptRecordError, match="missing from every provider"):
+            repo.read_tensor(mid, "fc.w", copy=False)
+
+
+def test_reads_share_one_block_when_large(lmdb_url):
+    sd = {f"t{i}": np.full((512, 1024), i, np.float32) for i in range(3)}
+    g = {"nodes": [{"name": "x", "op": "input", "type": "input"}]}
+    with Repository(lmdb_url) as repo:
+        mid = repo.put(g, sd)
+        got = repo.get(mid)
+        for k, v in sd.items():
+            np.testing.assert_array_equal(got[k], v)
+        assert got["t0"].base is not None and got["t0"].base is got["t2"].base
+
+
+def test_writes_batch_records_in_a_reused_block(lmdb_url, monkeypatch):
+    from tensorkv.repository import repo as repo_mod
+
+    monkeypatch.setattr(repo_mod, "WRITE_BATCH_BYTES", 8192)
+    sd = {"small": np.arange(100, dtype=np.float32), "mid": np.ones((3, 500), np.float32),
+          "big": np.arange(5000, dtype=np.float64)}  # 40 kB: larger than the block
+    g = {"nodes": [{"name": "x", "op": "input", "type": "input"}]}
+    with Repository(lmdb_url, chunk_bytes=1 << 20) as repo:
+        mid = repo.put(g, sd)
+        sd2 = {k: v + 1 for k, v in sd.items()}
+        mid2 = repo.put(g, sd2)  # the block is reused: the first model's records stay intact
+        for want, m in ((sd, mid), (sd2, mid2)):
+            got = repo.get(m)
+            for k, v in want.items():
+                np.testing.assert_array_equal(got[k], v)
+        assert repo.check(deep=True)["ok"]
+
+
+def test_a_put_behind_other_writers_is_applied_in_log_order(lmdb_url):
+    g = {"nodes": [{"name": "x", "op": "input", "type": "input"}]}
+    with Repository(lmdb_url) as a, Repository(lmdb_url) as b:
+        first = a.put(g, {}, name="first")
+        second = b.put(g, {}, name="second")  # b has not seen a's entry: applied later
+        assert b.index.get(second) is None
+        assert [r["id"] for r in b.list()] == [first, second]
+        assert [r["id"] for r in a.list()] == [first, second]
+        assert b.read_tensors(second) == {}

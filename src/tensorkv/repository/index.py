@@ -15,14 +15,13 @@ docs/repository.md for the algorithm and its cost).
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from tensorkv.errors import ConfigError, RepositoryError
+from tensorkv.errors import ConfigError
 from tensorkv.repository.layout import load_json
 from tensorkv.stores.base import KVStore
 
@@ -117,20 +116,21 @@ class ModelIndex:
                 changed = True
             batch = min(batch * 4, LOG_BATCH)
 
-    def append(self, store: KVStore, entry: dict[str, Any], *, timeout: float = 30.0) -> int:
-        """Append ``entry`` to the log after every entry there; return its sequence number."""
+    def append(self, store: KVStore, entry: dict[str, Any],
+               before: list[tuple[bytes, bytes]] | None = None) -> int:
+        """Append ``entry`` to the log after every entry there; return its sequence number.
+
+        One round trip (:meth:`~tensorkv.KVStore.put_first_absent`): ``before`` (the manifest
+        the entry publishes) is written in the same step, never after the entry. When other
+        writers appended since the last refresh, the entry is applied by the next refresh,
+        in log order, like theirs.
+        """
         data = json.dumps(entry, separators=(",", ":")).encode()
-        deadline = time.monotonic() + timeout
-        while True:  # try the next free entry as known; on a clash, read what others added
-            if store.put_if_absent(log_key(self.seq), data):
-                seq = self.seq
-                self.apply(entry, seq)
-                self.seq += 1
-                return seq
-            if time.monotonic() > deadline:
-                raise RepositoryError(f"could not append to the model log of {store.url!r} "
-                                      f"within {timeout} s (entry {self.seq} stays taken)")
-            self.refresh(store)
+        seq = store.put_first_absent(LOG, self.seq, data, before or [])
+        if seq == self.seq:
+            self.apply(entry, seq)
+            self.seq += 1
+        return seq
 
     def apply(self, e: dict[str, Any], seq: int) -> None:
         """Apply one log entry."""

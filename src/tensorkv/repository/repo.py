@@ -116,6 +116,7 @@ class Repository:
         self.index = ModelIndex()
         self.lock = threading.RLock()
         self.manifests: dict[str, dict[str, Any]] = {}
+        self._scratch = threading.local()  # .block: this thread's write buffer
         self.pool = ThreadPoolExecutor(threads or max(4, 2 * len(self.providers)),
                                        thread_name_prefix="tensorkv-repo")
 
@@ -259,13 +260,13 @@ class Repository:
                 "created": time.time(), "graph": graph.to_dict(),
                 "hashes": [h.hex() for h in graph.hashes()], "tensors": entries,
             }
-            self.meta.put(manifest_key(mid), json.dumps(manifest, separators=(",", ":"))
-                          .encode())
+            mdata = json.dumps(manifest, separators=(",", ":")).encode()
             entry = {"op": "add", "id": mid, "name": name, "parent": parent, "metrics": mets,
                      "created": manifest["created"], "h": graph.hash_keys().tobytes().hex(),
                      "b": sum(e["nbytes"] for e in entries.values()), "n": len(entries)}
             with self.lock:
-                self.index.append(self.meta, entry)
+                # the manifest and the entry that publishes it: one round trip
+                self.index.append(self.meta, entry, before=[(manifest_key(mid), mdata)])
                 published = True  # visible: from here on, nothing is undone
                 self.manifests[mid] = manifest
         except BaseException as exc:
@@ -335,17 +336,31 @@ class Repository:
 
     def _write_group(self, p: int, tids: list[str],
                      by_tid: dict[str, tuple[np.ndarray, dict[str, Any]]]) -> None:
+        """Write the chunks of ``tids`` to provider ``p``, ``WRITE_BATCH_BYTES`` per call.
+
+        The records of a batch are laid out in one block this thread reuses from put to put
+        (the store copies what it is given), so no new memory is faulted in per put.
+        """
         store = self.providers[p]
+        scratch = getattr(self._scratch, "block", None)
+        if scratch is None:
+            scratch = self._scratch.block = np.empty(WRITE_BATCH_BYTES, np.uint8)
         batch: list[tuple[bytes, np.ndarray]] = []
-        size = 0
+        pos = 0
         for t in tids:
             arr, e = by_tid[t]
-            for kv in tensors.encode_chunks(arr, e):
-                batch.append(kv)
-                size += len(kv[1])
-                if size >= WRITE_BATCH_BYTES:
+            for key, head, payload in tensors.chunk_parts(arr, e):
+                n = len(head) + payload.nbytes
+                if pos + n > scratch.size and batch:
                     store.put_many(batch)
-                    batch, size = [], 0
+                    batch, pos = [], 0
+                if n > scratch.size:  # a chunk larger than the block: a record of its own
+                    store.put_many([(key, tensors.record_of(head, payload))])
+                    continue
+                rec = scratch[pos:pos + n]
+                tensors.record_into(head, payload, rec)
+                batch.append((key, rec))
+                pos += -(-n // 64) * 64
         if batch:
             store.put_many(batch)
 
@@ -406,12 +421,20 @@ class Repository:
         return e
 
     def read_tensors(self, mid: str, names: Sequence[str] | None = None, *,
-                     index: Any = None, as_numpy: bool = False) -> dict[str, Any]:
+                     index: Any = None, as_numpy: bool = False, copy: bool = True,
+                     verify: bool = True) -> dict[str, Any]:
         """Read several tensors of a model (all by default), fetching providers in parallel.
 
         ``index`` (a basic index, applied to each) reads only the row chunks it touches.
         Tensors come back as torch tensors for models put from torch, numpy arrays otherwise
         (or always with ``as_numpy=True``).
+
+        ``copy=False`` returns read-only numpy arrays without copying where the store allows
+        it: on LMDB, a tensor of one chunk (or a slice inside one chunk) is a view of the
+        data file, and the read snapshot stays pinned for as long as any such array lives
+        (LMDB reuses none of its pages, so the file grows meanwhile: drop views when done).
+        Tensors of several chunks are assembled into new arrays. ``verify=False`` skips the
+        xxh3 checksum of each chunk (on by default: it reads every byte once, at 10+ GB/s).
         """
         m = self.manifest(mid)
         if names is None:
@@ -420,40 +443,47 @@ class Repository:
             raise ConfigError(f"names={names!r} is one str; pass a list, or use read_tensor")
         want = [(n, self._entry(mid, m, n)) for n in names]
         plans = [(n, e, *tensors.chunk_range(e, index)) for n, e in want]
-        arrays = self._fetch(mid, [(n, e, r) for n, e, r, _, _ in plans])
+        fetch = self._fetch if copy else self._fetch_views
+        arrays = fetch(mid, [(n, e, r) for n, e, r, _, _ in plans], verify)
         out: dict[str, Any] = {}
         for (n, e, _r, _base, rel), arr in zip(plans, arrays, strict=True):
             if rel is not None:
                 try:
-                    arr = np.ascontiguousarray(arr[rel])
+                    arr = np.ascontiguousarray(arr[rel]) if copy else arr[rel]
                 except IndexError as exc:
                     from tensorkv.errors import BadIndexError
 
                     raise BadIndexError(f"read_tensor({n!r}, {index!r}): {exc}") from None
-            out[n] = arr if as_numpy or e.get("torch_dtype") is None else tensors.as_torch(
-                arr, e["torch_dtype"])
+            out[n] = (arr if as_numpy or not copy or e.get("torch_dtype") is None
+                      else tensors.as_torch(arr, e["torch_dtype"]))
         return out
 
     def read_tensor(self, mid: str, name: str, index: Any = None, *,
-                    as_numpy: bool = False) -> Any:
-        """Read one tensor of a model, or ``tensor[index]`` reading only the chunks it needs."""
-        return self.read_tensors(mid, [name], index=index, as_numpy=as_numpy)[name]
+                    as_numpy: bool = False, copy: bool = True, verify: bool = True) -> Any:
+        """Read one tensor of a model, or ``tensor[index]`` reading only the chunks it needs.
 
-    def get(self, mid: str, *, as_numpy: bool = False) -> dict[str, Any]:
-        """The state dict of model ``mid``."""
-        return self.read_tensors(mid, None, as_numpy=as_numpy)
+        ``copy`` and ``verify``: see :meth:`read_tensors`.
+        """
+        return self.read_tensors(mid, [name], index=index, as_numpy=as_numpy, copy=copy,
+                                 verify=verify)[name]
+
+    def get(self, mid: str, *, as_numpy: bool = False, copy: bool = True,
+            verify: bool = True) -> dict[str, Any]:
+        """The state dict of model ``mid`` (``copy``, ``verify``: see :meth:`read_tensors`)."""
+        return self.read_tensors(mid, None, as_numpy=as_numpy, copy=copy, verify=verify)
 
     def load_into(self, module: Any, mid: str, *, strict: bool = True) -> Any:
         """Load model ``mid``'s tensors into ``module`` (``load_state_dict``); return its result."""
         return module.load_state_dict(self.get(mid), strict=strict)
 
-    def _fetch(self, mid: str, plans: list[tuple[str, dict[str, Any], range]]) -> list[np.ndarray]:
+    def _fetch(self, mid: str, plans: list[tuple[str, dict[str, Any], range]],
+               verify: bool = True) -> list[np.ndarray]:
         """Fetch the chunk ranges of several tensors into new arrays, providers in parallel.
 
         Each chunk is decoded (checksum verified) straight from the store's buffer into its
         place in the output (LMDB hands out its own memory: one copy in all).
         """
-        outs = [tensors.empty_for(e, r) for _, e, r in plans]
+        outs = tensors.empty_many([(e, r) for _, e, r in plans])
         targets: dict[tuple[str, int], list[int]] = {}
         for pi, (_, e, r) in enumerate(plans):
             for i in r:
@@ -477,10 +507,58 @@ class Repository:
                         continue
                     for pi in targets[(t, i)]:
                         name, e, r = plans[pi]
-                        tensors.place(e, r, i, b, key, outs[pi], name)
+                        tensors.place(e, r, i, b, key, outs[pi], name, verify)
             return missing
 
-        left = list(targets)
+        self._gather(mid, plans, list(targets), one, changed)
+        return outs
+
+    def _fetch_views(self, mid: str, plans: list[tuple[str, dict[str, Any], range]],
+                     verify: bool = True) -> list[np.ndarray]:
+        """Like :meth:`_fetch`, but a tensor read from one chunk is a view of that chunk.
+
+        The chunks come from ``get_many_views`` (LMDB: pinned views of its data file).
+        """
+        got: dict[tuple[str, int], np.ndarray] = {}
+        wanted = {(e["id"], i): None for _, e, r in plans for i in r}
+        vkey = log_key(self.index.seq)
+        changed = [False]
+
+        def one(p: int, items: list[tuple[str, int]], check: bool = False
+                ) -> list[tuple[str, int]]:
+            keys = [tensors.chunk_key(t, i) for t, i in items]
+            vals = self.providers[p].get_many_views(keys + [vkey] if check else keys)
+            if check:
+                changed[0] = vals[-1] is not None
+            missing = []
+            for ti, v in zip(items, vals, strict=False):
+                if v is None:
+                    missing.append(ti)
+                else:
+                    got[ti] = v
+            return missing
+
+        self._gather(mid, plans, list(wanted), one, changed)
+        outs = []
+        for name, e, r in plans:
+            if len(r) == 1:
+                key = tensors.chunk_key(e["id"], r[0])
+                outs.append(tensors.view_of(e, r, r[0], got[(e["id"], r[0])], key, name, verify))
+                continue
+            out = tensors.empty_for(e, r)
+            for i in r:
+                tensors.place(e, r, i, got[(e["id"], i)], tensors.chunk_key(e["id"], i), out,
+                              name, verify)
+            outs.append(out)
+        return outs
+
+    def _gather(self, mid: str, plans: list[tuple[str, dict[str, Any], range]],
+                left: list[tuple[str, int]], one: Any, changed: list[bool]) -> None:
+        """Run ``one(provider, chunks, check)`` over the providers in rendezvous order.
+
+        Chunks a provider lacks go to the next one; the metadata provider also answers the
+        version check (``check``), after which the index is refreshed if the log moved.
+        """
         for rank_pos in range(len(self.providers)):
             groups: dict[int, list[tuple[str, int]]] = {}
             for t, i in left:
@@ -506,7 +584,6 @@ class Repository:
             raise CorruptRecordError(f"tensor {name!r}: chunk {tensors.chunk_key(t, i).decode()} "
                                      f"is missing from every provider ({len(left)} chunks "
                                      "missing); repo.check() lists the damage")
-        return outs
 
     # ----------------------------------------------------------------- queries
     def _query_graph(self, model: Any, example_inputs: Any, trace: Trace) -> Graph:

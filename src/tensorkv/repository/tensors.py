@@ -9,6 +9,7 @@ lives on one provider, chosen by rendezvous hashing of the id over the providers
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -81,23 +82,32 @@ def chunk_keys(entry: dict[str, Any], idx: range | None = None) -> list[bytes]:
     return [chunk_key(entry["id"], i) for i in (idx or range(entry["chunks"]))]
 
 
-def _record(arr: np.ndarray) -> np.ndarray:
-    """One tensor record as a uint8 array; numpy copies the payload, letting threads run."""
-    head, payload = encode_parts(arr)
-    out = np.empty(len(head) + payload.nbytes, np.uint8)
+def record_into(head: bytes, payload: memoryview, out: np.ndarray) -> None:
+    """Write a record (``head`` then ``payload``) into ``out``; numpy copies, freeing the GIL."""
     out[: len(head)] = np.frombuffer(head, np.uint8)
     if payload.nbytes:
         np.copyto(out[len(head):], np.frombuffer(payload, np.uint8))
-    return out
+
+
+def chunk_parts(arr: np.ndarray, entry: dict[str, Any]
+                ) -> Iterator[tuple[bytes, bytes, memoryview]]:
+    """(key, record header, payload) of each chunk of a tensor, the payload not copied."""
+    rows = entry["rows"]
+    for i in range(entry["chunks"]):
+        part = arr if entry["chunks"] == 1 else arr[i * rows:(i + 1) * rows]
+        yield (chunk_key(entry["id"], i), *encode_parts(part))
 
 
 def encode_chunks(arr: np.ndarray, entry: dict[str, Any]) -> list[tuple[bytes, np.ndarray]]:
     """The (key, record) pairs of a tensor's chunks."""
-    rows = entry["rows"]
-    if entry["chunks"] == 1:
-        return [(chunk_key(entry["id"], 0), _record(arr))]
-    return [(chunk_key(entry["id"], i), _record(arr[i * rows:(i + 1) * rows]))
-            for i in range(entry["chunks"])]
+    return [(k, record_of(h, p)) for k, h, p in chunk_parts(arr, entry)]
+
+
+def record_of(head: bytes, payload: memoryview) -> np.ndarray:
+    """A record (``head`` then ``payload``) as a new uint8 array."""
+    out = np.empty(len(head) + payload.nbytes, np.uint8)
+    record_into(head, payload, out)
+    return out
 
 
 def rank(tid: str, provider_ids: list[str]) -> list[int]:
@@ -143,37 +153,81 @@ def chunk_range(entry: dict[str, Any], index: Any) -> tuple[range, int, Any]:
     )
 
 
-def empty_for(entry: dict[str, Any], idx: range) -> np.ndarray:
-    """A new array for the rows that chunks ``idx`` of a tensor hold."""
+def out_shape(entry: dict[str, Any], idx: range) -> tuple[int, ...]:
+    """Shape of the rows that chunks ``idx`` of a tensor hold."""
     shape = tuple(entry["shape"])
-    dt = dtype_of(entry["dtype"])
     if not shape or entry["chunks"] == 1:
-        return np.empty(shape, dtype=dt)
+        return shape
     rows = entry["rows"]
     lo, hi = idx.start * rows, min(idx.stop * rows, shape[0])
-    return np.empty((max(hi - lo, 0), *shape[1:]), dtype=dt)
+    return (max(hi - lo, 0), *shape[1:])
 
 
-def place(entry: dict[str, Any], idx: range, i: int, buf: Any, key: bytes, out: np.ndarray,
-          name: str) -> None:
-    """Decode chunk ``i`` (verifying it) into its rows of ``out`` (the rows of ``idx``)."""
-    a = decode(buf, key)
+def empty_for(entry: dict[str, Any], idx: range) -> np.ndarray:
+    """A new array for the rows that chunks ``idx`` of a tensor hold."""
+    return np.empty(out_shape(entry, idx), dtype=dtype_of(entry["dtype"]))
+
+
+#: Reads of several tensors totalling this many bytes or more share one allocation.
+BLOCK_MIN_BYTES = 4 << 20
+
+
+def empty_many(plans: list[tuple[dict[str, Any], range]]) -> list[np.ndarray]:
+    """New arrays for several tensors' rows, carved from one block when they are large.
+
+    One big allocation is mapped in huge pages where the OS offers them, and faults in
+    several times faster than many separate ones. The arrays then share that block (it is
+    freed when the last of them is).
+    """
+    shapes = [(out_shape(e, r), dtype_of(e["dtype"])) for e, r in plans]
+    sizes = [int(np.prod(sh, dtype=np.int64)) * dt.itemsize for sh, dt in shapes]
+    total = sum(-(-n // 64) * 64 for n in sizes)
+    if len(plans) < 2 or total < BLOCK_MIN_BYTES:
+        return [np.empty(sh, dt) for sh, dt in shapes]
+    block = np.empty(total, np.uint8)
+    out, pos = [], 0
+    for (sh, dt), n in zip(shapes, sizes, strict=True):
+        out.append(block[pos:pos + n].view(dt).reshape(sh))
+        pos += -(-n // 64) * 64
+    return out
+
+
+def _check(entry: dict[str, Any], idx: range, i: int, a: np.ndarray, key: bytes,
+           dtype: np.dtype, name: str) -> int:
+    """Check a decoded chunk's shape and dtype against the manifest; return its first row."""
     shape = tuple(entry["shape"])
     if entry["chunks"] == 1 or not shape:
         want: tuple[int, ...] = shape
-        dst = out
+        lo = 0
     else:
         rows = entry["rows"]
         lo = (i - idx.start) * rows
-        n = min(rows, shape[0] - i * rows)
-        want = (n, *shape[1:])
-        dst = out[lo:lo + n]
-    if a.shape != want or a.dtype != out.dtype:
+        want = (min(rows, shape[0] - i * rows), *shape[1:])
+    if a.shape != want or a.dtype != dtype:
         raise CorruptRecordError(
             f"tensor {name!r}: chunk {key.decode()} holds {a.dtype}{a.shape}, the manifest "
-            f"says {out.dtype}{want}"
+            f"says {dtype}{want}"
         )
-    np.copyto(dst, a)
+    return lo
+
+
+def place(entry: dict[str, Any], idx: range, i: int, buf: Any, key: bytes, out: np.ndarray,
+          name: str, verify: bool = True) -> None:
+    """Decode chunk ``i`` (verifying it) into its rows of ``out`` (the rows of ``idx``)."""
+    a = decode(buf, key, verify=verify)
+    lo = _check(entry, idx, i, a, key, out.dtype, name)
+    if entry["chunks"] == 1 or not entry["shape"]:
+        np.copyto(out, a)
+    else:
+        np.copyto(out[lo:lo + a.shape[0]], a)
+
+
+def view_of(entry: dict[str, Any], idx: range, i: int, buf: Any, key: bytes, name: str,
+            verify: bool = True) -> np.ndarray:
+    """Chunk ``i`` decoded as a read-only array viewing ``buf`` (the only chunk of ``idx``)."""
+    a = decode(buf, key, verify=verify)
+    _check(entry, idx, i, a, key, dtype_of(entry["dtype"]), name)
+    return a
 
 
 def as_torch(arr: np.ndarray, torch_dtype: str) -> Any:

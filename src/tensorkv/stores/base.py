@@ -298,6 +298,21 @@ class KVStore(ABC):
         """
         yield self.get_many(keys)
 
+    def get_many_views(self, keys: Sequence[bytes]) -> list[np.ndarray | None]:
+        """Values as read-only uint8 arrays that stay valid for as long as they live.
+
+        Backends with ``zero_copy_reads`` (LMDB) return views of their data file without
+        copying, pinning the snapshot they were read in while any of them lives; the
+        others return arrays over what :meth:`get_many` returns (no further copy).
+        """
+        out: list[np.ndarray | None] = []
+        for v in self.get_many(keys):
+            a = None if v is None else np.frombuffer(v, np.uint8)
+            if a is not None and a.flags.writeable:
+                a.flags.writeable = False
+            out.append(a)
+        return out
+
     def put_many(self, items: Mapping[bytes, Buffer] | Iterable[tuple[bytes, Buffer]]) -> None:
         """Store several key-value pairs. Values may be any contiguous bytes-like object."""
         self._check_writable()
@@ -347,6 +362,37 @@ class KVStore(ABC):
     def put_if_absent(self, key: bytes, value: Buffer) -> bool:
         """Store ``key`` only if it does not exist yet; return whether it was stored."""
         return self.compare_and_set(key, None, value)
+
+    def put_first_absent(self, prefix: bytes, start: int, value: Buffer,
+                         before: Sequence[tuple[bytes, Buffer]] = ()) -> int:
+        """Write the items ``before``, then ``value`` under the first absent numbered key.
+
+        The keys are ``prefix`` + a 12-digit number, from ``start`` up: an append-only log
+        that writers in any process extend without overwriting each other. ``before`` is
+        written either way and no later than the entry (whoever sees the entry sees it).
+        Returns the entry's number. One round trip on Redis (one server-side script, which
+        also keeps ``prefix + b"next"``, where the next search starts; a cluster makes
+        several calls) and one transaction on LMDB.
+        """
+        self._check_writable()
+        if not isinstance(start, int) or start < 0:
+            raise ValueError(f"start={start!r}: give an int >= 0")
+        first = check_key(prefix + b"%012d" % start)
+        v = check_value(first, value, self.max_value_size)
+        items = []
+        for bk, bv in before:
+            ck = check_key(bk)
+            items.append((ck, check_value(ck, bv, self.max_value_size)))
+        return self._put_first_absent(prefix, start, v, items)
+
+    def _put_first_absent(self, prefix: bytes, start: int, value: bytes | memoryview,
+                          before: list[tuple[bytes, bytes | memoryview]]) -> int:
+        if before:
+            self._write(list(before), atomic=True)
+        seq = start
+        while not self._compare_and_set(prefix + b"%012d" % seq, None, value):
+            seq += 1
+        return seq
 
     def _compare_and_set(
         self, key: bytes, expected: bytes | None, value: bytes | memoryview | None

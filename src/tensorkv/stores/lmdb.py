@@ -35,20 +35,20 @@ from tensorkv.errors import (
     StoreFullError,
     StoreLockedError,
 )
-from tensorkv.stores import lmdb_file
+from tensorkv.stores import lmdb_file, lmdb_views
 from tensorkv.stores.base import Capabilities, KVStore, WriteOp, check_keys
 from tensorkv.stores.embedded import (
     as_bool,
     as_int,
     as_size,
     chunked_scan,
-    corrupt_error,
     disk_nearly_full,
-    permission_error,
     prepare_directory,
     store_path,
     take_options,
 )
+from tensorkv.stores.lmdb_errors import damage_error as _damage_error
+from tensorkv.stores.lmdb_errors import open_error as _open_error
 
 if TYPE_CHECKING:
     from tensorkv.stores.registry import StoreURL
@@ -128,6 +128,7 @@ class _SharedEnv:
         self.bulk_lock = threading.Lock()
         self.gate = _TxnGate()
         self.write_lock = threading.Lock()
+        self.views = lmdb_views.ViewState()  # get_many_views: pins, the second map
         self.pid = os.getpid()
         self.refs = 1
 
@@ -137,47 +138,6 @@ BULK_VALUE_BYTES = 256 * 1024
 
 _ENVS: dict[tuple[int, str], _SharedEnv] = {}
 _ENVS_LOCK = threading.Lock()
-
-
-#: LMDB errors that mean a damaged file (or, for the reader-slot and transaction ones, a
-#: lock file or transaction left unusable by damage met earlier).
-_DAMAGE = (
-    lmdb.CorruptedError,
-    lmdb.PageNotFoundError,
-    lmdb.InvalidError,
-    lmdb.VersionMismatchError,
-    lmdb.PanicError,
-    lmdb.BadRslotError,
-    lmdb.BadTxnError,
-    lmdb.PageFullError,
-    lmdb.CursorFullError,
-    lmdb.IncompatibleError,
-    lmdb.DiskError,
-)
-
-
-def _damage_error(path: str, exc: lmdb.Error) -> Exception:
-    """The error to raise for an LMDB error met while opening, reading or writing."""
-    text = str(exc)
-    if isinstance(exc, _DAMAGE) or "Input/output error" in text:
-        return corrupt_error("lmdb", path, f"LMDB reports {type(exc).__name__}: {text}")
-    if isinstance(exc, lmdb.ReadersFullError):
-        return StoreError(
-            f"lmdb store {path!r}: every reader slot is taken ({text}); close other readers "
-            "or open the store with a larger max_readers"
-        )
-    return StoreError(f"lmdb store {path!r}: {type(exc).__name__}: {text}")
-
-
-def _open_error(path: str, exc: lmdb.Error) -> Exception:
-    text = str(exc)
-    if "Permission denied" in text or "Read-only file system" in text:
-        return permission_error("lmdb", path, exc)
-    if "Resource temporarily unavailable" in text:
-        return StoreLockedError(errno.EAGAIN, f"the lmdb store {path!r} is locked: {exc}", path)
-    if isinstance(exc, _DAMAGE):
-        return _damage_error(path, exc)
-    return StoreError(f"cannot open the lmdb store {path!r}: {exc}")
 
 
 def _open_env(
@@ -379,6 +339,8 @@ class LMDBStore(KVStore):
         if self._closed:
             self._gate.leave()
             self._check_open()
+        if self._shared.views.dead_txns:
+            lmdb_views.drain(self._shared.views)
 
     def _values(self, get: Any, keys: list[bytes], ahead: contextlib.ExitStack) -> Iterator[Any]:
         """``get`` each key in turn; once a large value turns up, readahead is on in ``ahead``.
@@ -411,7 +373,7 @@ class LMDBStore(KVStore):
         with sh.bulk_lock:
             sh.bulk_readers += 1
             if sh.bulk_readers == 1:  # the map cannot move while a transaction is open
-                sh.bulk_ranges = pages.file_mappings(os.path.join(self.path, "data.mdb"))
+                sh.bulk_ranges = sh.views.lmdb_ranges(os.path.join(self.path, "data.mdb"))
                 pages.madvise_ranges(sh.bulk_ranges, pages.MADV_NORMAL)
         try:
             yield
@@ -425,7 +387,9 @@ class LMDBStore(KVStore):
         """Another process grew the map: adopt its size (needs no active transaction)."""
         self._gate.enter_exclusive()
         try:
-            self._env.set_mapsize(0)
+            lmdb_views.freeze_moved(self._shared.views, self.path, self._env)
+            self._env.set_mapsize(0)  # ends every transaction: renew the pins
+            lmdb_views.renew(self._shared.views, self._env)
         finally:
             self._gate.leave_exclusive()
 
@@ -441,8 +405,10 @@ class LMDBStore(KVStore):
                     "nothing was written. Open it with a larger max_map_size (e.g. "
                     f"?max_map_size={max(2 * current, 1 << 30)}) or delete data",
                 ) from needed
+            lmdb_views.freeze_moved(self._shared.views, self.path, self._env)
             self._env.set_mapsize(min(2 * current, self.max_map_size))
             self.resizes += 1
+            lmdb_views.renew(self._shared.views, self._env)
         finally:
             self._gate.leave_exclusive()
 
@@ -547,6 +513,28 @@ class LMDBStore(KVStore):
                 self._close_pending = False
                 self._finalizer()
 
+    def get_many_views(self, keys: Sequence[bytes]) -> list[Any]:
+        """Values as read-only uint8 arrays over the data file, valid for as long as they live.
+
+        No copy; the read snapshot stays pinned meanwhile (see :mod:`.lmdb_views`).
+        """
+        if not lmdb_views.SUPPORTED:  # pragma: no cover - not Linux: copies
+            return super().get_many_views(keys)
+        self._check_open()
+        ks = check_keys(keys)
+        while True:
+            self._enter()
+            try:
+                return lmdb_views.read(self._shared.views, self.path, self._env, ks,
+                                       self._max_key)
+            except lmdb.MapResizedError:
+                pass
+            except lmdb.Error as exc:
+                raise _damage_error(self.path, exc) from exc
+            finally:
+                self._gate.leave()
+            self._adopt_map_size()
+
     @staticmethod
     def _apply(txn: lmdb.Transaction, ops: list[WriteOp]) -> None:
         cursor = txn.cursor()
@@ -579,6 +567,18 @@ class LMDBStore(KVStore):
             return True
 
         return bool(self._in_write_txn(step, [(key, value)]))
+
+    def _put_first_absent(self, prefix: bytes, start: int, value: bytes | memoryview,
+                          before: list[tuple[bytes, bytes | memoryview]]) -> int:
+        def step(txn: lmdb.Transaction) -> int:
+            for k, v in before:
+                txn.put(k, v)
+            seq = start
+            while not txn.put(prefix + b"%012d" % seq, value, overwrite=False):
+                seq += 1
+            return seq
+
+        return int(self._in_write_txn(step, [*before, (prefix, value)]))
 
     def _in_write_txn(self, fn: Any, ops: list[WriteOp]) -> Any:
         """Run ``fn(txn)`` in one write transaction, growing the map and replaying as needed."""
@@ -762,6 +762,7 @@ class LMDBStore(KVStore):
             self._closed = True
             raise
         self._env = sh.env
+        lmdb_views.renew(sh.views, sh.env)
 
     def _close(self) -> None:
         if getattr(self._views, "depth", 0):

@@ -48,6 +48,7 @@ from tensorkv.stores.redis_keys import (
     take,
     value_sizes,
 )
+from tensorkv.stores.redis_pack import LargeValuePacker
 
 if TYPE_CHECKING:
     from tensorkv.stores.registry import StoreURL
@@ -75,6 +76,19 @@ elseif cur ~= ARGV[2] then
 end
 if ARGV[3] == '1' then redis.call('SET', KEYS[1], ARGV[4]) else redis.call('DEL', KEYS[1]) end
 return 1
+"""
+# KEYS: the log's key prefix, then the keys of ``before``; ARGV: the entry, the first number
+# to try, then the values of ``before``. The prefix's "next" key remembers where to start.
+_APPEND_SCRIPT = """
+for i = 2, #KEYS do redis.call('SET', KEYS[i], ARGV[i + 1]) end
+local seq = tonumber(ARGV[2])
+local hint = tonumber(redis.call('GET', KEYS[1] .. 'next') or '0')
+if hint > seq then seq = hint end
+while redis.call('SET', KEYS[1] .. string.format('%012d', seq), ARGV[1], 'NX') == false do
+  seq = seq + 1
+end
+redis.call('SET', KEYS[1] .. 'next', seq + 1)
+return seq
 """
 _MODES = {"redis": "standalone", "redis+cluster": "cluster", "redis+sentinel": "sentinel"}
 
@@ -281,7 +295,8 @@ class RedisStore(KVStore):
             if self.mode == "standalone":
                 host, port = self._hosts[0]
                 self._probe(host, port)
-                pool_kw = dict(kw, host=host, port=port, db=self._db, retry=self._retry())
+                pool_kw = dict(kw, host=host, port=port, db=self._db, retry=self._retry(),
+                               command_packer=LargeValuePacker())
                 if pool_kw.pop("ssl", False):
                     pool_kw["connection_class"] = redis.SSLConnection
                 if o.max_connections:
@@ -550,6 +565,16 @@ class RedisStore(KVStore):
         self._unwaited = True
         with self._errors():
             return bool(self._client.eval(_CAS_SCRIPT, 1, self._ns + key, *args))
+
+    def _put_first_absent(self, prefix: bytes, start: int, value: bytes | memoryview,
+                          before: list[tuple[bytes, bytes | memoryview]]) -> int:
+        if self.mode == "cluster":  # the keys live in several slots: one call each
+            return super()._put_first_absent(prefix, start, value, before)
+        keys = [self._ns + prefix] + [self._ns + k for k, _ in before]
+        vals = [bytes(value), str(start).encode()] + [bytes(v) for _, v in before]
+        self._unwaited = True
+        with self._errors():
+            return int(self._client.eval(_APPEND_SCRIPT, len(keys), *keys, *vals))
 
     def _value_sizes(self, keys: list[bytes]) -> np.ndarray:
         # read on the primaries: a replica may not have the latest writes yet

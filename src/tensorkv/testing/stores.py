@@ -409,6 +409,18 @@ class StoreTests:
         with pytest.raises(KeyTypeError):
             store.compare_and_set("cas", None, b"a")  # type: ignore[arg-type]
 
+    def test_put_first_absent(self, store: KVStore) -> None:
+        """Numbered entries: the first free number from ``start``, ``before`` written too."""
+        assert store.put_first_absent(b"log/", 0, b"e0", [(b"rec/0", b"r0")]) == 0
+        assert store.put_first_absent(b"log/", 0, b"e1") == 1  # 0 is taken
+        store.put(b"log/000000000003", b"other")
+        assert store.put_first_absent(b"log/", 2, b"e2", [(b"rec/2", b"")]) == 2
+        assert store.put_first_absent(b"log/", 2, b"e4") == 4
+        assert store.get_many([b"log/000000000000", b"log/000000000002", b"rec/0", b"rec/2"]) \
+            == [b"e0", b"e2", b"r0", b""]
+        with pytest.raises(ValueError, match="start=-1"):
+            store.put_first_absent(b"log/", -1, b"x")
+
     def test_compare_and_set_threads(self, store: KVStore) -> None:
         """Of many threads creating one key at once, exactly one succeeds."""
         for rnd in range(5):
