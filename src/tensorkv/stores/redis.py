@@ -49,6 +49,7 @@ from tensorkv.stores.redis_keys import (
     value_sizes,
 )
 from tensorkv.stores.redis_pack import LargeValuePacker
+from tensorkv.stores.redis_scripts import APPEND_SCRIPT, CAS_SCRIPT
 
 if TYPE_CHECKING:
     from tensorkv.stores.registry import StoreURL
@@ -65,31 +66,6 @@ _CLUSTER_CAPS = Capabilities(
     multi_process=True,
     distributed=True,
 )
-# Compare-and-set of one key in one server-side step. ARGV: expect-absent flag, expected
-# value, set flag (0 deletes), new value.
-_CAS_SCRIPT = """
-local cur = redis.call('GET', KEYS[1])
-if ARGV[1] == '1' then
-  if cur then return 0 end
-elseif cur ~= ARGV[2] then
-  return 0
-end
-if ARGV[3] == '1' then redis.call('SET', KEYS[1], ARGV[4]) else redis.call('DEL', KEYS[1]) end
-return 1
-"""
-# KEYS: the log's key prefix, then the keys of ``before``; ARGV: the entry, the first number
-# to try, then the values of ``before``. The prefix's "next" key remembers where to start.
-_APPEND_SCRIPT = """
-for i = 2, #KEYS do redis.call('SET', KEYS[i], ARGV[i + 1]) end
-local seq = tonumber(ARGV[2])
-local hint = tonumber(redis.call('GET', KEYS[1] .. 'next') or '0')
-if hint > seq then seq = hint end
-while redis.call('SET', KEYS[1] .. string.format('%012d', seq), ARGV[1], 'NX') == false do
-  seq = seq + 1
-end
-redis.call('SET', KEYS[1] .. 'next', seq + 1)
-return seq
-"""
 _MODES = {"redis": "standalone", "redis+cluster": "cluster", "redis+sentinel": "sentinel"}
 
 
@@ -564,7 +540,7 @@ class RedisStore(KVStore):
         )
         self._unwaited = True
         with self._errors():
-            return bool(self._client.eval(_CAS_SCRIPT, 1, self._ns + key, *args))
+            return bool(self._client.eval(CAS_SCRIPT, 1, self._ns + key, *args))
 
     def _put_first_absent(self, prefix: bytes, start: int, value: bytes | memoryview,
                           before: list[tuple[bytes, bytes | memoryview]]) -> int:
@@ -574,7 +550,7 @@ class RedisStore(KVStore):
         vals = [bytes(value), str(start).encode()] + [bytes(v) for _, v in before]
         self._unwaited = True
         with self._errors():
-            return int(self._client.eval(_APPEND_SCRIPT, len(keys), *keys, *vals))
+            return int(self._client.eval(APPEND_SCRIPT, len(keys), *keys, *vals))
 
     def _value_sizes(self, keys: list[bytes]) -> np.ndarray:
         # read on the primaries: a replica may not have the latest writes yet
