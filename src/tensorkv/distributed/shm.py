@@ -128,6 +128,8 @@ class Buffer:
         """A view of the buffer."""
         dt = np.dtype(dtype)
         n = int(np.prod(shape))
+        if self.mem is None:
+            raise ValueError("the shared-memory buffer is closed")
         return np.frombuffer(self.mem, dt, n, offset).reshape(shape)
 
     def close(self) -> None:

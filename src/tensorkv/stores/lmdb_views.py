@@ -272,7 +272,7 @@ def lend(state: ViewState, path: str, env: lmdb.Environment, txn: lmdb.Transacti
     with state.lock:
         pin = state.current_pin
         keep = pin is None or pin.txnid != txn.id()
-        if keep:
+        if pin is None or keep:
             pin = state.current_pin = Pin(txn, state)
         fmap = state.fmap
         if fmap is not None and not _same_file(fmap, data):  # compacted: a new file

@@ -76,7 +76,7 @@ def read_replies(sock: Any, n_replies: int, max_elems: int, size_hint: int,
     :class:`RawFallback` (the connection must then be dropped).
     """
     buf = np.empty(max(size_hint, 64), np.uint8)
-    view = memoryview(buf)
+    view = buf.data
     st = np.zeros(5, np.int64)
     rep = [np.zeros(n_replies, np.int64) for _ in range(3)]
     eoff = np.zeros(max_elems, np.int64)
@@ -87,7 +87,7 @@ def read_replies(sock: Any, n_replies: int, max_elems: int, size_hint: int,
         if end == buf.size:
             bigger = np.empty(2 * buf.size, np.uint8)
             bigger[:end] = buf[:end]
-            buf, view = bigger, memoryview(bigger)
+            buf, view = bigger, bigger.data
         got = sock.recv_into(view[end:], min(recv_bytes, buf.size - end))
         if not got:
             raise rex.ConnectionError("the server closed the connection mid-reply")
@@ -96,7 +96,7 @@ def read_replies(sock: Any, n_replies: int, max_elems: int, size_hint: int,
         if status == resp.UNEXPECTED or (status == resp.DONE and st[0] != end):
             raise RawFallback("a reply the raw path does not parse")
         if status == resp.DONE:
-            return Replies(buf, *rep, eoff, elen, rows[:st[4]])
+            return Replies(buf, rep[0], rep[1], rep[2], eoff, elen, rows[:st[4]])
 
 
 def element_errors(replies: Replies) -> None:

@@ -20,7 +20,7 @@ import random
 import time
 import uuid
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -262,7 +262,7 @@ class RedisRowEngine:
         recs = np.frombuffer(blob, np.uint8).reshape(nf, self.width)
         return self.verify(found, recs, keys, where, bad_out)
 
-    def _wrong_sizes(self, where: str, sizes: list[int]) -> None:
+    def _wrong_sizes(self, where: str, sizes: list[int]) -> NoReturn:
         raise CorruptRecordError(
             f"{where} holds values of {sizes[:3]} bytes; rows of this table are {self.width} "
             "bytes (record + checksum): a value written by something else, or another layout")
@@ -506,7 +506,8 @@ class RedisRowEngine:
             framed = resp.frame_columns(cols, order)
         else:
             fields = encode_fields(keys[order])
-            vals = sealed[order].view(f"V{self.width}").ravel().tolist() if setting else []
+            vals = (sealed[order].view(f"V{self.width}").ravel().tolist()
+                    if setting and sealed is not None else [])
         out: list[tuple[bool, bytes, Any]] = []
         for k, a, c in chunks:
             m, name = c - a, b.names[k]
