@@ -91,6 +91,16 @@ def _line_end(buf, pos, end):  # pragma: no cover - compiled
 
 
 @njit(nogil=True, cache=True)
+def _string_end(buf, q, v, end):  # pragma: no cover - compiled
+    """Index after the CRLF of the ``v`` bytes at ``q``; -1: incomplete, -2: malformed."""
+    if q + v + 2 > end:
+        return -1
+    if buf[q + v] != 13 or buf[q + v + 1] != 10:
+        return -2
+    return q + v + 2
+
+
+@njit(nogil=True, cache=True)
 def _parse(buf, end, st, rtype, rval, roff, eoff, elen, rows):  # pragma: no cover - compiled
     pos, r, rem, e, nrow = st[0], st[1], st[2], st[3], st[4]
     nrep = rtype.shape[0]
@@ -135,28 +145,24 @@ def _parse(buf, end, st, rtype, rval, roff, eoff, elen, rows):  # pragma: no cov
                     elen[e] = -1
                     pos = q
                 else:
-                    if q + v + 2 > end:
-                        status = MORE
-                        break
-                    if buf[q + v] != 13 or buf[q + v + 1] != 10:
-                        status = UNEXPECTED
+                    t = _string_end(buf, q, v, end)
+                    if t < 0:
+                        status = MORE if t == -1 else UNEXPECTED
                         break
                     eoff[e] = q
                     elen[e] = v
-                    pos = q + v + 2
+                    pos = t
                     if v == width:
                         rows[nrow, :] = buf[q:q + v]
                         nrow += 1
             elif c == 95:  # '_': RESP3 null
-                if pos + 3 > end:
-                    status = MORE
-                    break
-                if buf[pos + 1] != 13 or buf[pos + 2] != 10:
-                    status = UNEXPECTED
+                t = _string_end(buf, pos + 1, 0, end)
+                if t < 0:
+                    status = MORE if t == -1 else UNEXPECTED
                     break
                 eoff[e] = pos
                 elen[e] = -1
-                pos += 3
+                pos = t
             else:
                 status = UNEXPECTED
                 break
@@ -191,16 +197,14 @@ def _parse(buf, end, st, rtype, rval, roff, eoff, elen, rows):  # pragma: no cov
                 roff[r] = e
                 rem = v
             else:
-                if q + v + 2 > end:
-                    status = MORE
-                    break
-                if buf[q + v] != 13 or buf[q + v + 1] != 10:
-                    status = UNEXPECTED
+                t = _string_end(buf, q, v, end)
+                if t < 0:
+                    status = MORE if t == -1 else UNEXPECTED
                     break
                 rtype[r] = BULK
                 rval[r] = v
                 roff[r] = q
-                q += v + 2
+                q = t
             pos = q
         elif c == 43 or c == 45:  # '+' simple string, '-' error
             eol = _line_end(buf, pos + 1, end)
@@ -212,11 +216,12 @@ def _parse(buf, end, st, rtype, rval, roff, eoff, elen, rows):  # pragma: no cov
             rval[r] = eol - pos - 1
             pos = eol + 2
         elif c == 95:  # '_': RESP3 null
-            if pos + 3 > end:
-                status = MORE
+            t = _string_end(buf, pos + 1, 0, end)
+            if t < 0:
+                status = MORE if t == -1 else UNEXPECTED
                 break
             rtype[r] = NIL
-            pos += 3
+            pos = t
         else:
             status = UNEXPECTED
             break
