@@ -1,4 +1,4 @@
-"""Real Redis servers for the Redis-resident table tests, and a table factory.
+"""A Redis Cluster and model tags for the Redis-resident table tests.
 
 Each test names its own model tag (``tag``), so tests share one server without flushing
 between them; servers start once per session and stop at its end.
@@ -26,22 +26,3 @@ def redis_cluster(request):
 def tag() -> str:
     """A model tag no other test in this session uses."""
     return f"m{os.getpid()}x{next(_counter)}"
-
-
-@pytest.fixture(autouse=True)
-def _no_redis_config_env(monkeypatch):
-    """Keep a TENSORKV_REDIS_CONFIG_PATH from the caller's shell out of the tests."""
-    monkeypatch.delenv("TENSORKV_REDIS_CONFIG_PATH", raising=False)
-
-
-
-@pytest.fixture(scope="session")
-def redis_acl_server(request):
-    """A redis-server whose default user is disabled; user ``app`` / password ``s3cret``."""
-    return servers.session_server(request, servers.RedisServer, username="app", password="s3cret")
-
-
-@pytest.fixture(scope="session")
-def redis_tls_server(request):
-    """A TLS-only redis-server that requires client certificates."""
-    return servers.session_server(request, servers.RedisServer, tls=True)

@@ -1,4 +1,4 @@
-"""Session-scoped real Redis servers (standalone, TLS, ACL, cluster, sentinel) for store tests.
+"""Session-scoped real Redis servers (cluster, sentinel) for store tests; see tests/conftest.py.
 
 Each server starts once per test session, on demand, and is stopped (with its temp dir) when
 the session ends, even after failures. Tests isolate themselves with a fresh key prefix and a
@@ -18,18 +18,6 @@ _counter = itertools.count()
 
 
 @pytest.fixture(scope="session")
-def redis_tls_server(request):
-    """A TLS-only redis-server that requires client certificates."""
-    return servers.session_server(request, servers.RedisServer, tls=True)
-
-
-@pytest.fixture(scope="session")
-def redis_acl_server(request):
-    """A redis-server whose default user is disabled; user ``app`` / password ``s3cret``."""
-    return servers.session_server(request, servers.RedisServer, username="app", password="s3cret")
-
-
-@pytest.fixture(scope="session")
 def redis_cluster(request):
     """A Redis Cluster of 3 masters with one replica each."""
     return servers.session_server(request, servers.RedisCluster, replicas=1)
@@ -45,9 +33,3 @@ def redis_sentinel(request):
 def key_prefix() -> str:
     """A namespace no other test in this session uses."""
     return f"t{os.getpid()}-{next(_counter)}/"
-
-
-@pytest.fixture(autouse=True)
-def _no_redis_config_env(monkeypatch):
-    """Keep a TENSORKV_REDIS_CONFIG_PATH from the caller's shell out of the tests."""
-    monkeypatch.delenv("TENSORKV_REDIS_CONFIG_PATH", raising=False)
