@@ -271,7 +271,7 @@ def test_bad_storage_arguments(redis_server, tag):
         tensorkv.StorageOption("REDIS", storage_path=url, storage_size=["1GiB"])
     with pytest.raises(ConfigError, match="redis_options is for storage_type='REDIS'"):
         tensorkv.StorageOption("DRAM_REDIS", storage_path=url, redis_options={})
-    with pytest.raises(ConfigError, match="does not exist"):
+    with pytest.raises(ConfigError, match="Redis table config file .* does not exist"):
         tensorkv.StorageOption("REDIS", storage_path="/no/such/config.json")
     t = redis_table(url, 4, model_tag_runtime=tag, table_kwargs=ADAGRAD)
     t.lookup(np.arange(3))
@@ -290,3 +290,14 @@ def test_storage_option_round_trip(redis_server, tag):
     again = tensorkv.StorageOption.from_dict(json.loads(json.dumps(opt.to_dict())))
     assert again == opt and again.redis.storage_slice == 3
     assert "REDIS" in repr(opt) and tag in repr(opt)
+
+
+def test_bad_table_config_files(tmp_path):
+    listed = tmp_path / "list.json"
+    listed.write_text("[1, 2]")
+    broken = tmp_path / "broken.json"
+    broken.write_text("{\"url\": ")
+    with pytest.raises(ConfigError, match="must hold a JSON object of options, not list"):
+        tensorkv.StorageOption("REDIS", storage_path=str(listed))
+    with pytest.raises(ConfigError, match="Redis table config file .*broken.json.* unreadable"):
+        tensorkv.StorageOption("REDIS", storage_path=str(broken))

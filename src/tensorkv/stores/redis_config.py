@@ -229,24 +229,27 @@ def find_config_file(config_path: str | None, config_env: str | None) -> tuple[s
     return None
 
 
-def load_config_file(path: str, source: str) -> dict[str, Any]:
-    """Read a JSON config file into a dict of converted options."""
+def read_json_object(path: str, source: str, what: str = "Redis config file") -> dict[str, Any]:
+    """The JSON object in ``path`` (named ``what``, found through ``source``), or a clear error."""
     try:
         with open(path, encoding="utf-8") as fh:
             data = json.load(fh)
     except FileNotFoundError:
         raise ConfigError(
-            f"Redis config file {path!r} (from {source}) does not exist; fix the path or unset it"
+            f"{what} {path!r} (from {source}) does not exist; fix the path or unset it"
         ) from None
     except (OSError, ValueError) as exc:
-        raise ConfigError(
-            f"Redis config file {path!r} (from {source}) is unreadable: {exc}"
-        ) from None
+        raise ConfigError(f"{what} {path!r} (from {source}) is unreadable: {exc}") from None
     if not isinstance(data, dict):
         raise ConfigError(
-            f"Redis config file {path!r} must hold a JSON object of options, "
-            f"not {type(data).__name__}"
+            f"{what} {path!r} must hold a JSON object of options, not {type(data).__name__}"
         )
+    return data
+
+
+def load_config_file(path: str, source: str) -> dict[str, Any]:
+    """Read a JSON config file into a dict of converted options."""
+    data = read_json_object(path, source)
     where = f"config file {path}"
     data = {k: v for k, v in data.items() if k not in TABLE_FILE_KEYS}
     check_names(data, where, allow_config=False)

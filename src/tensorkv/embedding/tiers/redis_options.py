@@ -9,7 +9,6 @@ explicit options. Config file priority: the environment variable named by ``conf
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import asdict, dataclass, fields
 from typing import Any
@@ -17,7 +16,7 @@ from typing import Any
 from tensorkv import config
 from tensorkv.errors import ConfigError
 from tensorkv.stores.redis_config import OPTION_NAMES as STORE_OPTION_NAMES
-from tensorkv.stores.redis_config import find_config_file
+from tensorkv.stores.redis_config import find_config_file, read_json_object
 
 CONSISTENCY_MODES = ("exact", "last_writer_wins")
 _TAG_CHARS = frozenset("{}")
@@ -213,7 +212,7 @@ def resolve_table_options(storage_path: str | os.PathLike[str] | None,
     found = find_config_file(given, env)
     merged: dict[str, Any] = {}
     if found is not None:
-        merged.update(_read_file(*found))
+        merged.update(read_json_object(*found, what="Redis table config file"))
     if url is not None:
         merged["url"] = url
     merged.update(opts)
@@ -234,22 +233,6 @@ def resolve_table_options(storage_path: str | os.PathLike[str] | None,
     if merged.get("redis_read_access_slave"):
         store["read_from_replicas"] = True
     return RedisTableOptions(**merged, store_options=tuple(sorted(store.items())))
-
-
-def _read_file(path: str, source: str) -> dict[str, Any]:
-    try:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
-    except FileNotFoundError:
-        raise ConfigError(f"Redis table config file {path!r} (from {source}) does not exist; "
-                          "fix the path or unset it") from None
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"Redis table config file {path!r} (from {source}) is unreadable: "
-                          f"{exc}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"Redis table config file {path!r} must hold a JSON object, not "
-                          f"{type(data).__name__}")
-    return data
 
 
 __all__ = ["CONSISTENCY_MODES", "TABLE_OPTION_NAMES", "RedisTableOptions",
