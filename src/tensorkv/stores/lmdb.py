@@ -18,12 +18,12 @@ import shutil
 import tempfile
 import threading
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from itertools import groupby, islice, repeat
 from operator import itemgetter
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import lmdb
 
@@ -52,6 +52,8 @@ from tensorkv.stores.lmdb_errors import open_error as _open_error
 
 if TYPE_CHECKING:
     from tensorkv.stores.registry import StoreURL
+
+_T = TypeVar("_T")
 
 _OPTIONS = {
     "readonly": (as_bool, False),
@@ -522,11 +524,15 @@ class LMDBStore(KVStore):
             return super().get_many_views(keys)
         self._check_open()
         ks = check_keys(keys)
+        return self._reading(lambda: lmdb_views.read(self._shared.views, self.path, self._env,
+                                                     ks, self._max_key))
+
+    def _reading(self, read: Callable[[], _T]) -> _T:
+        """``read()`` inside the gate, again after a map resize; LMDB errors name the damage."""
         while True:
             self._enter()
             try:
-                return lmdb_views.read(self._shared.views, self.path, self._env, ks,
-                                       self._max_key)
+                return read()
             except lmdb.MapResizedError:
                 pass
             except lmdb.Error as exc:
@@ -618,31 +624,24 @@ class LMDBStore(KVStore):
     def _read_chunk(
         self, start: bytes | None, n: int, stop: bytes | None, keys_only: bool
     ) -> list[tuple[bytes, bytes | None]]:
-        while True:
-            self._enter()
-            try:
-                with self._env.begin(buffers=False) as txn:
-                    cur = txn.cursor()
-                    positioned = cur.first() if start is None else cur.set_range(start)
-                    if not positioned:
-                        return []
-                    if keys_only:
-                        keys = list(islice(cur.iternext(keys=True, values=False), n))
-                        if stop is not None:
-                            del keys[bisect.bisect_left(keys, stop) :]
-                        return list(zip(keys, repeat(None)))
-                    items: list[tuple[bytes, bytes | None]]
-                    items = list(islice(cur.iternext(keys=True, values=True), n))
+        def read() -> list[tuple[bytes, bytes | None]]:
+            with self._env.begin(buffers=False) as txn:
+                cur = txn.cursor()
+                positioned = cur.first() if start is None else cur.set_range(start)
+                if not positioned:
+                    return []
+                if keys_only:
+                    keys = list(islice(cur.iternext(keys=True, values=False), n))
                     if stop is not None:
-                        del items[bisect.bisect_left(items, stop, key=_first) :]
-                    return items
-            except lmdb.MapResizedError:
-                pass
-            except lmdb.Error as exc:
-                raise _damage_error(self.path, exc) from exc
-            finally:
-                self._gate.leave()
-            self._adopt_map_size()
+                        del keys[bisect.bisect_left(keys, stop) :]
+                    return list(zip(keys, repeat(None)))
+                items: list[tuple[bytes, bytes | None]]
+                items = list(islice(cur.iternext(keys=True, values=True), n))
+                if stop is not None:
+                    del items[bisect.bisect_left(items, stop, key=_first) :]
+                return items
+
+        return self._reading(read)
 
     def _scan(
         self, start: bytes | None, stop: bytes | None, keys_only: bool, limit: int | None
