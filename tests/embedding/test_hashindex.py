@@ -173,3 +173,25 @@ def test_backward_shift_deletion_across_the_wrap_around():
         # every remaining key sits no further from home than before
         mean, worst = b.probe_stats()
         assert worst <= 3
+
+
+@pytest.mark.parametrize("n", [0, 1, 5, 1000, 70_000])
+def test_scratch_map_matches_numpy_unique(n):
+    """``map_distinct`` (4-byte slots, keys compared in the distinct list) and ``map_find``."""
+    rng = np.random.default_rng(n)
+    keys = rng.integers(-(2**62), 2**62, max(n // 3, 1))[rng.integers(0, max(n // 3, 1), n)]
+    keys[: min(n, 2)] = [np.iinfo(np.int64).min, np.iinfo(np.int64).max][: min(n, 2)]
+    tab = np.empty(hk.map_slots(n), np.int32)
+    uniq = np.empty(n, np.int64)
+    inv = np.empty(n, np.int64)
+    u = hk.map_distinct(keys, tab, uniq, inv)
+    want, first = np.unique(keys, return_index=True)
+    np.testing.assert_array_equal(uniq[:u], keys[np.sort(first)])  # order of first sight
+    np.testing.assert_array_equal(uniq[:u][inv], keys)
+    q = np.concatenate([keys[::7], rng.integers(2**62, 2**63 - 1, 50)])
+    out = np.empty(q.size, np.int64)
+    hk.map_find(tab, uniq[:u], q, out)
+    hit = out >= 0
+    np.testing.assert_array_equal(uniq[out[hit]], q[hit])
+    assert np.isin(q[~hit], want, invert=True).all()
+    assert hit[: keys[::7].size].all()

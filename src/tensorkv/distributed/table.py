@@ -51,7 +51,7 @@ class Split:
                  inverse: np.ndarray | None = None) -> None:
         n = keys.shape[0]
         if uniq is None or inverse is None:
-            tab = np.empty((hk.map_slots(n), 2), np.int64)
+            tab = np.empty(hk.map_slots(n), np.int32)
             uniq_buf = np.empty(n, np.int64)
             inverse = np.empty(n, np.int64)
             u = hk.map_distinct(keys, tab, uniq_buf, inverse) if n else 0

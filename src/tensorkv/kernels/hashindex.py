@@ -357,35 +357,56 @@ def map_slots(n: int) -> int:
 def map_distinct(keys, tab, uniq_out, inv_out):  # pragma: no cover - compiled
     """Distinct keys in order of first occurrence, and each key's position among them.
 
-    ``tab`` is ``int64[map_slots(len(keys)), 2]`` scratch (overwritten). Afterwards it maps
-    each distinct key to its position (see :func:`map_find`). Returns the number of distinct
-    keys written to ``uniq_out``; ``inv_out[i]`` is the position of ``keys[i]``.
+    ``tab`` is ``int32[map_slots(len(keys))]`` scratch (overwritten): each slot holds the
+    position in ``uniq_out`` of the key it maps (``-1``: empty), so a slot is 4 bytes and the
+    keys are compared in ``uniq_out`` (batches under 2**31 keys). Afterwards ``(tab,
+    uniq_out)`` maps each distinct key to its position (see :func:`map_find`). Returns the
+    number of distinct keys written to ``uniq_out``; ``inv_out[i]`` is the position of
+    ``keys[i]``.
     """
     mask = np.int64(tab.shape[0] - 1)
-    for h in range(tab.shape[0]):
-        tab[h, 1] = -1
+    tab[:] = -1
     u = 0
-    for i in range(keys.shape[0]):
+    n = keys.shape[0]
+    for i in range(n):
+        if i + PREFETCH_DISTANCE < n:
+            prefetch1(tab, home_slot(keys[i + PREFETCH_DISTANCE], mask))
         k = keys[i]
-        h = probe(tab, k, mask)
-        if tab[h, 1] < 0:
-            tab[h, 0] = k
-            tab[h, 1] = u
-            uniq_out[u] = k
-            u += 1
-        inv_out[i] = tab[h, 1]
+        h = home_slot(k, mask)
+        while True:
+            p = tab[h]
+            if p < 0:
+                tab[h] = u
+                uniq_out[u] = k
+                inv_out[i] = u
+                u += 1
+                break
+            if uniq_out[p] == k:
+                inv_out[i] = p
+                break
+            h = (h + 1) & mask
     return u
 
 
 @njit(nogil=True, cache=True)
-def map_find(tab, q, out):  # pragma: no cover - compiled
-    """Position of each query key in a map built by :func:`map_distinct` (``-1``: absent)."""
+def map_find(tab, uniq, q, out):  # pragma: no cover - compiled
+    """Position of each query key in a map built by :func:`map_distinct` (``-1``: absent).
+
+    ``tab`` and ``uniq``: the scratch table and the distinct keys :func:`map_distinct` wrote.
+    """
     mask = np.int64(tab.shape[0] - 1)
     n = q.shape[0]
     for i in range(n):
         if i + PREFETCH_DISTANCE < n:
-            prefetch(tab, home_slot(q[i + PREFETCH_DISTANCE], mask), 0)
-        out[i] = tab[probe(tab, q[i], mask), 1]
+            prefetch1(tab, home_slot(q[i + PREFETCH_DISTANCE], mask))
+        k = q[i]
+        h = home_slot(k, mask)
+        while True:
+            p = tab[h]
+            if p < 0 or uniq[p] == k:
+                out[i] = p
+                break
+            h = (h + 1) & mask
 
 
 # --- a small counting map (key -> count), used by the admission counter filter ----------------

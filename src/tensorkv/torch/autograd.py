@@ -119,13 +119,13 @@ class _Scratch(threading.local):
     """Per-thread buffers of :func:`dedup`, grown as batches grow (no allocation per batch)."""
 
     def __init__(self) -> None:
-        self.tab = np.empty((0, 2), np.int64)
+        self.tab = np.empty(0, np.int32)
         self.uniq = np.empty(0, np.int64)
 
     def buffers(self, n: int) -> tuple[np.ndarray, np.ndarray]:
         slots = hk.map_slots(n)
         if self.tab.shape[0] < slots:
-            self.tab = np.empty((slots, 2), np.int64)
+            self.tab = np.empty(slots, np.int32)
         if self.uniq.shape[0] < n:
             self.uniq = np.empty(max(n, 1024), np.int64)
         return self.tab[:slots], self.uniq[:n]

@@ -16,24 +16,29 @@ from tensorkv.kernels import hashindex as hk
 
 def distinct(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Distinct values of ``x`` in order of first occurrence, and each value's index among them."""
-    tab = np.empty((hk.map_slots(x.size), 2), np.int64)
+    tab = np.empty(hk.map_slots(x.size), np.int32)
     uniq = np.empty(x.size, np.int64)
     inv = np.empty(x.size, np.int64)
     u = hk.map_distinct(x, tab, uniq, inv)
     return uniq[:u], inv
 
 
-def key_map(keys: np.ndarray) -> np.ndarray:
+#: A scratch map of :func:`key_map`: its slot table and distinct keys.
+KeyMap = tuple[np.ndarray, np.ndarray]
+
+
+def key_map(keys: np.ndarray) -> KeyMap:
     """A scratch hash map of distinct ``keys`` to their positions (see :func:`find_keys`)."""
-    tab = np.empty((hk.map_slots(keys.size), 2), np.int64)
-    hk.map_distinct(keys, tab, np.empty(keys.size, np.int64), np.empty(keys.size, np.int64))
-    return tab
+    tab = np.empty(hk.map_slots(keys.size), np.int32)
+    uniq = np.empty(keys.size, np.int64)
+    hk.map_distinct(keys, tab, uniq, np.empty(keys.size, np.int64))
+    return tab, uniq
 
 
-def find_keys(tab: np.ndarray, q: np.ndarray) -> np.ndarray:
-    """Position of each query key in a :func:`key_map` (``-1``: absent)."""
+def find_keys(m: KeyMap, q: np.ndarray) -> np.ndarray:
+    """Position of each query key among the distinct keys of a :func:`key_map` (``-1``: absent)."""
     out = np.empty(q.size, np.int64)
-    hk.map_find(tab, q, out)
+    hk.map_find(m[0], m[1], q, out)
     return out
 
 
@@ -49,7 +54,7 @@ class Pending:
     keys: np.ndarray  # distinct
     rows: np.ndarray  # the detached tier-0 rows holding the data
     live: np.ndarray  # False once the key was promoted back (its row is attached again)
-    map: np.ndarray  # key -> position (:func:`key_map`)
+    map: KeyMap  # key -> position (:func:`key_map`)
     nbytes: int
 
     @classmethod
@@ -67,4 +72,4 @@ class Pending:
         return idx
 
 
-__all__ = ["Pending", "distinct", "find_keys", "key_map"]
+__all__ = ["KeyMap", "Pending", "distinct", "find_keys", "key_map"]
