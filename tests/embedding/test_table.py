@@ -420,3 +420,61 @@ def test_unique_gradients_skip_the_sum_with_equal_results(storage, tmp_path):
         b.apply_gradients(np.array([1, 2]), bad, unique=True)
     a.close()
     b.close()
+
+
+def _twin_tables():
+    return [EmbeddingTable(4, optimizer=Adagrad(lr=0.1), seed=9) for _ in range(2)]
+
+
+def test_update_after_lookup_reuses_its_rows_only_while_they_hold():
+    """``apply_gradients(unique=True)`` of the keys just looked up skips the index probe,
+    and probes again once a row moved, the keys differ, or the caller's buffer changed."""
+    hinted, plain = _twin_tables()
+    rows = hinted._rows
+    buf = np.arange(100, 140, dtype=np.int64)
+    g = np.linspace(-1, 1, 160, dtype=np.float32).reshape(40, 4)
+    hinted.lookup(buf)
+    plain.lookup(buf.copy())
+    assert rows.known_rows(buf) is not None
+    assert rows.known_rows(buf[::-1].copy()) is None  # other keys
+    # a removal frees rows that a later insert may reuse: the remembered rows are stale
+    for t in (hinted, plain):
+        t.remove(np.array([100, 101]))
+        t.upsert(np.array([7, 8]), np.ones((2, 4), np.float32))
+    assert rows.known_rows(buf) is None
+    for t in (hinted, plain):
+        t.apply_gradients(buf, g, unique=True)
+    # the caller reuses its key buffer for other keys after the lookup
+    hinted.lookup(buf)
+    plain.lookup(buf.copy())
+    buf[:] = np.arange(500, 540)
+    assert rows.known_rows(buf) is None
+    for t in (hinted, plain):
+        t.apply_gradients(buf.copy(), g, unique=True)
+    hinted.lookup(buf)
+    plain.lookup(buf.copy())
+    for t in (hinted, plain):
+        t.apply_gradients(buf, g * 2, unique=True)
+    da, db = _dump(hinted), _dump(plain)
+    for name in ("keys", "values", "slots", "freq", "version"):
+        np.testing.assert_array_equal(da[name], db[name])
+    hinted.close()
+    plain.close()
+
+
+def test_rows_of_rejected_or_huge_lookups_are_not_remembered():
+    from tensorkv.embedding import rows as rows_mod
+    from tensorkv.embedding.filters import CounterFilter
+
+    t = EmbeddingTable(4, admission=CounterFilter(2))
+    keys = np.arange(10, dtype=np.int64)
+    t.lookup(keys)  # first sighting: not admitted, rows stay -1
+    assert t._rows.known_rows(keys) is None
+    t.close()
+    t = EmbeddingTable(4)
+    big = np.arange(rows_mod.HINT_MAX_KEYS + 1, dtype=np.int64)
+    t.lookup(big)
+    assert t._rows.known_rows(big) is None
+    t.lookup(big[:5])
+    assert t._rows.known_rows(big[:5]) is not None
+    t.close()

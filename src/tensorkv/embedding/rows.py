@@ -21,6 +21,8 @@ from tensorkv.embedding.locks import RWLock
 from tensorkv.kernels import arena as ak
 
 _NO_KEYS = np.empty(0, np.int64)
+#: Lookups of more keys are not remembered by :meth:`ArenaRows.note_lookup` (a copy each).
+HINT_MAX_KEYS = 1 << 20
 
 #: ``place(keys, fields)`` of :meth:`EmbeddingTable.export_into`: given a chunk's keys and the
 #: ``(dtype, row shape)`` of keys, values, slots, freq and version, the groups ``(index, outs)``
@@ -74,6 +76,7 @@ class ArenaRows:
         self.op: Any = contextlib.nullcontext()
         self.parallel: bool | None = None
         self.split: Any = None
+        self._last: tuple[np.ndarray, np.ndarray, int] | None = None
 
     # --- around one batch operation ------------------------------------------------------------
     def promote_lookup(self, keys: np.ndarray) -> np.ndarray | None:
@@ -86,6 +89,29 @@ class ArenaRows:
 
     def promote(self, keys: np.ndarray) -> None:
         """Make ``keys`` resident before an operation that inserts, removes or overwrites."""
+
+    def note_lookup(self, keys: np.ndarray, rows: np.ndarray, moves: int) -> None:
+        """Remember a lookup's rows (all present) for :meth:`known_rows` (untiered tables).
+
+        ``moves``: the arena's :attr:`~tensorkv.embedding.arena.RowArena.moves` under the lock
+        that found ``rows``. The keys are copied (the caller may reuse its array).
+        """
+        if self.tiered or keys.shape[0] > HINT_MAX_KEYS:
+            self._last = None
+            return
+        self._last = (keys.copy(), rows, moves)
+
+    def known_rows(self, keys: np.ndarray) -> np.ndarray | None:
+        """Rows of ``keys`` if the last lookup had these very keys and no row moved since.
+
+        Call it under the table's lock. An update of the batch just looked up (the PyTorch
+        modules' backward) then skips probing the index again.
+        """
+        last = self._last
+        if last is None or last[2] != self.arena.moves or last[0].shape != keys.shape \
+                or not np.array_equal(last[0], keys):
+            return None
+        return last[1]
 
     def holding_meta(self) -> contextlib.AbstractContextManager[None]:
         """Context of a batch whose metadata writes :meth:`meta_write` may hold."""

@@ -25,7 +25,7 @@ from tensorkv.embedding.keys import as_int64_keys
 from tensorkv.embedding.optimizers import get_optimizer
 from tensorkv.embedding.rows import ArenaRows
 from tensorkv.embedding.scratch import Scratch
-from tensorkv.embedding.table_io import META_FORMAT, TableIO, is_int
+from tensorkv.embedding.table_io import TableIO, is_int
 from tensorkv.errors import (
     ConfigError,
     NonFiniteGradientError,
@@ -345,7 +345,7 @@ class EmbeddingTable(TableIO):
         n = k.shape[0]
         a = self.arena
         with self._lock.read():
-            moves = a.moves
+            moves, size = a.moves, len(a)
             if rows is None:
                 rows, misses = a.find_gather(k, raw)
             else:
@@ -357,6 +357,7 @@ class EmbeddingTable(TableIO):
                     self._mseq += 1
                     self._rows.meta_write(ak.bump_freq, a.freq, a.seq, rows, self._mseq)
                     self._stats["hits"] += n
+                self._rows.note_lookup(k, rows, moves)
                 return self._result(raw, out)
         if not insert:
             with self._meta_lock:
@@ -367,7 +368,7 @@ class EmbeddingTable(TableIO):
                 raw[pos] = a.to_raw(self._initial(k[pos]))
             return self._result(raw, out)
         with self._lock.write():
-            self._insert_missing(k, raw, rows, moves)
+            self._insert_missing(k, raw, rows, moves, size)
         return self._result(raw, out)
 
     def _result(self, raw: np.ndarray, out: np.ndarray | None) -> np.ndarray:
@@ -380,21 +381,23 @@ class EmbeddingTable(TableIO):
         return out
 
     def _insert_missing(self, k: np.ndarray, out: np.ndarray, found: np.ndarray,
-                        moves: int) -> None:
+                        moves: int, size: int) -> None:
         """Write-locked slow path of :meth:`lookup`: insert/admit the missing keys.
 
         ``found``: each key's row in the shared-lock pass (``-1``: missing), when the arena's
-        :attr:`~tensorkv.embedding.arena.RowArena.moves` was ``moves``. Another writer may
-        have inserted missing keys since, so those are read again; the found rows are still
-        valid unless some key has moved since (then every key is read again).
+        :attr:`~tensorkv.embedding.arena.RowArena.moves` was ``moves`` and it held ``size``
+        keys. Another writer may have inserted missing keys since (the size changed), so
+        those are read again; the found rows are still valid unless some key has moved since
+        (then every key is read again).
         """
         a = self.arena
         missed = np.flatnonzero(found < 0)
-        if a.moves == moves:
-            rows = found.copy()
-            rows[missed] = a.find(k[missed])
-        else:
+        if a.moves != moves:
             rows = a.find(k)
+        else:
+            rows = found.copy()
+            if len(a) != size:
+                rows[missed] = a.find(k[missed])
         miss = np.flatnonzero(rows < 0)
         n_hits, n_misses = k.shape[0] - miss.size, miss.size
         mk = k[miss]
@@ -428,6 +431,8 @@ class EmbeddingTable(TableIO):
         a.gather(rows if missed.size == k.shape[0] else np.where(found >= 0, -1, rows), out)
         if rejected.size:
             out[rejected] = a.to_raw(self._initial(k[rejected]))
+        else:
+            self._rows.note_lookup(k, rows, a.moves)
         with self._meta_lock:
             self._mseq += 1
             ak.bump_freq(a.freq, a.seq, rows, self._mseq)
@@ -581,6 +586,8 @@ class EmbeddingTable(TableIO):
             n_skip = bad_keys.size
         a = self.arena
         with self._lock.write():
+            if urows is None and unique:
+                urows = self._rows.known_rows(uniq)
             rows = a.find(uniq) if urows is None else urows
             miss = np.flatnonzero(rows < 0)
             if miss.size:
@@ -717,30 +724,6 @@ class EmbeddingTable(TableIO):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    @classmethod
-    def from_meta(cls, meta: dict[str, Any]) -> EmbeddingTable:
-        """Build an empty DRAM table from :meth:`state_dict_meta` (step, optimizer state too)."""
-        if not isinstance(meta, dict) or "dim" not in meta:
-            raise ConfigError("from_meta needs the dict returned by state_dict_meta()")
-        if meta.get("format", META_FORMAT) > META_FORMAT:
-            raise ConfigError(
-                f"table meta format {meta['format']} is newer than this tensorkv "
-                f"({META_FORMAT}); upgrade tensorkv"
-            )
-        opt = meta.get("optimizer") or {}
-        table = cls(
-            meta["dim"], dtype=meta.get("dtype", "float32"), initializer=meta.get("initializer"),
-            optimizer=opt.get("config"), admission=meta.get("admission"),
-            eviction=meta.get("eviction"), capacity=meta.get("capacity"), seed=meta.get("seed", 0),
-            default_value=meta.get("default_value"), nan_policy=meta.get("nan_policy", "raise"),
-            growth=meta.get("growth", True),
-        )
-        if opt.get("state") is not None:
-            table.optimizer.load_state(opt["state"])
-        table._step = int(meta.get("step", 0))
-        table._mseq = int(meta.get("mutation_seq", 0))
-        return table
 
     # --- statistics ---------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Self, cast
 
 import numpy as np
 
@@ -292,6 +292,30 @@ class TableIO:
         }
         self._rows.add_meta(meta)
         return meta
+
+    @classmethod
+    def from_meta(cls, meta: dict[str, Any]) -> Self:
+        """Build an empty DRAM table from :meth:`state_dict_meta` (step, optimizer state too)."""
+        if not isinstance(meta, dict) or "dim" not in meta:
+            raise ConfigError("from_meta needs the dict returned by state_dict_meta()")
+        if meta.get("format", META_FORMAT) > META_FORMAT:
+            raise ConfigError(
+                f"table meta format {meta['format']} is newer than this tensorkv "
+                f"({META_FORMAT}); upgrade tensorkv"
+            )
+        opt = meta.get("optimizer") or {}
+        table = cast(Any, cls)(
+            meta["dim"], dtype=meta.get("dtype", "float32"), initializer=meta.get("initializer"),
+            optimizer=opt.get("config"), admission=meta.get("admission"),
+            eviction=meta.get("eviction"), capacity=meta.get("capacity"), seed=meta.get("seed", 0),
+            default_value=meta.get("default_value"), nan_policy=meta.get("nan_policy", "raise"),
+            growth=meta.get("growth", True),
+        )
+        if opt.get("state") is not None:
+            table.optimizer.load_state(opt["state"])
+        table._step = int(meta.get("step", 0))
+        table._mseq = int(meta.get("mutation_seq", 0))
+        return table
 
 
 __all__ = ["META_FORMAT", "TableIO", "is_int"]
