@@ -114,6 +114,27 @@ def test_show_dense_slices(run, saved_lmdb):
     run("show", s.url, "emb", "--slice", "0:2", code=EXIT_USAGE)
 
 
+def test_show_slice_reads_only_the_chunks_it_needs(run, tmp_path):
+    # a tensor of 16 chunks whose chunks past the first two are gone: a slice of the first
+    # rows (and the default --head) still shows, one of the last rows names what is missing
+    import tensorkv
+    from tensorkv.checkpoint import layout
+
+    big = np.arange(1024 * 16, dtype=np.float32).reshape(1024, 16)
+    url = f"lmdb://{tmp_path}/chunks"
+    tensorkv.save({"big": big}, url, "t", chunk_bytes=4096)  # 64 rows a chunk
+    with tensorkv.open_store(url) as store:
+        chunks = tensorkv.tag_info(store, "t")["dense"]["big"]["chunks"]
+        assert len(chunks) == 16
+        store.delete_many([layout.chunk_key(d) for d in chunks[2:]])
+    doc = _json(run("show", url, "big", "--slice", "0:128, ::2", "--head", "200", "--json"))
+    np.testing.assert_array_equal(np.array(doc["values"], np.float32), big[:128, ::2])
+    doc = _json(run("show", url, "big", "--json"))
+    np.testing.assert_array_equal(np.array(doc["values"], np.float32), big[:10])
+    res = run("show", url, "big", "--slice", "1000:1010", code=EXIT_STORE)
+    assert "missing" in res.stderr and res.stderr.count("\n") == 1
+
+
 # ---------------------------------------------------------------------------------- search
 def test_search_where_and_range(run, saved_lmdb):
     ref = saved_lmdb.rows["b"]
@@ -214,6 +235,8 @@ def test_diff(run, saved_lmdb):
     assert doc["tables"]["emb"]["added_keys"] == s.added.tolist()
     run("diff", s.url, "a", "b", "--exit-code", code=EXIT_NO_MATCH)
     run("diff", s.url, "a", "a", "--exit-code")
+    assert run("diff", s.url, "a", "latest", "--json").stdout == run(
+        "diff", s.url, "a", "b", "--json").stdout  # "latest" names the newest tag
     res = run("diff", s.url, "a", "nope", code=EXIT_NOT_FOUND)
     assert "available tags: 'a', 'b'" in res.stderr
 
@@ -276,6 +299,17 @@ def _read_dense(path, ext):
     return np.loadtxt(path, delimiter=",", skiprows=1, dtype=np.float32)
 
 
+@pytest.mark.parametrize("ext", ["npz", "safetensors", "parquet", "csv"])
+def test_export_progress_bar_in_every_format(run, saved_lmdb, tmp_path, monkeypatch, ext):
+    from tensorkv import config
+
+    monkeypatch.setattr(config, "PROGRESS_MIN_SECONDS", 0.0)  # draw at once
+    res = run("export", saved_lmdb.url, "emb", "--to", tmp_path / f"e.{ext}", "--progress")
+    assert "export emb:" in res.stderr and "B/s" in res.stderr, res.stderr
+    res = run("export", saved_lmdb.url, "emb", "--to", tmp_path / f"f.{ext}", "--no-progress")
+    assert res.stderr == ""
+
+
 def test_export_filters_and_refuses_bad_targets(run, saved_lmdb, tmp_path):
     ref = saved_lmdb.rows["b"]
     path = tmp_path / "hot.npz"
@@ -325,7 +359,7 @@ def test_commands_on_other_backends(run, kind, tmp_path, request):
 
 
 @pytest.mark.skipif(not servers.available(), reason="redis-server is not installed")
-def test_ls_and_show_on_a_redis_cluster(run, request):
+def test_every_command_on_a_redis_cluster(run, request, tmp_path):
     pytest.importorskip("redis")
     cluster = servers.RedisCluster(replicas=0)
     request.addfinalizer(cluster.stop)
@@ -339,6 +373,18 @@ def test_ls_and_show_on_a_redis_cluster(run, request):
     assert [r["key"] for r in doc["rows"]] == s.changed[:3].tolist()
     doc = _json(run("show", url, "w", "--slice", "0:2", "--json", "--tag", "a"))
     assert np.array_equal(np.array(doc["values"]), s.dense["a"]["w"][:2])
+    ref = s.rows["b"]
+    doc = _json(run("search", url, "emb", "--where", "freq >= 2", "--json", "--head", "1000"))
+    assert sorted(r["key"] for r in doc["rows"]) == ref[0][ref[3] >= 2].tolist()
+    doc = _json(run("search", url, "emb", "--nearest", str(int(s.changed[0])), "--k", "3",
+                    "--metric", "l2", "--json", "--tag", "a"))
+    assert len(doc["rows"]) == 3 and doc["scanned"] == len(s.rows["a"][0]) - 1
+    assert _json(run("stats", url, "emb", "--json"))["rows"] == len(ref[0])
+    doc = _json(run("diff", url, "a", "b", "emb", "--json"))
+    assert doc["tables"]["emb"]["added_keys"] == s.added.tolist()
+    path = tmp_path / "emb.npz"
+    run("export", url, "emb", "--to", path, "--tag", "a")
+    np.testing.assert_array_equal(np.sort(np.load(path)["keys"]), s.rows["a"][0])
 
 
 def test_sgd_half_precision_and_odd_tensors(run, tmp_path):
