@@ -338,10 +338,15 @@ def test_unknown_names_list_what_exists(run, saved_lmdb, tmp_path):
     run("ls", "nosuch://x", code=EXIT_USAGE)
 
 
-def test_unreachable_store(run):
+@pytest.mark.parametrize("scheme", ["redis", "redis+cluster", "redis+sentinel"])
+def test_unreachable_store(run, scheme):
+    pytest.importorskip("redis")
     port = servers.free_port()
-    res = run("ls", f"redis://127.0.0.1:{port}/0?connect_timeout=1", code=EXIT_STORE)
+    path = "/mymaster/0" if scheme == "redis+sentinel" else "/0"
+    res = run("ls", f"{scheme}://127.0.0.1:{port}{path}?connect_timeout=1", code=EXIT_STORE)
+    assert res.stderr.startswith("tensorkv: error: cannot reach Redis")
     assert f"127.0.0.1:{port}" in res.stderr and res.stderr.count("\n") == 1
+    assert "<redis." not in res.stderr  # no object reprs of redis-py in the message
 
 
 # ---------------------------------------------------------------------------------- backends
