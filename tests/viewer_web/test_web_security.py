@@ -131,3 +131,29 @@ def test_missing_web_stack_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "starlette", None)
     with pytest.raises(MissingDependencyError, match=r"tensorkv\[view\]"):
         create_app("memory://nothing")
+
+
+def test_every_asset_ships_in_the_package_pinned(client):
+    # no CDN: the page loads only files of its own server, and they are the pinned ones
+    import hashlib
+    import re
+
+    from tensorkv.viewer.web.app import STATIC_DIR
+
+    html = client.get("/").text
+    refs = re.findall(r'(?:src|href)="([^"#]*)"', html)
+    assert refs and all(r.startswith("/static/") or r.startswith("data:") for r in refs), refs
+    for ref in refs:
+        if ref.startswith("/static/"):
+            assert client.get(ref).status_code == 200, ref
+    for path in STATIC_DIR.rglob("*"):
+        if path.suffix in (".js", ".css", ".html"):
+            text = path.read_text(encoding="utf-8")
+            urls = set(re.findall(r"https?://[^\s\"')]+", text))
+            assert urls <= {"https://github.com/leeoniya/uPlot"}, (path.name, urls)  # a comment
+    vendor = STATIC_DIR / "vendor"
+    pinned = dict(re.findall(r"^\| (\S+) \| [^|]+ \| ([0-9a-f]{64}) \|$",
+                             (vendor / "VENDOR.md").read_text(), re.M))
+    assert {"uPlot.iife.min.js", "uPlot.min.css", "uPlot.LICENSE"} <= set(pinned)
+    for name in ("uPlot.iife.min.js", "uPlot.min.css", "uPlot.LICENSE"):
+        assert hashlib.sha256((vendor / name).read_bytes()).hexdigest() == pinned[name], name
