@@ -278,6 +278,10 @@ def test_nearest_with_a_predicate_and_bad_inputs(saved_lmdb):
             search.nearest(view, vector=np.zeros(8))
         with pytest.raises(QueryError, match="exactly one"):
             search.nearest(view)
+        with pytest.raises(QueryError, match="the query vector holds nan at position 2"):
+            search.nearest(view, vector="1, 2, nan, 4, 5, 6, 7, 8")
+        with pytest.raises(QueryError, match="holds inf at position 7"):
+            search.nearest(view, vector="1, 2, 3, 4, 5, 6, 7, 1e40")  # beyond float32
 
 
 # ---------------------------------------------------------------------------------- stats
@@ -324,6 +328,8 @@ def test_stats_count_non_finite_rows(tmp_path):
     assert st.never_updated == 8
     with Catalog(url) as cat:
         m = search.where(cat.table("emb"), "finite == 0", limit=10)
+        with pytest.raises(QueryError, match="the value of key 5 holds inf at position 0"):
+            search.nearest(cat.table("emb"), key=5)
     assert sorted(m.rows.keys.tolist()) == [2, 5]
 
 
