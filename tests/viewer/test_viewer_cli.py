@@ -109,7 +109,9 @@ def test_show_dense_slices(run, saved_lmdb):
     res = run("show", s.url, "w", "--slice", "0:x", code=EXIT_USAGE)
     assert "'0:x' at character 0" in res.stderr
     res = run("show", s.url, "w", "--slice", "40", code=EXIT_USAGE)
-    assert "out of bounds" in res.stderr
+    assert "slice [40] does not fit shape [12, 5]: index 40 is out of bounds" in res.stderr
+    res = run("show", s.url, "w", "--slice", "0:3, :4, 5", code=EXIT_USAGE)
+    assert "slice [0:3, :4, 5] does not fit shape [12, 5]: too many indices" in res.stderr
     run("show", s.url, "w", "--keys", "1", code=EXIT_USAGE)
     run("show", s.url, "emb", "--slice", "0:2", code=EXIT_USAGE)
 

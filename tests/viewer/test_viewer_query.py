@@ -77,6 +77,8 @@ def test_dense_slices_read_through_read_tensor(saved_lmdb):
         np.testing.assert_array_equal(cat.dense("w", "a", "-1"), saved_lmdb.dense["a"]["w"][-1])
         np.testing.assert_array_equal(cat.dense("w", "b", "..., 0"), w[..., 0])
         np.testing.assert_array_equal(cat.dense("bias"), saved_lmdb.dense["a"]["bias"])
+        with pytest.raises(QueryError, match=r"slice \[\(0, 0\)\] does not fit shape \[7\]"):
+            cat.dense("bias", None, (0, 0))  # checked before anything is read
 
 
 @pytest.mark.parametrize(("text", "want"), [
