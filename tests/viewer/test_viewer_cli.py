@@ -94,6 +94,11 @@ def test_show_head_is_capped(run, saved_lmdb):
     doc = _json(res)
     assert doc["capped"] and len(doc["rows"]) == HEAD_CAP
     run("show", saved_lmdb.url, "emb", "--head", "-1", code=EXIT_USAGE)
+    res = run("search", saved_lmdb.url, "emb", "--where", "freq >= 1", "--head", "5000",
+              "--json")
+    assert f"--head 5000 is capped at {HEAD_CAP} rows" in res.stderr
+    doc = _json(res)
+    assert doc["capped"] and len(doc["rows"]) == HEAD_CAP and doc["matched"] == 2998
 
 
 def test_show_dense_slices(run, saved_lmdb):

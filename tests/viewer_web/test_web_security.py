@@ -120,6 +120,13 @@ def test_bad_store_and_tag_fail_before_serving(ckpt, tmp_path):
     assert res.exit_code == 1 and "absent" in res.output
     res = CliRunner().invoke(main, ["view", ckpt["url"], "--port", "0", "--tag", "t9"])
     assert res.exit_code == 1 and "t9" in res.output and "t1" in res.output
+    pytest.importorskip("redis")
+    from tests import servers
+
+    port = servers.free_port()
+    res = CliRunner().invoke(main, ["view", f"redis://127.0.0.1:{port}/0?connect_timeout=1",
+                                    "--port", "0"])
+    assert res.exit_code == 1 and f"cannot reach Redis server 127.0.0.1:{port}" in res.output
 
 
 def test_missing_web_stack_names_the_extra(monkeypatch):
