@@ -1,9 +1,10 @@
-"""docs/viewer.md shows real output: every ``$ tensorkv ...`` block matches what the command prints.
+"""docs/viewer.md shows real output: its examples match what the commands and the API print.
 
 The page's example checkpoint (its first python block) is saved into a temporary directory,
 then each ``text`` block that starts with ``$ tensorkv`` is run in-process and its stdout,
 stderr and ``[exit N]`` line are compared with the block, creation times aside. The JSON
-example is compared with ``show --keys 1 --json``.
+example is compared with ``show --keys 1 --json``, and the ``curl`` of the web viewer's API
+with what the app answers over the page's web demo store.
 """
 
 from __future__ import annotations
@@ -76,3 +77,26 @@ def test_json_example_is_what_the_command_prints(demo):
     [doc] = _blocks("json")
     got = _run(["show", demo, "user_emb", "--keys", "1", "--json"])
     assert json.loads(got) == json.loads(doc)
+
+
+def test_curl_example_is_what_the_api_answers(tmp_path):
+    # the web viewer's example: the page's demo store, then the curl of /api/row
+    pytest.importorskip("starlette", reason='the web viewer needs "tensorkv[view]"')
+    from starlette.testclient import TestClient
+
+    from tensorkv.viewer.web.app import create_app
+
+    demo_url = "lmdb:///tmp/tensorkv-view-demo"
+    [code] = [c for c in _blocks("python") if demo_url in c]
+    url = f"lmdb://{tmp_path}/view-demo"
+    exec(compile(code.replace(demo_url, url), str(DOC), "exec"), {"__name__": "viewer_doc"})
+    [block] = [c for c in _blocks("text") if c.startswith("$ curl ")]
+    first, _, want = block.partition("\n")
+    m = re.search(r"'http://127\.0\.0\.1:8737(/api/[^']+)' \| python -m json\.tool \| head -(\d+)",
+                  first)
+    assert m, first
+    with TestClient(create_app(url), base_url="http://127.0.0.1:8737") as c:
+        r = c.get(m.group(1))
+    assert r.status_code == 200, r.text
+    got = json.dumps(r.json(), indent=4).splitlines()[: int(m.group(2))]
+    assert got == want.splitlines()
