@@ -164,3 +164,30 @@ def test_every_asset_ships_in_the_package_pinned(client):
     assert {"uPlot.iife.min.js", "uPlot.min.css", "uPlot.LICENSE"} <= set(pinned)
     for name in ("uPlot.iife.min.js", "uPlot.min.css", "uPlot.LICENSE"):
         assert hashlib.sha256((vendor / name).read_bytes()).hexdigest() == pinned[name], name
+
+
+def test_the_store_password_is_never_shown(redis_acl_server):
+    # neither the commands (output, errors) nor the page's API echo the URL's password
+    pytest.importorskip("redis")
+    import numpy as np
+    from starlette.testclient import TestClient
+
+    import tensorkv
+    from tensorkv.viewer.web.app import create_app
+
+    url = f"redis://app:s3cret@127.0.0.1:{redis_acl_server.port}/0?prefix=viewer-secret/"
+    table = tensorkv.EmbeddingTable(4)
+    table.lookup(np.arange(10))
+    tensorkv.save({"emb": table}, url, "x")
+    runner = CliRunner()
+    for args in (["ls", url], ["ls", url, "x", "--json"], ["show", url, "nope"],
+                 ["stats", url, "emb", "--tag", "zz"],
+                 ["ls", url.replace("s3cret", "wrong-pw")]):
+        res = runner.invoke(main, args)
+        assert "s3cret" not in res.output and "wrong-pw" not in res.output, res.output
+    res = runner.invoke(main, ["stats", url, "emb", "--tag", "zz"])
+    assert "redis://app:***@" in res.output
+    with TestClient(create_app(url), base_url="http://127.0.0.1") as c:
+        assert c.get("/api/info").json()["url"].startswith("redis://app:***@")
+        for path in ("tags", "variables", "rows?var=nope", "stats?var=emb&tag=zz"):
+            assert "s3cret" not in c.get(f"/api/{path}").text, path
