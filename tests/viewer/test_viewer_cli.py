@@ -438,6 +438,29 @@ def test_error_statuses_by_kind():
     assert exit_code_of(ZeroDivisionError()) == EXIT_INTERNAL
 
 
+def test_os_errors_and_bugs_exit_4_and_5(run, saved_lmdb, monkeypatch):
+    from tensorkv.cli import viewer_fmt
+    from tensorkv.cli.viewer_cmds import EXIT_INTERNAL
+
+    def denied(*a, **k):
+        raise PermissionError(13, "Permission denied", "/data/x")
+
+    monkeypatch.setattr(viewer_fmt, "table", denied)
+    res = run("ls", saved_lmdb.url, code=EXIT_STORE)
+    assert res.stderr == "tensorkv: error: PermissionError: Permission denied: '/data/x'\n"
+
+    def bug(*a, **k):
+        raise ZeroDivisionError("division by zero")
+
+    monkeypatch.setattr(viewer_fmt, "table", bug)
+    res = run("ls", saved_lmdb.url, code=EXIT_INTERNAL)
+    assert res.stderr.startswith("tensorkv: error: unexpected ZeroDivisionError: division by "
+                                 "zero (run again with TENSORKV_DEBUG=1 for the traceback")
+    monkeypatch.setenv("TENSORKV_DEBUG", "1")
+    res = CliRunner().invoke(main, ["ls", saved_lmdb.url])
+    assert isinstance(res.exception, ZeroDivisionError)  # the traceback, not one line
+
+
 def test_a_damaged_store_exits_4(run, tmp_path):
     import tensorkv
     from tensorkv.checkpoint import layout
