@@ -94,6 +94,11 @@ def test_show_head_is_capped(run, saved_lmdb):
     doc = _json(res)
     assert doc["capped"] and len(doc["rows"]) == HEAD_CAP
     run("show", saved_lmdb.url, "emb", "--head", "-1", code=EXIT_USAGE)
+    res = run("search", saved_lmdb.url, "emb", "--where", "freq >= 1", "--head", "5000",
+              "--json")
+    assert f"--head 5000 is capped at {HEAD_CAP} rows" in res.stderr
+    doc = _json(res)
+    assert doc["capped"] and len(doc["rows"]) == HEAD_CAP and doc["matched"] == 2998
 
 
 def test_show_dense_slices(run, saved_lmdb):
@@ -109,9 +114,32 @@ def test_show_dense_slices(run, saved_lmdb):
     res = run("show", s.url, "w", "--slice", "0:x", code=EXIT_USAGE)
     assert "'0:x' at character 0" in res.stderr
     res = run("show", s.url, "w", "--slice", "40", code=EXIT_USAGE)
-    assert "out of bounds" in res.stderr
+    assert "slice [40] does not fit shape [12, 5]: index 40 is out of bounds" in res.stderr
+    res = run("show", s.url, "w", "--slice", "0:3, :4, 5", code=EXIT_USAGE)
+    assert "slice [0:3, :4, 5] does not fit shape [12, 5]: too many indices" in res.stderr
     run("show", s.url, "w", "--keys", "1", code=EXIT_USAGE)
     run("show", s.url, "emb", "--slice", "0:2", code=EXIT_USAGE)
+
+
+def test_show_slice_reads_only_the_chunks_it_needs(run, tmp_path):
+    # a tensor of 16 chunks whose chunks past the first two are gone: a slice of the first
+    # rows (and the default --head) still shows, one of the last rows names what is missing
+    import tensorkv
+    from tensorkv.checkpoint import layout
+
+    big = np.arange(1024 * 16, dtype=np.float32).reshape(1024, 16)
+    url = f"lmdb://{tmp_path}/chunks"
+    tensorkv.save({"big": big}, url, "t", chunk_bytes=4096)  # 64 rows a chunk
+    with tensorkv.open_store(url) as store:
+        chunks = tensorkv.tag_info(store, "t")["dense"]["big"]["chunks"]
+        assert len(chunks) == 16
+        store.delete_many([layout.chunk_key(d) for d in chunks[2:]])
+    doc = _json(run("show", url, "big", "--slice", "0:128, ::2", "--head", "200", "--json"))
+    np.testing.assert_array_equal(np.array(doc["values"], np.float32), big[:128, ::2])
+    doc = _json(run("show", url, "big", "--json"))
+    np.testing.assert_array_equal(np.array(doc["values"], np.float32), big[:10])
+    res = run("show", url, "big", "--slice", "1000:1010", code=EXIT_STORE)
+    assert "missing" in res.stderr and res.stderr.count("\n") == 1
 
 
 # ---------------------------------------------------------------------------------- search
@@ -214,6 +242,8 @@ def test_diff(run, saved_lmdb):
     assert doc["tables"]["emb"]["added_keys"] == s.added.tolist()
     run("diff", s.url, "a", "b", "--exit-code", code=EXIT_NO_MATCH)
     run("diff", s.url, "a", "a", "--exit-code")
+    assert run("diff", s.url, "a", "latest", "--json").stdout == run(
+        "diff", s.url, "a", "b", "--json").stdout  # "latest" names the newest tag
     res = run("diff", s.url, "a", "nope", code=EXIT_NOT_FOUND)
     assert "available tags: 'a', 'b'" in res.stderr
 
@@ -276,6 +306,17 @@ def _read_dense(path, ext):
     return np.loadtxt(path, delimiter=",", skiprows=1, dtype=np.float32)
 
 
+@pytest.mark.parametrize("ext", ["npz", "safetensors", "parquet", "csv"])
+def test_export_progress_bar_in_every_format(run, saved_lmdb, tmp_path, monkeypatch, ext):
+    from tensorkv import config
+
+    monkeypatch.setattr(config, "PROGRESS_MIN_SECONDS", 0.0)  # draw at once
+    res = run("export", saved_lmdb.url, "emb", "--to", tmp_path / f"e.{ext}", "--progress")
+    assert "export emb:" in res.stderr and "B/s" in res.stderr, res.stderr
+    res = run("export", saved_lmdb.url, "emb", "--to", tmp_path / f"f.{ext}", "--no-progress")
+    assert res.stderr == ""
+
+
 def test_export_filters_and_refuses_bad_targets(run, saved_lmdb, tmp_path):
     ref = saved_lmdb.rows["b"]
     path = tmp_path / "hot.npz"
@@ -304,10 +345,15 @@ def test_unknown_names_list_what_exists(run, saved_lmdb, tmp_path):
     run("ls", "nosuch://x", code=EXIT_USAGE)
 
 
-def test_unreachable_store(run):
+@pytest.mark.parametrize("scheme", ["redis", "redis+cluster", "redis+sentinel"])
+def test_unreachable_store(run, scheme):
+    pytest.importorskip("redis")
     port = servers.free_port()
-    res = run("ls", f"redis://127.0.0.1:{port}/0?connect_timeout=1", code=EXIT_STORE)
+    path = "/mymaster/0" if scheme == "redis+sentinel" else "/0"
+    res = run("ls", f"{scheme}://127.0.0.1:{port}{path}?connect_timeout=1", code=EXIT_STORE)
+    assert res.stderr.startswith("tensorkv: error: cannot reach Redis")
     assert f"127.0.0.1:{port}" in res.stderr and res.stderr.count("\n") == 1
+    assert "<redis." not in res.stderr  # no object reprs of redis-py in the message
 
 
 # ---------------------------------------------------------------------------------- backends
@@ -325,7 +371,7 @@ def test_commands_on_other_backends(run, kind, tmp_path, request):
 
 
 @pytest.mark.skipif(not servers.available(), reason="redis-server is not installed")
-def test_ls_and_show_on_a_redis_cluster(run, request):
+def test_every_command_on_a_redis_cluster(run, request, tmp_path):
     pytest.importorskip("redis")
     cluster = servers.RedisCluster(replicas=0)
     request.addfinalizer(cluster.stop)
@@ -339,6 +385,18 @@ def test_ls_and_show_on_a_redis_cluster(run, request):
     assert [r["key"] for r in doc["rows"]] == s.changed[:3].tolist()
     doc = _json(run("show", url, "w", "--slice", "0:2", "--json", "--tag", "a"))
     assert np.array_equal(np.array(doc["values"]), s.dense["a"]["w"][:2])
+    ref = s.rows["b"]
+    doc = _json(run("search", url, "emb", "--where", "freq >= 2", "--json", "--head", "1000"))
+    assert sorted(r["key"] for r in doc["rows"]) == ref[0][ref[3] >= 2].tolist()
+    doc = _json(run("search", url, "emb", "--nearest", str(int(s.changed[0])), "--k", "3",
+                    "--metric", "l2", "--json", "--tag", "a"))
+    assert len(doc["rows"]) == 3 and doc["scanned"] == len(s.rows["a"][0]) - 1
+    assert _json(run("stats", url, "emb", "--json"))["rows"] == len(ref[0])
+    doc = _json(run("diff", url, "a", "b", "emb", "--json"))
+    assert doc["tables"]["emb"]["added_keys"] == s.added.tolist()
+    path = tmp_path / "emb.npz"
+    run("export", url, "emb", "--to", path, "--tag", "a")
+    np.testing.assert_array_equal(np.sort(np.load(path)["keys"]), s.rows["a"][0])
 
 
 def test_sgd_half_precision_and_odd_tensors(run, tmp_path):
@@ -378,6 +436,29 @@ def test_error_statuses_by_kind():
     assert exit_code_of(CorruptRecordError("x")) == EXIT_STORE
     assert exit_code_of(PermissionError(13, "denied")) == EXIT_STORE
     assert exit_code_of(ZeroDivisionError()) == EXIT_INTERNAL
+
+
+def test_os_errors_and_bugs_exit_4_and_5(run, saved_lmdb, monkeypatch):
+    from tensorkv.cli import viewer_fmt
+    from tensorkv.cli.viewer_cmds import EXIT_INTERNAL
+
+    def denied(*a, **k):
+        raise PermissionError(13, "Permission denied", "/data/x")
+
+    monkeypatch.setattr(viewer_fmt, "table", denied)
+    res = run("ls", saved_lmdb.url, code=EXIT_STORE)
+    assert res.stderr == "tensorkv: error: PermissionError: Permission denied: '/data/x'\n"
+
+    def bug(*a, **k):
+        raise ZeroDivisionError("division by zero")
+
+    monkeypatch.setattr(viewer_fmt, "table", bug)
+    res = run("ls", saved_lmdb.url, code=EXIT_INTERNAL)
+    assert res.stderr.startswith("tensorkv: error: unexpected ZeroDivisionError: division by "
+                                 "zero (run again with TENSORKV_DEBUG=1 for the traceback")
+    monkeypatch.setenv("TENSORKV_DEBUG", "1")
+    res = CliRunner().invoke(main, ["ls", saved_lmdb.url])
+    assert isinstance(res.exception, ZeroDivisionError)  # the traceback, not one line
 
 
 def test_a_damaged_store_exits_4(run, tmp_path):

@@ -77,6 +77,8 @@ def test_dense_slices_read_through_read_tensor(saved_lmdb):
         np.testing.assert_array_equal(cat.dense("w", "a", "-1"), saved_lmdb.dense["a"]["w"][-1])
         np.testing.assert_array_equal(cat.dense("w", "b", "..., 0"), w[..., 0])
         np.testing.assert_array_equal(cat.dense("bias"), saved_lmdb.dense["a"]["bias"])
+        with pytest.raises(QueryError, match=r"slice \[\(0, 0\)\] does not fit shape \[7\]"):
+            cat.dense("bias", None, (0, 0))  # checked before anything is read
 
 
 @pytest.mark.parametrize(("text", "want"), [
@@ -278,6 +280,10 @@ def test_nearest_with_a_predicate_and_bad_inputs(saved_lmdb):
             search.nearest(view, vector=np.zeros(8))
         with pytest.raises(QueryError, match="exactly one"):
             search.nearest(view)
+        with pytest.raises(QueryError, match="the query vector holds nan at position 2"):
+            search.nearest(view, vector="1, 2, nan, 4, 5, 6, 7, 8")
+        with pytest.raises(QueryError, match="holds inf at position 7"):
+            search.nearest(view, vector="1, 2, 3, 4, 5, 6, 7, 1e40")  # beyond float32
 
 
 # ---------------------------------------------------------------------------------- stats
@@ -324,6 +330,8 @@ def test_stats_count_non_finite_rows(tmp_path):
     assert st.never_updated == 8
     with Catalog(url) as cat:
         m = search.where(cat.table("emb"), "finite == 0", limit=10)
+        with pytest.raises(QueryError, match="the value of key 5 holds inf at position 0"):
+            search.nearest(cat.table("emb"), key=5)
     assert sorted(m.rows.keys.tolist()) == [2, 5]
 
 
@@ -465,3 +473,35 @@ def test_export_draws_a_progress_bar(saved_lmdb, tmp_path, monkeypatch, capsys):
         assert "export emb" in capsys.readouterr().err
         export_variable(cat, "emb", str(tmp_path / "f.npz"), progress=False)
         assert "export emb" not in capsys.readouterr().err
+
+
+def test_dense_export_reads_in_parts_under_a_bar(tmp_path, monkeypatch, capsys):
+    import ml_dtypes
+    from safetensors.numpy import load_file
+
+    import tensorkv
+    from tensorkv import config
+    from tensorkv.viewer import export
+    from tensorkv.viewer.export import export_variable
+
+    monkeypatch.setattr(config, "PROGRESS_MIN_SECONDS", 0.0)  # draw at once
+    monkeypatch.setattr(export, "DENSE_READ_BYTES", 1000)  # many parts
+    big = np.arange(300 * 7, dtype=np.float32).reshape(300, 7)
+    bf = np.arange(40, dtype=np.float32).astype(ml_dtypes.bfloat16).reshape(20, 2)
+    url = f"lmdb://{tmp_path}/dense"
+    tensorkv.save({"big": big, "bf": bf, "s": np.float64(2.5).reshape(()),
+                   "none": np.zeros((0, 3), np.float32)}, url, "t", chunk_bytes=2048)
+    with Catalog(url) as cat:
+        reads = []
+        dense = cat.dense
+        monkeypatch.setattr(cat, "dense", lambda *a: reads.append(a[2:]) or dense(*a))
+        export_variable(cat, "big", str(tmp_path / "big.npz"), progress=True)
+        assert reads[:2] == [((slice(0, 35),),), ((slice(35, 70),),)] and len(reads) == 9
+        assert "export big" in capsys.readouterr().err
+        np.testing.assert_array_equal(np.load(tmp_path / "big.npz")["big"], big)
+        for name, want in (("bf", bf), ("s", np.float64(2.5)), ("none", np.zeros((0, 3)))):
+            export_variable(cat, name, str(tmp_path / f"{name}.safetensors"), progress=False)
+            got = load_file(str(tmp_path / f"{name}.safetensors"))[name]
+            assert got.shape == np.shape(want)
+            np.testing.assert_array_equal(got.astype(np.float64), np.asarray(want, np.float64))
+        assert capsys.readouterr().err == ""

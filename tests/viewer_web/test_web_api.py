@@ -42,6 +42,19 @@ def test_info_tags_variables(client, ckpt):
     assert _get(client, "variables")["tag"] == "t2"  # default: the latest
 
 
+def test_the_tag_the_viewer_opens_on(ckpt):
+    # `tensorkv view URL --tag t1`: requests naming no tag answer for t1, not the latest
+    from starlette.testclient import TestClient
+
+    from tensorkv.viewer.web.app import create_app
+
+    with TestClient(create_app(ckpt["url"], tag="t1"), base_url="http://127.0.0.1") as c:
+        assert _get(c, "info")["tag"] == "t1"
+        assert _get(c, "variables")["tag"] == "t1"
+        assert _get(c, "rows", var="emb")["total"] == 600  # t2 has 630 rows
+        assert _get(c, "rows", var="emb", tag="t2")["total"] == 630
+
+
 def test_rows_pages_cover_the_table_exactly(client, ckpt):
     first = _get(client, "rows", tag="t2", var="emb", limit=500)
     assert first["total"] == 630 and first["offset"] == 0 and first["next"] == 500

@@ -120,6 +120,13 @@ def test_bad_store_and_tag_fail_before_serving(ckpt, tmp_path):
     assert res.exit_code == 1 and "absent" in res.output
     res = CliRunner().invoke(main, ["view", ckpt["url"], "--port", "0", "--tag", "t9"])
     assert res.exit_code == 1 and "t9" in res.output and "t1" in res.output
+    pytest.importorskip("redis")
+    from tests import servers
+
+    port = servers.free_port()
+    res = CliRunner().invoke(main, ["view", f"redis://127.0.0.1:{port}/0?connect_timeout=1",
+                                    "--port", "0"])
+    assert res.exit_code == 1 and f"cannot reach Redis server 127.0.0.1:{port}" in res.output
 
 
 def test_missing_web_stack_names_the_extra(monkeypatch):
@@ -131,3 +138,56 @@ def test_missing_web_stack_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "starlette", None)
     with pytest.raises(MissingDependencyError, match=r"tensorkv\[view\]"):
         create_app("memory://nothing")
+
+
+def test_every_asset_ships_in_the_package_pinned(client):
+    # no CDN: the page loads only files of its own server, and they are the pinned ones
+    import hashlib
+    import re
+
+    from tensorkv.viewer.web.app import STATIC_DIR
+
+    html = client.get("/").text
+    refs = re.findall(r'(?:src|href)="([^"#]*)"', html)
+    assert refs and all(r.startswith("/static/") or r.startswith("data:") for r in refs), refs
+    for ref in refs:
+        if ref.startswith("/static/"):
+            assert client.get(ref).status_code == 200, ref
+    for path in STATIC_DIR.rglob("*"):
+        if path.suffix in (".js", ".css", ".html"):
+            text = path.read_text(encoding="utf-8")
+            urls = set(re.findall(r"https?://[^\s\"')]+", text))
+            assert urls <= {"https://github.com/leeoniya/uPlot"}, (path.name, urls)  # a comment
+    vendor = STATIC_DIR / "vendor"
+    pinned = dict(re.findall(r"^\| (\S+) \| [^|]+ \| ([0-9a-f]{64}) \|$",
+                             (vendor / "VENDOR.md").read_text(), re.M))
+    assert {"uPlot.iife.min.js", "uPlot.min.css", "uPlot.LICENSE"} <= set(pinned)
+    for name in ("uPlot.iife.min.js", "uPlot.min.css", "uPlot.LICENSE"):
+        assert hashlib.sha256((vendor / name).read_bytes()).hexdigest() == pinned[name], name
+
+
+def test_the_store_password_is_never_shown(redis_acl_server):
+    # neither the commands (output, errors) nor the page's API echo the URL's password
+    pytest.importorskip("redis")
+    import numpy as np
+    from starlette.testclient import TestClient
+
+    import tensorkv
+    from tensorkv.viewer.web.app import create_app
+
+    url = f"redis://app:s3cret@127.0.0.1:{redis_acl_server.port}/0?prefix=viewer-secret/"
+    table = tensorkv.EmbeddingTable(4)
+    table.lookup(np.arange(10))
+    tensorkv.save({"emb": table}, url, "x")
+    runner = CliRunner()
+    for args in (["ls", url], ["ls", url, "x", "--json"], ["show", url, "nope"],
+                 ["stats", url, "emb", "--tag", "zz"],
+                 ["ls", url.replace("s3cret", "wrong-pw")]):
+        res = runner.invoke(main, args)
+        assert "s3cret" not in res.output and "wrong-pw" not in res.output, res.output
+    res = runner.invoke(main, ["stats", url, "emb", "--tag", "zz"])
+    assert "redis://app:***@" in res.output
+    with TestClient(create_app(url), base_url="http://127.0.0.1") as c:
+        assert c.get("/api/info").json()["url"].startswith("redis://app:***@")
+        for path in ("tags", "variables", "rows?var=nope", "stats?var=emb&tag=zz"):
+            assert "s3cret" not in c.get(f"/api/{path}").text, path

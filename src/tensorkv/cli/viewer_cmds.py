@@ -268,7 +268,7 @@ def _show_dense(cat: Any, info: Any, tag: str | None, index: str | None, head: i
     else:
         idx = parse_index(index)
         shown = index
-    arr = cat.dense(info.name, tag, idx if idx else None)
+    arr = cat.dense(info.name, tag, index if index is not None else (idx or None))
     note = ""
     if arr.ndim and arr.shape[0] > head:
         note = f"showing the first {head} of {arr.shape[0]} rows of the slice (--head)"

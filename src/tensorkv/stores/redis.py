@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
+import re
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -351,7 +352,7 @@ class RedisStore(KVStore):
                 f"cannot reach {self._where()} within connect_timeout={o.connect_timeout} s / "
                 f"socket_timeout={o.socket_timeout} s"
                 + ("" if opening else f" after {o.retries} retries")
-                + f": {exc}; check that the server runs and that host:port is right"
+                + f": {_reason(exc)}; check that the server runs and that host:port is right"
             ) from exc
         except rex.RedisClusterException as exc:
             if _auth_failure(exc):
@@ -770,6 +771,11 @@ class RedisStore(KVStore):
             "keys_sending_size": self._ks,
             "config_file": self.config_file,
         }
+
+
+def _reason(exc: BaseException) -> str:
+    """An error's text without the object reprs redis-py puts in some (a sentinel's pool)."""
+    return re.sub(r"\s*:?\s*<redis\.[\w.]+\(.*\)>", "", str(exc))
 
 
 def _auth_failure(exc: BaseException) -> bool:

@@ -290,8 +290,11 @@ class Catalog:
                     f"tensor; its dense tensors: {sorted(doc['dense']) or 'none'}"
                 )
             variable_info_of(doc, name)
-        if isinstance(index, str):
-            index = parse_index(index)
+        if index is not None:
+            text = index if isinstance(index, str) else None
+            if isinstance(index, str):
+                index = parse_index(index)
+            index_shape(tuple(int(x) for x in doc["dense"][name]["shape"]), index, text)
         return read_tensor(self.store, doc["tag"], name, index)
 
 
@@ -330,3 +333,21 @@ def parse_index(text: str) -> tuple[Any, ...]:
             out.append(slice(start, stop, step))
         pos += len(part) + 1
     return tuple(out)
+
+
+def index_shape(shape: tuple[int, ...], index: Any, text: str | None = None) -> tuple[int, ...]:
+    """The shape of ``tensor[index]`` for a tensor of ``shape``, found without reading it.
+
+    Raises
+    ------
+    QueryError
+        The index does not fit the shape (too many indices, an int out of bounds); the
+        message names the index (``text`` when given), the shape and the fault.
+    """
+    probe = np.lib.stride_tricks.as_strided(np.zeros(1, np.int8), shape, (0,) * len(shape))
+    try:
+        return tuple(probe[index].shape)
+    except (IndexError, TypeError, ValueError) as exc:
+        shown = text if text is not None else index
+        raise QueryError(f"slice [{shown}] does not fit shape {list(shape)}: {exc}", text,
+                         None) from None

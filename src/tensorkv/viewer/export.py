@@ -28,7 +28,7 @@ import numpy as np
 from tensorkv.checkpoint.progress import bar
 from tensorkv.checkpoint.tables import FIELDS, Rows, take
 from tensorkv.errors import QueryError, import_optional
-from tensorkv.viewer.catalog import Catalog
+from tensorkv.viewer.catalog import Catalog, VariableInfo
 from tensorkv.viewer.rows import TableView, row_bytes
 from tensorkv.viewer.where import Predicate, parse_predicate
 
@@ -92,7 +92,7 @@ def export_variable(cat: Catalog, name: str, path: str, *, tag: str | None = Non
     part = path + ".partial"
     try:
         if info.kind == "dense":
-            arr = cat.dense(name, tag)
+            arr = _read_dense(cat, info, cat.resolve(tag), progress)
             _write_dense(arr, name, part, f)
             rows, nbytes = (int(arr.shape[0]) if arr.ndim else 1), int(arr.nbytes)
         else:
@@ -107,6 +107,33 @@ def export_variable(cat: Catalog, name: str, path: str, *, tag: str | None = Non
 
 
 # ------------------------------------------------------------------ dense
+#: Bytes of a dense tensor read at a time (rows of axis 0) while its progress bar counts.
+DENSE_READ_BYTES = 64 << 20
+
+
+def _read_dense(cat: Catalog, info: VariableInfo, tag: str, progress: bool | None) -> np.ndarray:
+    """A whole dense tensor, read :data:`DENSE_READ_BYTES` of axis 0 at a time under a bar."""
+    shape = info.shape
+    pbar = bar(info.nbytes, f"export {info.name}", progress)
+    try:
+        if not shape or shape[0] == 0:
+            arr = cat.dense(info.name, tag)
+            pbar.update(arr.nbytes)
+            return arr
+        step = max(1, DENSE_READ_BYTES // max(1, info.nbytes // shape[0]))
+        out: np.ndarray | None = None
+        for lo in range(0, shape[0], step):  # one read per group of rows
+            part = cat.dense(info.name, tag, (slice(lo, lo + step),))
+            if out is None:
+                out = np.empty(shape, part.dtype)
+            out[lo:lo + len(part)] = part
+            pbar.update(part.nbytes)
+        assert out is not None
+        return out
+    finally:
+        pbar.close()
+
+
 def _write_dense(arr: np.ndarray, name: str, path: str, f: str) -> None:
     if f == "npz":
         savez: Any = np.savez  # numpy's stub types **kwds as the options

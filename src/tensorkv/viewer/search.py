@@ -155,7 +155,8 @@ def parse_vector(text: str, dim: int) -> np.ndarray:
     """A query vector from ``"0.1, -0.2, ..."`` (commas or spaces), checked against ``dim``."""
     parts = [p for p in text.replace(",", " ").split() if p]
     try:
-        vec = np.array([float(p) for p in parts], np.float32)
+        with np.errstate(over="ignore"):  # beyond float32: inf, refused by nearest()
+            vec = np.array([float(p) for p in parts], np.float32)
     except ValueError:
         bad = next(p for p in parts if not _is_float(p))
         raise QueryError(f"vector {text!r}: {bad!r} at character {text.find(bad)} is not a "
@@ -243,6 +244,11 @@ def nearest(view: TableView, *, key: Any = None, vector: Any = None, k: int = 10
         if q.shape[0] != view.dim:
             raise QueryError(f"vector has {q.shape[0]} numbers but the table's rows have dim "
                              f"{view.dim}")
+    bad = np.flatnonzero(~np.isfinite(q))
+    if bad.size:
+        what = "the query vector" if key is None else f"the value of key {int(kk[0])}"
+        raise QueryError(f"{what} holds {q[bad[0]]} at position {int(bad[0])}: neighbours "
+                         "of a vector that is not finite are undefined; give finite numbers")
     larger = metric != "l2"
     q64 = q.astype(np.float64)
     qn = float(np.sqrt(q64 @ q64))

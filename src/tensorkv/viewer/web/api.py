@@ -376,6 +376,7 @@ def default_window(shape: tuple[int, ...]) -> str:
 def slice_(state: ViewerState, params: dict[str, str]) -> dict[str, Any]:
     """A 2-D slice of a dense tensor for the heat map; only that slice is read."""
     from tensorkv.viewer import parse_index
+    from tensorkv.viewer.catalog import index_shape
 
     tag = state.tag(params)
     name = required(params, "var")
@@ -384,12 +385,7 @@ def slice_(state: ViewerState, params: dict[str, str]) -> dict[str, Any]:
         raise QueryError(f"{name!r} is an embedding table; open its rows instead of a slice")
     text = params.get("slice", "").strip() or default_window(var.shape)
     index = parse_index(text)
-    probe = np.lib.stride_tricks.as_strided(np.zeros(1, np.int8), var.shape,
-                                            (0,) * len(var.shape))
-    try:
-        shown = probe[index].shape
-    except (IndexError, TypeError, ValueError) as exc:
-        raise QueryError(f"slice [{text}] does not fit shape {list(var.shape)}: {exc}") from None
+    shown = index_shape(var.shape, index, text)
     if len(shown) > 2:
         raise QueryError(f"slice [{text}] of shape {list(var.shape)} has {len(shown)} axes "
                          f"{list(shown)}; a heat map shows 2: fix the other axes with an integer, "
