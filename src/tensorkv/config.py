@@ -71,6 +71,7 @@ TABLE_MAX_LOAD_FACTOR = 0.5  # hash slots in use / slots before the index double
 ENV_PREFAULT = "TENSORKV_PREFAULT"  # 0: no background prefault of a table's next rows
 PREFAULT_AHEAD = 8  # growth steps of a row array whose memory is faulted in ahead
 OPTIMIZER_PARALLEL_MIN_ELEMENTS = 1 << 16  # rows*dim of one update before rows run on threads
+LOOKUP_PARALLEL_MIN_KEYS = 1 << 13  # keys of one index probe before it runs on threads
 ENV_PARALLEL_KERNELS = "TENSORKV_PARALLEL_KERNELS"  # 0: optimizer kernels always run serially
 
 # --- tier chains -------------------------------------------------------------------------------

@@ -195,3 +195,29 @@ def test_scratch_map_matches_numpy_unique(n):
     np.testing.assert_array_equal(uniq[out[hit]], q[hit])
     assert np.isin(q[~hit], want, invert=True).all()
     assert hit[: keys[::7].size].all()
+
+
+def test_parallel_probes_equal_serial_ones():
+    """``find_parallel`` / ``find_gather_parallel`` (large lookups) give the serial results."""
+    from tensorkv.embedding.arena import probe_parts
+    from tensorkv.kernels import arena as ak
+
+    a = RowArena(4, 0, capacity=1024)
+    keys = np.arange(0, 60_000, 3, dtype=np.int64)
+    rows, _ = a.insert(keys)
+    a.values[rows] = np.arange(rows.size * 4, dtype=np.float32).reshape(-1, 4)
+    q = np.concatenate([keys[::-2], np.arange(1, 30_000, 3)])  # hits and misses
+    assert probe_parts(q.size) > 1 and probe_parts(100) == 1
+    want_rows = np.empty(q.size, np.int64)
+    hk.index_find(a.index, q, want_rows)
+    want = np.full((q.size, 4), -7, np.float32)
+    n_miss = ak.find_gather(a.index, q, a.values, want, np.empty(q.size, np.int64))
+    for parts in (2, 3):
+        got_rows = np.empty(q.size, np.int64)
+        ak.find_parallel(a.index, q, got_rows, parts)
+        np.testing.assert_array_equal(got_rows, want_rows)
+        got = np.full((q.size, 4), -7, np.float32)
+        assert ak.find_gather_parallel(a.index, q, a.values, got, got_rows, parts) == n_miss
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(got_rows, want_rows)
+    np.testing.assert_array_equal(a.find(q), want_rows)

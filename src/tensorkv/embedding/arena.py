@@ -22,6 +22,8 @@ from tensorkv.errors import CapacityError, ConfigError
 from tensorkv.kernels import arena as ak
 from tensorkv.kernels import hashindex as hk
 from tensorkv.kernels import records as kr
+from tensorkv.kernels.initializers import threads
+from tensorkv.kernels.optimizers import parallel_enabled
 
 #: Storage dtypes of value rows. 16-bit ones are held as raw ``uint16`` bit patterns (numba has
 #: no float16/bfloat16 scalars) and converted to and from float32 with numpy / ml_dtypes.
@@ -36,6 +38,17 @@ def pow2_at_least(n: int) -> int:
     while p < n:
         p *= 2
     return p
+
+
+def probe_parts(n: int) -> int:
+    """Ranges to split an index probe of ``n`` keys into for numba's threads (1: serial).
+
+    From ``config.LOOKUP_PARALLEL_MIN_KEYS`` keys on, while parallel kernels are on
+    (``TENSORKV_PARALLEL_KERNELS``): a probe waits on memory, and threads overlap the waits.
+    """
+    if n < config.LOOKUP_PARALLEL_MIN_KEYS or not parallel_enabled():
+        return 1
+    return max(1, min(threads(), 2 * n // config.LOOKUP_PARALLEL_MIN_KEYS))
 
 
 class HostRows:
@@ -251,13 +264,21 @@ class RowArena:
     def find(self, keys: np.ndarray) -> np.ndarray:
         """Row of each key, ``-1`` where absent."""
         rows = np.empty(keys.shape[0], np.int64)
-        hk.index_find(self.index, keys, rows)
+        parts = probe_parts(keys.shape[0])
+        if parts > 1:
+            ak.find_parallel(self.index, keys, rows, parts)
+        else:
+            hk.index_find(self.index, keys, rows)
         return rows
 
     def find_gather(self, keys: np.ndarray, out: np.ndarray) -> tuple[np.ndarray, int]:
         """Rows of ``keys`` and their values copied into ``out``; returns (rows, misses)."""
         rows = np.empty(keys.shape[0], np.int64)
-        misses = ak.find_gather(self.index, keys, self.values, out, rows)
+        parts = probe_parts(keys.shape[0])
+        if parts > 1:
+            misses = ak.find_gather_parallel(self.index, keys, self.values, out, rows, parts)
+        else:
+            misses = ak.find_gather(self.index, keys, self.values, out, rows)
         return rows, int(misses)
 
     def insert(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -7,7 +7,7 @@ docs/internals.md ("The row arena").
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 from tensorkv.kernels.hashindex import (
     PREFETCH_DISTANCE,
@@ -52,6 +52,32 @@ def find_gather(index, keys, values, out, rows_out):  # pragma: no cover
     misses = index_find(index, keys, rows_out)
     gather_rows(values, rows_out, out)
     return misses
+
+
+@njit(nogil=True, cache=True, parallel=True)
+def find_gather_parallel(index, keys, values, out, rows_out, parts):  # pragma: no cover
+    """:func:`find_gather` over ``parts`` contiguous ranges of keys on numba's threads.
+
+    Each range's probes and copies are independent cache misses, so two threads overlap
+    twice as many; the result equals the serial kernel's.
+    """
+    n = keys.shape[0]
+    misses = np.zeros(parts, np.int64)
+    for j in prange(parts):
+        lo = n * j // parts
+        hi = n * (j + 1) // parts
+        misses[j] = find_gather(index, keys[lo:hi], values, out[lo:hi], rows_out[lo:hi])
+    return misses.sum()
+
+
+@njit(nogil=True, cache=True, parallel=True)
+def find_parallel(index, keys, rows_out, parts):  # pragma: no cover - compiled
+    """:func:`~tensorkv.kernels.hashindex.index_find` over ``parts`` ranges on numba's threads."""
+    n = keys.shape[0]
+    for j in prange(parts):
+        lo = n * j // parts
+        hi = n * (j + 1) // parts
+        index_find(index, keys[lo:hi], rows_out[lo:hi])
 
 
 @njit(nogil=True, cache=True)
