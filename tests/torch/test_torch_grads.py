@@ -87,6 +87,34 @@ def test_bag_2d_grad(mode):
            grad_out)
 
 
+@pytest.mark.parametrize("mode, weighted", [("sum", False), ("mean", False), ("sum", True)])
+def test_bags_of_one_id_grad(mode, weighted):
+    """A 2-D ``[bags, 1]`` input (one-hot features) takes the one-id scatter: the same row
+    gradients, bit for bit, as the general bag pass of the equal 1-D input with offsets."""
+    gen = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, 9, (30, 1), generator=gen)
+    ids[::5] = PAD
+    psw = torch.rand(30, 1, generator=gen) if weighted else None
+    grad_out = torch.randn(30, 5, generator=gen)
+    grads = []
+    for form in ("2d", "1d"):
+        m = DynamicEmbeddingBag(5, mode=mode, padding_idx=PAD, seed=3)
+        if form == "2d":
+            out = m(ids, per_sample_weights=psw)
+        else:
+            out = m(ids.reshape(-1), torch.arange(30),
+                    per_sample_weights=None if psw is None else psw.reshape(-1))
+        out.backward(grad_out)
+        grads.append(_grads(m))
+    np.testing.assert_array_equal(grads[0][0], grads[1][0])
+    np.testing.assert_array_equal(grads[0][1], grads[1][1])
+    _check(DynamicEmbeddingBag(5, mode=mode, padding_idx=PAD, seed=3),
+           lambda m: m(ids, per_sample_weights=psw),
+           lambda w, remap, pad: F.embedding_bag(remap(ids), w, mode=mode,
+                                                 per_sample_weights=psw, padding_idx=pad),
+           grad_out)
+
+
 def test_bag_weights_with_grad_use_torch_backward():
     """Per-sample weights that need a gradient get it (torch's own backward runs)."""
     ids = torch.tensor([[1, 2, 3], [3, 4, 1]])

@@ -79,16 +79,18 @@ class GatherRows(torch.autograd.Function):
 class PoolRows(torch.autograd.Function):
     """``F.embedding_bag`` (sum or mean) whose backward is one numba pass over the ids.
 
-    ``PoolRows.apply(rows, inv, offsets, weights, mode, include_last, pad, sink)`` with a 1-D
-    ``inv`` and its ``offsets`` (``nn.EmbeddingBag``'s 1-D form; callers flatten the 2-D form),
-    ``weights`` the per-sample weights or None (not differentiated: callers whose weights need
-    a gradient use torch's own backward).
+    ``PoolRows.apply(rows, inv, offsets, weights, mode, include_last, pad, sink, single)``
+    with a 1-D ``inv`` and its ``offsets`` (``nn.EmbeddingBag``'s 1-D form; callers flatten the
+    2-D form), ``weights`` the per-sample weights or None (not differentiated: callers whose
+    weights need a gradient use torch's own backward). ``single``: the caller knows every bag
+    holds one id and there are no weights (a 2-D ``[bags, 1]`` input of one-hot features), so
+    each output row's gradient goes to its id's row as it is (a simpler scatter).
     """
 
     @staticmethod
     def forward(ctx: Any, rows: torch.Tensor, inv: torch.Tensor, offsets: torch.Tensor,
                 weights: torch.Tensor | None, mode: str, include_last: bool, pad: int | None,
-                sink: Sink) -> torch.Tensor:
+                sink: Sink, single: bool = False) -> torch.Tensor:
         """Pooled rows of each bag: ``[bags, dim]``."""
         out = F.embedding_bag(inv, rows.detach(), offsets, mode=mode,
                               per_sample_weights=weights, include_last_offset=include_last,
@@ -103,16 +105,20 @@ class PoolRows(torch.autograd.Function):
         ctx.inv, ctx.starts, ctx.ends = inv.numpy(), starts, ends
         ctx.weights = (np.empty(0, np.float32) if weights is None else _host_f32(weights))
         ctx.pad = -1 if pad is None else pad
+        ctx.single = single and weights is None
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, ...]:
         """Scatter-add ``grad`` onto the rows and give the sum to the sink."""
         out = np.empty(tuple(ctx.shape), np.float32)
-        pk.scatter_bags(_host_f32(grad), ctx.inv, ctx.starts, ctx.ends, ctx.weights, ctx.mean,
-                        ctx.pad, out)
+        if ctx.single:  # a sum or mean of one id is its row (times 1.0): same sums
+            pk.scatter_rows(_host_f32(grad), ctx.inv, ctx.pad, out)
+        else:
+            pk.scatter_bags(_host_f32(grad), ctx.inv, ctx.starts, ctx.ends, ctx.weights,
+                            ctx.mean, ctx.pad, out)
         ctx.sink(torch.from_numpy(out))
-        return (None,) * 8
+        return (None,) * 9
 
 
 class _Scratch(threading.local):

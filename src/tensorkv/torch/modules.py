@@ -274,14 +274,16 @@ class DynamicEmbeddingBag(DynamicModule):
             if sink is not None and dev.type == "cpu" and self.mode != "max" and not (
                     psw is not None and psw.requires_grad) and (offsets is not None
                                                                 or shape[1] > 0):
+                single = False
                 if offsets is None:  # the 2-D form: bags of equal length
                     offsets = torch.arange(0, inv.shape[0], shape[1], dtype=torch.int64)
                     include_last = False
                     psw = None if psw is None else psw.reshape(-1)
+                    single = shape[1] == 1
                 else:
                     include_last = self.include_last_offset
                 return PoolRows.apply(rows, inv, offsets, psw, self.mode, include_last,
-                                      pad_row, sink)
+                                      pad_row, sink, single)
             if sink is not None:
                 rows = RowGrad.apply(rows, sink)
             return F.embedding_bag(
