@@ -95,17 +95,18 @@ class PoolRows(torch.autograd.Function):
         out = F.embedding_bag(inv, rows.detach(), offsets, mode=mode,
                               per_sample_weights=weights, include_last_offset=include_last,
                               padding_idx=pad)
+        ctx.sink, ctx.shape, ctx.mean = sink, rows.shape, mode == "mean"
+        ctx.inv, ctx.pad = inv.numpy(), -1 if pad is None else pad
+        ctx.single = single and weights is None
+        if ctx.single:  # the bags are the ids themselves
+            return out
         off = offsets.numpy().astype(np.int64, copy=False)
         n = inv.shape[0]
         if include_last:
-            starts, ends = off[:-1], np.minimum(off[1:], n)
+            ctx.starts, ctx.ends = off[:-1], np.minimum(off[1:], n)
         else:
-            starts, ends = off, np.append(off[1:], n)
-        ctx.sink, ctx.shape, ctx.mean = sink, rows.shape, mode == "mean"
-        ctx.inv, ctx.starts, ctx.ends = inv.numpy(), starts, ends
+            ctx.starts, ctx.ends = off, np.append(off[1:], n)
         ctx.weights = (np.empty(0, np.float32) if weights is None else _host_f32(weights))
-        ctx.pad = -1 if pad is None else pad
-        ctx.single = single and weights is None
         return out
 
     @staticmethod
