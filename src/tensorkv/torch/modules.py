@@ -276,7 +276,7 @@ class DynamicEmbeddingBag(DynamicModule):
                                                                 or shape[1] > 0):
                 single = False
                 if offsets is None:  # the 2-D form: bags of equal length
-                    offsets = torch.arange(0, inv.shape[0], shape[1], dtype=torch.int64)
+                    offsets = torch.from_numpy(np.arange(0, inv.shape[0], shape[1]))
                     include_last = False
                     psw = None if psw is None else psw.reshape(-1)
                     single = shape[1] == 1
