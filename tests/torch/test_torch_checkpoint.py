@@ -7,7 +7,8 @@ torch = pytest.importorskip("torch")
 
 import tensorkv  # noqa: E402
 import tensorkv.torch as tt  # noqa: E402
-from tensorkv.errors import CheckpointError  # noqa: E402
+from tensorkv.checkpoint.objects import module_state  # noqa: E402
+from tensorkv.errors import CheckpointError, ShapeError  # noqa: E402
 
 
 class Net(torch.nn.Module):
@@ -39,7 +40,8 @@ def assert_same(a, b):
     ra, rb = table_rows(a), table_rows(b)
     for f in ra:
         assert np.array_equal(ra[f], rb[f]), f
-    for (n, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
+    dense_a, dense_b = module_state(a), module_state(b)  # tensors only: the tables are above
+    for (n, x), (_, y) in zip(dense_a.items(), dense_b.items(), strict=True):
         assert torch.equal(x, y), n
 
 
@@ -97,7 +99,86 @@ def test_torch_save_load_carry_the_dense_optimizer_state(tmp_path):
         tt.load(Net(), url, "plain", optimizer=fopt)
 
 
-def test_state_dict_holds_the_dense_state_only():
+def _losses(net, opt, first, steps):
+    out = []
+    for s in range(first, first + steps):
+        ids = torch.from_numpy(np.random.default_rng(s).integers(0, 80, (8, 3)))
+        opt.zero_grad()
+        loss = net(ids).pow(2).mean()
+        loss.backward()
+        opt.step()
+        out.append(loss.item())
+    return out
+
+
+def test_state_dict_round_trip_holds_every_table():
+    """``torch.save(model.state_dict())`` + ``load_state_dict`` keep the tables (rows, slots,
+    frequencies, versions, step, optimizer state): training goes on bit for bit."""
+    import io
+
     net = Net()
-    assert not any("emb" in k for k in net.state_dict())
-    Net().load_state_dict(net.state_dict())
+    opt = tt.Optimizer(net, dense=torch.optim.Adam(net.head.parameters()))
+    train(net, opt, 5)
+    sd = net.state_dict()
+    assert sd["emb._extra_state"]["keys"].shape[0] == len(net.emb.table) > 0
+    buf = io.BytesIO()
+    torch.save({"model": sd, "opt": opt.state_dict()}, buf)
+    buf.seek(0)
+    saved = torch.load(buf)  # weights_only: plain dicts, tensors and numbers
+    fresh = Net()
+    fresh.emb.table.lookup(np.arange(1000, 1010))  # rows the saved model never had: replaced
+    fresh_opt = tt.Optimizer(fresh, dense=torch.optim.Adam(fresh.head.parameters()))
+    fresh.load_state_dict(saved["model"])
+    fresh_opt.load_state_dict(saved["opt"])
+    assert_same(net, fresh)
+    assert fresh.emb.table.step == 5
+    assert _losses(net, opt, 5, 4) == _losses(fresh, fresh_opt, 5, 4)
+    assert_same(net, fresh)
+
+
+def test_tensorkv_save_keeps_tables_out_of_the_dense_state(tmp_path):
+    url = f"lmdb://{tmp_path / 'ck'}"
+    net = Net()
+    train(net, tt.Optimizer(net, dense=torch.optim.Adam(net.head.parameters())), 2)
+    tensorkv.save(net, url, "t")
+    info = tensorkv.tag_info(url, "t")
+    assert not any("_extra_state" in n for n in info["dense"]) and "emb.table" in info["tables"]
+    assert "emb._extra_state" not in module_state(net)
+    assert "emb._extra_state" in net.state_dict()  # outside the collection, rows again
+
+
+def test_bad_table_states_leave_the_table_as_it_was():
+    net = Net()
+    train(net, tt.Optimizer(net, dense=torch.optim.Adam(net.head.parameters())), 2)
+    good = net.state_dict()
+    before = table_rows(net)
+
+    def with_state(**change):
+        sd = dict(good)
+        sd["emb._extra_state"] = {**good["emb._extra_state"], **change}
+        return sd
+
+    bad_values = good["emb._extra_state"]["values"].clone()
+    bad_values[0, 0] = float("nan")
+    cases = [
+        (with_state(tensorkv_table=0), CheckpointError, "placeholder"),
+        (with_state(tensorkv_table=9), CheckpointError, "format 9"),
+        (with_state(meta={**good["emb._extra_state"]["meta"], "dim": 8}), CheckpointError,
+         "dim 8"),
+        (with_state(values=good["emb._extra_state"]["values"][:, :2]), ShapeError, "values"),
+        (with_state(values=bad_values), CheckpointError, "NaN"),
+    ]
+    for sd, err, match in cases:
+        with pytest.raises(err, match=match):
+            net.load_state_dict(sd)
+        after = table_rows(net)
+        for f in before:
+            assert np.array_equal(before[f], after[f]), f
+    sd = dict(good)
+    sd["emb._extra_state"] = "not a table"
+    with pytest.raises(CheckpointError, match="not a tensorkv table"):
+        net.load_state_dict(sd)
+    sd = dict(good)
+    del sd["emb._extra_state"]["freq"]
+    with pytest.raises(CheckpointError, match="lacks 'freq'"):
+        net.load_state_dict(sd)

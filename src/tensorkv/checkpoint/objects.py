@@ -6,6 +6,9 @@ records which kind it was (the ``kind`` field in ``docs/format.md``).
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 from tensorkv.checkpoint import layout
@@ -13,6 +16,9 @@ from tensorkv.checkpoint.dense import is_torch_tensor
 from tensorkv.errors import CheckpointError
 
 SINGLE_TABLE_NAME = "table"
+#: Key of the dict a dynamic module puts into its ``state_dict()`` for its table.
+TABLE_STATE = "tensorkv_table"
+_local = threading.local()
 
 
 def is_table(x: Any) -> bool:
@@ -45,12 +51,37 @@ def module_tables(module: Any) -> dict[str, Any]:
     return out
 
 
+def collecting_module_state() -> bool:
+    """Whether :func:`module_state` is collecting a module's dense state in this thread.
+
+    A dynamic module then leaves its table's rows out of its ``state_dict()`` (a marker
+    instead): a checkpoint stores the table itself, as records.
+    """
+    return bool(getattr(_local, "depth", 0))
+
+
+@contextlib.contextmanager
+def _collecting() -> Iterator[None]:
+    _local.depth = getattr(_local, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _local.depth -= 1
+
+
+def module_state(module: Any) -> dict[str, Any]:
+    """A module's ``state_dict()`` without the tables its dynamic modules hold."""
+    with _collecting():
+        state = dict(module.state_dict())
+    return {k: v for k, v in state.items() if not (isinstance(v, dict) and TABLE_STATE in v)}
+
+
 def collect(obj: Any) -> tuple[str, dict[str, Any], dict[str, Any]]:
     """Split ``obj`` into (kind, dense tensors by name, tables by name)."""
     if is_table(obj):
         return "table", {}, {SINGLE_TABLE_NAME: obj}
     if is_module(obj):
-        dense = dict(obj.state_dict())
+        dense = module_state(obj)
         tables = module_tables(obj)
         clash = sorted(set(dense) & set(tables))
         if clash:

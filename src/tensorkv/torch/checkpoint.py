@@ -18,7 +18,7 @@ from torch import nn
 from tensorkv.checkpoint import load as kv_load
 from tensorkv.checkpoint import save as kv_save
 from tensorkv.checkpoint import tag_info
-from tensorkv.checkpoint.objects import module_tables
+from tensorkv.checkpoint.objects import module_state, module_tables
 from tensorkv.errors import CheckpointError
 from tensorkv.torch.optim import Optimizer
 
@@ -29,7 +29,7 @@ META_KEY = "dense_optimizer"
 def _entries(model: nn.Module) -> dict[str, Any]:
     if not isinstance(model, nn.Module):
         raise CheckpointError(f"model={type(model).__name__} must be a torch nn.Module")
-    out: dict[str, Any] = dict(model.state_dict())
+    out: dict[str, Any] = module_state(model)
     tables = module_tables(model)
     clash = sorted(set(out) & set(tables))
     if clash:

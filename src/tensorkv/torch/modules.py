@@ -21,6 +21,7 @@ from tensorkv.embedding import EmbeddingTable
 from tensorkv.embedding.table_io import is_int
 from tensorkv.errors import ConcurrentUseError, ConfigError, ShapeError
 from tensorkv.torch.autograd import GatherRows, PoolRows, RowGrad, dedup
+from tensorkv.torch.state import load_table_state, table_state
 
 _BAG_MODES = ("sum", "mean", "max")
 
@@ -72,6 +73,15 @@ class DynamicModule(nn.Module):
         #: Apply each backward pass's gradients to the table at once, inside backward
         #: (set by ``tensorkv.torch.Optimizer(..., fused=True)``).
         self.fused = False
+
+    # --- state_dict ---------------------------------------------------------------------------
+    def get_extra_state(self) -> dict[str, Any]:
+        """The table's rows, slots, frequencies, versions and step, for ``state_dict()``."""
+        return table_state(self.table)
+
+    def set_extra_state(self, state: Any) -> None:
+        """Replace the table's rows with those of ``state`` (``load_state_dict``)."""
+        load_table_state(self.table, state, type(self).__name__)
 
     # --- gradients ----------------------------------------------------------------------------
     def take_gradients(self) -> list[tuple[np.ndarray, np.ndarray]]:
