@@ -95,8 +95,9 @@ def _phases(batches: list[Any], warmup: int) -> dict[str, float]:
 
     model, opt = _dynamic()
     table = model.embedding.table
-    spent = {"lookup": 0.0, "embedding forward": 0.0, "forward": 0.0, "backward": 0.0,
-             "optimizer": 0.0}
+    names = ("lookup", "embedding forward", "forward", "backward", "optimizer")
+    spent: dict[str, list[float]] = {k: [] for k in names}
+    cur = dict.fromkeys(names, 0.0)  # this step's
     seen: list[np.ndarray] = []
     real_lookup = table.lookup
 
@@ -105,9 +106,8 @@ def _phases(batches: list[Any], warmup: int) -> dict[str, float]:
         try:
             return real_lookup(keys, *args, **kw)
         finally:
-            if counting:
-                spent["lookup"] += time.perf_counter() - t0
-                seen.append(np.array(keys, copy=True))
+            cur["lookup"] += time.perf_counter() - t0
+            seen.append(np.array(keys, copy=True))
 
     emb_t0 = [0.0]
 
@@ -115,19 +115,18 @@ def _phases(batches: list[Any], warmup: int) -> dict[str, float]:
         emb_t0[0] = time.perf_counter()
 
     def post(*_: Any) -> None:
-        if counting:
-            spent["embedding forward"] += time.perf_counter() - emb_t0[0]
+        cur["embedding forward"] += time.perf_counter() - emb_t0[0]
 
     table.lookup = timed_lookup
     model.embedding.register_forward_pre_hook(pre)
     model.embedding.register_forward_hook(post)
     f = torch.nn.functional.binary_cross_entropy_with_logits
-    n = 0
     inserts0 = 0
     for i, (dense, keys, _, labels) in enumerate(batches):
-        counting = i >= warmup
         if i == warmup:
             inserts0 = table.stats()["inserts"]
+            seen.clear()
+        cur.update(dict.fromkeys(names, 0.0))
         t0 = time.perf_counter()
         loss = f(model(dense, keys), labels)
         t1 = time.perf_counter()
@@ -136,19 +135,18 @@ def _phases(batches: list[Any], warmup: int) -> dict[str, float]:
         t2 = time.perf_counter()
         opt.step()
         t3 = time.perf_counter()
-        if counting:
-            n += 1
-            spent["forward"] += t1 - t0
-            spent["backward"] += t2 - t1
-            spent["optimizer"] += t3 - t2
-    counting = False
-    t0 = time.perf_counter()
+        if i >= warmup:
+            cur.update({"forward": t1 - t0, "backward": t2 - t1, "optimizer": t3 - t2})
+            for k in names:
+                spent[k].append(cur[k])
+    gather = []
     for keys in seen:  # the same lookups again, every key present now: gather only
+        t0 = time.perf_counter()
         real_lookup(keys, insert=False)
-    gather = time.perf_counter() - t0
-    out = {k: v / n for k, v in spent.items()}
-    out["inserts"] = max(out["lookup"] - gather / n, 0.0)
-    out["new ids"] = (table.stats()["inserts"] - inserts0) / n
+        gather.append(time.perf_counter() - t0)
+    out = {k: float(np.median(v)) for k, v in spent.items()}
+    out["inserts"] = max(float(np.median(np.subtract(spent["lookup"], gather))), 0.0)
+    out["new ids"] = (table.stats()["inserts"] - inserts0) / len(spent["lookup"])
     table.close()
     return out
 
