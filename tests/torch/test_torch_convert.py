@@ -53,6 +53,35 @@ def test_converted_model_gives_the_same_outputs_and_trains():
     assert net.user.table.step == 1 and net.items.table.step == 1
 
 
+def test_a_converted_model_loads_a_state_dict_saved_before_conversion():
+    """``load_state_dict`` takes the ``weight`` entries of the modules ``convert`` replaced
+    (a pretrained checkpoint of the static model), as ``convert`` takes the rows."""
+    pretrained = Net()
+    with torch.no_grad():
+        for m in (pretrained.user, pretrained.items, pretrained.tags):
+            m.weight.add_(1.0)
+        pretrained.user.weight[3] = 0.0  # the padding row stays zero
+        want = pretrained(*inputs())
+    old_state = pretrained.state_dict()
+    fresh = Net()
+    convert(fresh)
+    fresh.user.table.lookup(np.array([500, 501]))  # rows the checkpoint lacks: replaced
+    fresh.load_state_dict(old_state)
+    with torch.no_grad():
+        assert torch.allclose(fresh(*inputs()), want, atol=1e-6)
+    assert len(fresh.user.table) == 19 and 500 not in fresh.user.table
+    rows = fresh.user.table.lookup(np.array([5]), insert=False)
+    np.testing.assert_array_equal(rows[0], old_state["user.weight"][5].numpy())
+    bad = dict(old_state, **{"user.weight": old_state["user.weight"][:, :2]})
+    with pytest.raises(RuntimeError, match=r"user.weight: a weight of shape \(20, 2\)"):
+        fresh.load_state_dict(bad)
+    nan = old_state["user.weight"].clone()
+    nan[1, 1] = float("nan")
+    with pytest.raises(RuntimeError, match="NaN"):
+        fresh.load_state_dict(dict(old_state, **{"user.weight": nan}))
+    assert len(fresh.user.table) == 19  # unchanged by the refused loads
+
+
 def test_include_converts_only_the_named_modules():
     net = Net()
     convert(net, include=["tags"])

@@ -11,12 +11,12 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
 from tensorkv.errors import ConfigError
 from tensorkv.torch.modules import DynamicEmbedding, DynamicEmbeddingBag, DynamicModule
+from tensorkv.torch.state import weight_rows
 
 
 def _refuse(name: str, module: nn.Embedding | nn.EmbeddingBag) -> None:
@@ -115,11 +115,7 @@ def _dynamic(name: str, old: nn.Embedding | nn.EmbeddingBag, storage: Any, optim
     else:
         new = DynamicEmbedding(old.embedding_dim, padding_idx=pad, storage=storage,
                                optimizer=opt, **kwargs)
-    weight = old.weight.detach().to("cpu", torch.float32).numpy()
-    ids = np.arange(old.num_embeddings, dtype=np.int64)
-    if pad is not None:
-        keep = ids != pad
-        ids, weight = ids[keep], weight[keep]
+    ids, weight = weight_rows(old.weight, pad)
     if ids.size:
         new.table.upsert(ids, weight)
     new.train(old.training)

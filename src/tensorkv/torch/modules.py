@@ -19,9 +19,9 @@ from torch import nn
 
 from tensorkv.embedding import EmbeddingTable
 from tensorkv.embedding.table_io import is_int
-from tensorkv.errors import ConcurrentUseError, ConfigError, ShapeError
+from tensorkv.errors import CheckpointError, ConcurrentUseError, ConfigError, ShapeError
 from tensorkv.torch.autograd import GatherRows, PoolRows, RowGrad, dedup
-from tensorkv.torch.state import load_table_state, table_state
+from tensorkv.torch.state import load_table_state, load_weight, table_state
 
 _BAG_MODES = ("sum", "mean", "max")
 
@@ -82,6 +82,20 @@ class DynamicModule(nn.Module):
     def set_extra_state(self, state: Any) -> None:
         """Replace the table's rows with those of ``state`` (``load_state_dict``)."""
         load_table_state(self.table, state, type(self).__name__)
+
+    def _load_from_state_dict(self, state_dict: Any, prefix: str, local_metadata: Any,
+                              strict: bool, missing_keys: list[str], unexpected_keys: list[str],
+                              error_msgs: list[str]) -> None:
+        """Torch's loading hook; also takes the ``weight`` of the module ``convert`` replaced."""
+        weight = state_dict.get(prefix + "weight")
+        if weight is not None and prefix + "_extra_state" not in state_dict:
+            try:
+                load_weight(self.table, weight, self.padding_idx, prefix + "weight")
+            except CheckpointError as e:
+                error_msgs.append(str(e))
+            return
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
 
     # --- gradients ----------------------------------------------------------------------------
     def take_gradients(self) -> list[tuple[np.ndarray, np.ndarray]]:

@@ -92,4 +92,34 @@ def load_table_state(table: Any, state: Any, name: str) -> None:
     table.step = int(meta.get("step", table.step))
 
 
-__all__ = ["FORMAT", "load_table_state", "table_state"]
+def weight_rows(weight: Any, padding_idx: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """Ids ``0..n-1`` (without ``padding_idx``) and their rows of an ``nn.Embedding`` weight."""
+    w = weight.detach().to("cpu", torch.float32).numpy() if isinstance(weight, torch.Tensor) \
+        else np.asarray(weight, np.float32)
+    ids = np.arange(w.shape[0], dtype=np.int64)
+    if padding_idx is not None:
+        keep = ids != padding_idx
+        ids, w = ids[keep], w[keep]
+    return ids, w
+
+
+def load_weight(table: Any, weight: Any, padding_idx: int | None, name: str) -> None:
+    """Replace ``table``'s rows with an ``nn.Embedding``/``nn.EmbeddingBag`` ``weight``.
+
+    What ``load_state_dict`` does with the ``weight`` entry of a model saved before
+    :func:`~tensorkv.torch.convert` replaced the module: id ``i`` gets row ``i`` (new slots,
+    no frequencies), as in ``convert``. Checked before the table changes.
+    """
+    shape = tuple(getattr(weight, "shape", ()))
+    if len(shape) != 2 or shape[1] != table.dim:
+        raise CheckpointError(f"{name}: a weight of shape {shape} does not fit a table of dim "
+                              f"{table.dim}; it needs shape [num_embeddings, {table.dim}]")
+    ids, rows = weight_rows(weight, padding_idx)
+    if not np.isfinite(rows).all():
+        raise CheckpointError(f"{name}: the weight holds NaN or Inf; the table is unchanged")
+    table.clear()
+    if ids.size:
+        table.upsert(ids, rows)
+
+
+__all__ = ["FORMAT", "load_table_state", "load_weight", "table_state", "weight_rows"]
