@@ -157,6 +157,20 @@ def test_nonfinite_gradients_refused_before_anything_changes():
     assert e.table.step == 0 and torch.equal(lin.weight, w0) and e.pending_gradients() == 1
 
 
+def test_nonfinite_gradients_of_one_table_leave_every_table_unchanged():
+    a = DynamicEmbedding(2, optimizer="sgd", initializer="zeros")
+    b = DynamicEmbedding(2, optimizer="sgd", initializer="zeros")
+    lin = torch.nn.Linear(2, 1)
+    opt = Optimizer(torch.nn.ModuleList([a, b, lin]),
+                    dense=torch.optim.SGD(lin.parameters(), lr=0.1))
+    (lin(a(torch.tensor([1]))).sum() + lin(b(torch.tensor([2]))).sum() * float("nan")).backward()
+    w0 = lin.weight.detach().clone()
+    with pytest.raises(NonFiniteGradientError, match="ids \\[2\\]"):
+        opt.step()
+    assert a.table.step == b.table.step == 0 and torch.equal(lin.weight, w0)
+    assert a.pending_gradients() == b.pending_gradients() == 1
+
+
 def test_two_threads_at_once_are_refused():
     e = DynamicEmbedding(2)
     entered, release = threading.Event(), threading.Event()

@@ -87,6 +87,13 @@ class Optimizer:
         taken = [(m, m.take_gradients()) for m in self.modules]
         try:
             batches = self._group(taken)
+            if len(batches) == 1:  # the table's own check refuses NaN/Inf before it changes
+                table, keys, grads, unique = batches[0]
+                try:
+                    table.apply_gradients(keys, grads, unique=unique)
+                except NonFiniteGradientError:
+                    raise _nonfinite(keys, grads) from None
+                batches = []
         except Exception:
             for m, items in taken:
                 m.restore_gradients(items)
@@ -97,9 +104,10 @@ class Optimizer:
             self.dense.step()
 
     def _group(self, taken: list[tuple[DynamicModule, list]]) -> list[tuple[Any, Any, Any, bool]]:
-        """One ``(table, keys, grads, unique)`` per table with gradients, checked for NaN/Inf.
+        """One ``(table, keys, grads, unique)`` per table with gradients.
 
-        ``unique``: one backward pass of one module, whose ids are distinct already.
+        With several tables each is checked for NaN/Inf here, before any changes (one table
+        checks its own). ``unique``: one backward pass of one module, whose ids are distinct.
         """
         by_table: dict[int, tuple[EmbeddingTable, list, list]] = {}
         for m, items in taken:
@@ -111,13 +119,8 @@ class Optimizer:
         for table, keys, grads in by_table.values():
             k = keys[0] if len(keys) == 1 else np.concatenate(keys)
             g = grads[0] if len(grads) == 1 else np.concatenate(grads)
-            if table.nan_policy == "raise" and not np.isfinite(g).all():
-                bad = k[~np.isfinite(g).all(axis=1)]
-                raise NonFiniteGradientError(
-                    f"gradients for {np.unique(bad).size} ids hold NaN or Inf (ids "
-                    f"{np.unique(bad)[:8].tolist()}); no table or dense parameter changed and "
-                    "the gradients still wait. Fix the loss or clip gradients and call "
-                    "zero_grad(), or create the table with nan_policy='skip'")
+            if len(by_table) > 1 and table.nan_policy == "raise" and not np.isfinite(g).all():
+                raise _nonfinite(k, g)
             out.append((table, k, g, len(keys) == 1))
         return out
 
@@ -139,6 +142,14 @@ class Optimizer:
         return (f"tensorkv.torch.Optimizer(tables={len(self.tables)}, "
                 f"dense={type(self.dense).__name__ if self.dense is not None else None}"
                 f"{', fused=True' if self.fused else ''})")
+
+
+def _nonfinite(keys: np.ndarray, grads: np.ndarray) -> NonFiniteGradientError:
+    bad = np.unique(keys[~np.isfinite(grads).all(axis=1)])
+    return NonFiniteGradientError(
+        f"gradients for {bad.size} ids hold NaN or Inf (ids {bad[:8].tolist()}); no table or "
+        "dense parameter changed and the gradients still wait. Fix the loss or clip gradients "
+        "and call zero_grad(), or create the table with nan_policy='skip'")
 
 
 __all__ = ["Optimizer"]
