@@ -107,6 +107,15 @@ def test_torch_modules_train_a_sharded_table_as_a_local_one(ps):
     assert_same_rows(table_rows(t1), table_rows(t0), seq=False)  # values, slots, freq, version
     for a, b in zip(m0.parameters(), m1.parameters(), strict=True):
         np.testing.assert_array_equal(a.detach().numpy(), b.detach().numpy())
+    # state_dict() of a module on a sharded table, into a local table and back
+    local = DLRM(DynamicEmbeddingBag(8, mode="sum", table=tensorkv.EmbeddingTable(8, **kw)),
+                 dim=8, bottom=16, top=16)
+    local.load_state_dict(m1.state_dict())
+    assert_same_rows(table_rows(local.embedding.table), table_rows(t0), seq=False)
+    assert local.embedding.table.step == t1.step == 4
+    t1.upsert(np.array([10**6]), np.ones((1, 8), np.float32))  # replaced by the load below
+    m1.load_state_dict(m0.state_dict())
+    assert_same_rows(table_rows(t1), table_rows(t0), seq=False)
 
 
 def test_sharded_save_restores_onto_any_number_of_shards(ps, tmp_path):

@@ -294,7 +294,7 @@ def _check_room(name: str, table: Any, rows: list[tables.Rows | None] | int) -> 
         )
 
 
-def _restore_meta(table: Any, meta: dict[str, Any]) -> None:
+def restore_meta(table: Any, meta: dict[str, Any]) -> None:
     """Restore the table-global state (optimizer state such as Adam's step, the table step)."""
     fn = getattr(table, "load_state_meta", None)
     if fn is not None:
@@ -500,7 +500,7 @@ def load(
                     target.import_(built[n].export())
                 else:
                     _apply_rows(target, rows, removed)
-            _restore_meta(target, doc["tables"][n]["meta"])
+            restore_meta(target, doc["tables"][n]["meta"])
             info = doc["tables"][n]["shards"]
             if shard is None and len(info) == 1:
                 only = next(iter(info.values()))

@@ -16,8 +16,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from tensorkv.checkpoint.load import restore_meta
 from tensorkv.checkpoint.objects import TABLE_STATE, collecting_module_state
-from tensorkv.embedding.chunks import ExportChunk, nonfinite_rows
+from tensorkv.embedding.chunks import ExportChunk, check_chunk, nonfinite_rows
+from tensorkv.embedding.optimizers import get_optimizer
 from tensorkv.errors import CheckpointError
 
 #: Version of the dict's layout.
@@ -31,7 +33,7 @@ def table_state(table: Any) -> dict[str, Any]:
         return {TABLE_STATE: 0}
     chunks = list(table.export())
     meta = table.state_dict_meta()
-    dim, width = int(meta["dim"]), int(table.num_slots) * int(meta["dim"])
+    dim, width = int(meta["dim"]), _slot_width(meta)
     parts: dict[str, list[np.ndarray]] = {f: [] for f in _FIELDS}
     for ch in chunks:
         for f in _FIELDS:
@@ -45,6 +47,12 @@ def table_state(table: Any) -> dict[str, Any]:
         arr = np.concatenate(parts[f]) if parts[f] else empty[f]
         out[f] = torch.from_numpy(np.ascontiguousarray(arr))
     return out
+
+
+def _slot_width(meta: dict[str, Any]) -> int:
+    """Optimizer slot columns of a table's rows, from its ``state_dict_meta()``."""
+    config = (meta.get("optimizer") or {}).get("config")
+    return get_optimizer(config).num_slots * int(meta["dim"])
 
 
 def load_table_state(table: Any, state: Any, name: str) -> None:
@@ -75,21 +83,25 @@ def load_table_state(table: Any, state: Any, name: str) -> None:
         raise CheckpointError(f"{name}: the table state lacks {e}") from None
     keys, values, slots, freq, version = arrays
     chunk = ExportChunk(keys, values, slots, freq, version, np.zeros(keys.shape[0], np.int64))
-    keys, values, slots, _, _ = table.check_chunk(chunk, "load_state_dict")
-    if table.nan_policy == "raise" and keys.size and nonfinite_rows(
-            values, slots, table.arena.np_dtype).any():
+    own = table.state_dict_meta()  # any table with the table API (a sharded one too)
+    arena = getattr(table, "arena", None)  # a sharded table's shards convert float32 rows
+    storage = arena.np_dtype if arena is not None else np.dtype(np.float32)
+    keys, values, slots, _, _ = check_chunk(
+        chunk, dim=table.dim, slot_width=_slot_width(own), storage_dtype=storage,
+        optimizer=str(((own.get("optimizer") or {}).get("config") or {}).get("name", "?")),
+        as_keys=table.as_keys, what="load_state_dict")
+    if getattr(table, "nan_policy", "raise") == "raise" and keys.size and nonfinite_rows(
+            values, slots, storage).any():
         raise CheckpointError(f"{name}: the state holds rows with NaN or Inf; the table is "
                               "unchanged (create it with nan_policy='skip' to leave them out)")
     limit = getattr(table, "capacity_limit", None)
     if limit is not None and not table.growth and keys.shape[0] > limit:
         raise CheckpointError(f"{name}: the state holds {keys.shape[0]} rows but the table may "
                               f"hold at most capacity={limit} (growth=False)")
-    opt_state = (meta.get("optimizer") or {}).get("state")
     table.clear()
-    table.import_(chunk)
-    if opt_state is not None:
-        table.optimizer.load_state(opt_state)
-    table.step = int(meta.get("step", table.step))
+    if keys.size:
+        table.import_(chunk)
+    restore_meta(table, meta)
 
 
 def weight_rows(weight: Any, padding_idx: int | None) -> tuple[np.ndarray, np.ndarray]:
