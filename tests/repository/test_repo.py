@@ -311,3 +311,39 @@ def test_a_put_behind_other_writers_is_applied_in_log_order(lmdb_url):
         assert [r["id"] for r in b.list()] == [first, second]
         assert [r["id"] for r in a.list()] == [first, second]
         assert b.read_tensors(second) == {}
+
+
+def test_a_model_with_dynamic_tables_round_trips(lmdb_url):
+    """The table of a dynamic module is stored with the model: rows, slots, counts, step."""
+    import tensorkv.torch as tt
+    from tensorkv.checkpoint.objects import TABLE_STATE, gather_tables, spread_tables
+    from tensorkv.errors import CheckpointError
+
+    def make():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(tt.DynamicEmbeddingBag(4, mode="sum", optimizer="adagrad"),
+                                   torch.nn.Linear(4, 1))
+
+    model = make()
+    opt = tt.Optimizer(model, dense=torch.optim.SGD(model[1].parameters(), lr=0.1))
+    ids = torch.tensor([[1, 2], [3, 4], [2, 9]])
+    for _ in range(3):
+        opt.zero_grad()
+        model(ids).pow(2).sum().backward()
+        opt.step()
+    repo = Repository(lmdb_url)
+    mid = repo.put(model, name="dyn", example_inputs=(ids,))
+    assert any(n.endswith("_extra_state/values") for n in repo.read_tensors(mid, None))
+    fresh = make()
+    repo.load_into(fresh, mid)
+    with torch.no_grad():
+        assert torch.equal(fresh(ids), model(ids))
+    a, b = model[0].table, fresh[0].table
+    assert len(a) == len(b) == 5 and a.step == b.step == 3
+    keys = np.arange(10)
+    np.testing.assert_array_equal(a.frequency(keys), b.frequency(keys))
+    state = repo.get(mid, as_numpy=True)
+    assert state["0._extra_state"][TABLE_STATE] == 1
+    assert sorted(gather_tables(spread_tables(state))) == sorted(state)
+    with pytest.raises(CheckpointError, match="placeholder"):
+        spread_tables({"t": {TABLE_STATE: 0}})

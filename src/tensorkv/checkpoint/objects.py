@@ -7,9 +7,12 @@ records which kind it was (the ``kind`` field in ``docs/format.md``).
 from __future__ import annotations
 
 import contextlib
+import json
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
+
+import numpy as np
 
 from tensorkv.checkpoint import layout
 from tensorkv.checkpoint.dense import is_torch_tensor
@@ -18,6 +21,9 @@ from tensorkv.errors import CheckpointError
 SINGLE_TABLE_NAME = "table"
 #: Key of the dict a dynamic module puts into its ``state_dict()`` for its table.
 TABLE_STATE = "tensorkv_table"
+#: Its tensors, and the name suffix of its JSON part once spread (:func:`spread_tables`).
+TABLE_FIELDS = ("keys", "values", "slots", "freq", "version")
+_META = "/meta"
 _local = threading.local()
 
 
@@ -74,6 +80,43 @@ def module_state(module: Any) -> dict[str, Any]:
     with _collecting():
         state = dict(module.state_dict())
     return {k: v for k, v in state.items() if not (isinstance(v, dict) and TABLE_STATE in v)}
+
+
+def spread_tables(state: Mapping[str, Any]) -> dict[str, Any]:
+    """``state`` with each table dict of a dynamic module spread into tensors.
+
+    The dict under ``name`` becomes ``name/keys``, ``name/values``, ``name/slots``,
+    ``name/freq``, ``name/version`` and ``name/meta`` (its JSON part as uint8), so that a
+    store of plain tensors keeps it; :func:`gather_tables` puts it back together.
+    """
+    out: dict[str, Any] = {}
+    for name, val in state.items():
+        if not (isinstance(val, dict) and TABLE_STATE in val):
+            out[name] = val
+            continue
+        if not val[TABLE_STATE]:
+            raise CheckpointError(f"{name!r} is a placeholder for a table's rows, not the rows")
+        for f in TABLE_FIELDS:
+            out[f"{name}/{f}"] = val[f]
+        doc = json.dumps({TABLE_STATE: val[TABLE_STATE], "meta": val["meta"]})
+        out[name + _META] = np.frombuffer(doc.encode(), np.uint8)
+    return out
+
+
+def gather_tables(state: Mapping[str, Any]) -> dict[str, Any]:
+    """The inverse of :func:`spread_tables` (other entries pass through)."""
+    out = dict(state)
+    for key in [k for k in state if k.endswith(_META)]:
+        name = key[: -len(_META)]
+        if not all(f"{name}/{f}" in state for f in TABLE_FIELDS):
+            continue
+        raw = out.pop(key)
+        raw = raw.numpy() if hasattr(raw, "numpy") else raw  # a torch tensor or an array
+        table = json.loads(np.asarray(raw, np.uint8).tobytes())
+        for f in TABLE_FIELDS:
+            table[f] = out.pop(f"{name}/{f}")
+        out[name] = table
+    return out
 
 
 def collect(obj: Any) -> tuple[str, dict[str, Any], dict[str, Any]]:

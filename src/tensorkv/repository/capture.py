@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from typing import Any, Literal
 
+from tensorkv.checkpoint.objects import module_state
 from tensorkv.errors import GraphError, import_optional
 from tensorkv.repository.graph import Graph, Node, Param
 
@@ -68,7 +69,7 @@ def trace_fx(model: Any) -> Graph:
     """The graph of ``model`` from ``torch.fx.symbolic_trace`` (raises what fx raises)."""
     fx = import_optional("torch.fx", "capturing a model graph", "torch")
     gm = fx.symbolic_trace(model)
-    names = set(model.state_dict().keys())
+    names = set(module_state(model))  # a dynamic module's rows are not exported for this
     nodes: list[Node] = []
     n_inputs = 0
     for n in gm.graph.nodes:
@@ -125,7 +126,7 @@ def trace_tree(model: Any) -> Graph:
 
 
 def _chain(model: Any, order: list[str]) -> Graph:
-    names = set(model.state_dict().keys())
+    names = set(module_state(model))  # a dynamic module's rows are not exported for this
     mods = dict(model.named_modules())
     nodes = [Node("input", "input", "input", {"index": 0})]
     for i, name in enumerate(order):

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from tensorkv.checkpoint.dense import to_numpy
+from tensorkv.checkpoint.objects import gather_tables, spread_tables
 from tensorkv.errors import (
     ConfigError,
     CorruptRecordError,
@@ -195,7 +196,8 @@ class Repository:
         if not isinstance(state, Mapping):
             raise GraphError(f"state_dict must be a mapping of name -> tensor, got "
                              f"{type(state).__name__}")
-        arrays = {str(k): to_numpy(str(k), v) for k, v in state.items()}
+        # a dynamic module's table (rows, slots, counts) is stored as tensors as well
+        arrays = {str(k): to_numpy(str(k), v) for k, v in spread_tables(state).items()}
         for n in graph.nodes:
             for p in n.params:
                 got = arrays.get(p.tensor)
@@ -469,8 +471,12 @@ class Repository:
 
     def get(self, mid: str, *, as_numpy: bool = False, copy: bool = True,
             verify: bool = True) -> dict[str, Any]:
-        """The state dict of model ``mid`` (``copy``, ``verify``: see :meth:`read_tensors`)."""
-        return self.read_tensors(mid, None, as_numpy=as_numpy, copy=copy, verify=verify)
+        """The state dict of model ``mid`` (``copy``, ``verify``: see :meth:`read_tensors`).
+
+        The tables of dynamic modules come back as the dicts their ``state_dict()`` made.
+        """
+        return gather_tables(self.read_tensors(mid, None, as_numpy=as_numpy, copy=copy,
+                                               verify=verify))
 
     def load_into(self, module: Any, mid: str, *, strict: bool = True) -> Any:
         """Load model ``mid``'s tensors into ``module`` (``load_state_dict``); return its result."""
