@@ -115,11 +115,8 @@ def _parse(buf, end, st, rtype, rval, roff, eoff, elen, rows):  # pragma: no cov
             c = buf[pos]
             if c == 58:  # ':' (the replies of EXEC)
                 v, q = _number(buf, pos + 1, end)
-                if q == -1:
-                    status = MORE
-                    break
-                if q == -2:
-                    status = UNEXPECTED
+                if q < 0:
+                    status = MORE if q == -1 else UNEXPECTED
                     break
                 eoff[e] = v
                 elen[e] = -2
@@ -134,11 +131,8 @@ def _parse(buf, end, st, rtype, rval, roff, eoff, elen, rows):  # pragma: no cov
                 pos = eol + 2
             elif c == 36:  # '$'
                 v, q = _number(buf, pos + 1, end)
-                if q == -1:
-                    status = MORE
-                    break
-                if q == -2:
-                    status = UNEXPECTED
+                if q < 0:
+                    status = MORE if q == -1 else UNEXPECTED
                     break
                 if v < 0:
                     eoff[e] = q
@@ -177,11 +171,8 @@ def _parse(buf, end, st, rtype, rval, roff, eoff, elen, rows):  # pragma: no cov
         c = buf[pos]
         if c == 42 or c == 58 or c == 36:  # '*' array, ':' integer, '$' bulk string
             v, q = _number(buf, pos + 1, end)
-            if q == -1:
-                status = MORE
-                break
-            if q == -2:
-                status = UNEXPECTED
+            if q < 0:
+                status = MORE if q == -1 else UNEXPECTED
                 break
             if c == 58:
                 rtype[r] = INT
