@@ -478,3 +478,30 @@ def test_rows_of_rejected_or_huge_lookups_are_not_remembered():
     t.lookup(big[:5])
     assert t._rows.known_rows(big[:5]) is not None
     t.close()
+
+
+@pytest.mark.parametrize("between", ["insert", "remove"])
+def test_a_lookup_rereads_keys_another_writer_changed(between):
+    """The write-locked insert path reads again what changed since the shared-lock pass:
+    missing keys another writer inserted (the index grew) or every key (a row moved)."""
+    t = EmbeddingTable(4, optimizer=Adagrad(lr=0.1), seed=1)
+    t.lookup(np.array([1, 2, 8]))
+    k = np.array([1, 3, 4, 8], np.int64)
+    raw = np.empty((4, 4), np.float32)
+    a = t.arena
+    found, _ = a.find_gather(k, raw)
+    moves, size = a.moves, len(a)
+    if between == "insert":
+        t.lookup(np.array([3]))  # inserted meanwhile: not inserted twice
+    else:
+        t.remove(np.array([8]))  # removed meanwhile: inserted again
+    with t._lock.write():
+        t._insert_missing(k, raw, found, moves, size)
+    st = t.stats()  # 1, 3 and 8 found (insert) or 1 found (remove: every key read again)
+    assert (st["hits"], st["misses"]) == ((3, 5) if between == "insert" else (1, 6))
+    np.testing.assert_array_equal(raw, t.lookup(k, insert=False))
+    assert sorted(t.keys().tolist()) == [1, 2, 3, 4, 8]
+    assert t.stats()["inserts"] == (5 if between == "insert" else 6)
+    want = {1: 2, 3: 2, 4: 1, 8: 2} if between == "insert" else {1: 2, 3: 1, 4: 1, 8: 1}
+    assert t.frequency(list(want)).tolist() == list(want.values())
+    t.close()

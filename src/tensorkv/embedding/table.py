@@ -394,11 +394,13 @@ class EmbeddingTable(TableIO):
         missed = np.flatnonzero(found < 0)
         if a.moves != moves:
             rows = a.find(k)
+            miss = np.flatnonzero(rows < 0)
         else:
             rows = found.copy()
+            miss = missed
             if len(a) != size:
                 rows[missed] = a.find(k[missed])
-        miss = np.flatnonzero(rows < 0)
+                miss = missed[rows[missed] < 0]
         n_hits, n_misses = k.shape[0] - miss.size, miss.size
         mk = k[miss]
         if not self.growth and self.admission is None:
