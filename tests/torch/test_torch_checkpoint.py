@@ -174,6 +174,12 @@ def test_bad_table_states_leave_the_table_as_it_was():
         after = table_rows(net)
         for f in before:
             assert np.array_equal(before[f], after[f]), f
+    small = tt.DynamicEmbeddingBag(4, "sum", optimizer=tensorkv.Adagrad(lr=0.1), seed=2,
+                                   capacity=3, growth=False)
+    small.table.lookup(np.array([1, 2]))
+    with pytest.raises(CheckpointError, match="at most capacity=3"):
+        small.set_extra_state(good["emb._extra_state"])
+    assert sorted(small.table.keys().tolist()) == [1, 2]
     sd = dict(good)
     sd["emb._extra_state"] = "not a table"
     with pytest.raises(CheckpointError, match="not a tensorkv table"):
