@@ -168,6 +168,10 @@ class ShardUnavailableError(TensorKVError, ConnectionError):
     """A parameter-server shard is gone (or lost updates) and could not be brought back."""
 
 
+class ReshardedError(ShardUnavailableError):
+    """The parameter server was resharded after this client attached: attach again."""
+
+
 # --- checkpoints ---------------------------------------------------------------------------
 class CheckpointError(TensorKVError):
     """A checkpoint could not be saved or loaded."""

@@ -14,10 +14,10 @@ ray = pytest.importorskip("ray")
 
 @pytest.fixture(scope="session")
 def ray_cluster():
-    """A local Ray on 127.0.0.1 for the session; shut down at the end."""
-    if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
-                 log_to_driver=False, configure_logging=False)
+    """A local Ray on 127.0.0.1 for the session (tensorkv's own start); shut down at the end."""
+    from tensorkv.distributed import start_local_ray
+
+    start_local_ray(num_cpus=2)
     yield ray
     ray.shutdown()
 

@@ -14,20 +14,21 @@ def _kc(keys, counts=None):
 
 def test_requests_round_trip():
     kc = _kc([5, -3], [1, 2])
-    method, name, worker, seq, args = wire.unpack_request(
+    method, name, worker, seq, args, op, parts = wire.unpack_request(
         wire.pack_request("pull", "tab", "wörker", 7, (kc, True, False)))
-    assert (method, name, worker, seq) == ("pull", "tab", "wörker", 7)
+    assert (method, name, worker, seq, op, parts) == ("pull", "tab", "wörker", 7, 0, ())
     np.testing.assert_array_equal(args[0], kc)
     assert args[1:] == (True, False)
     assert wire.unpack_request(wire.pack_request("peek", "t", "w", 0, (kc,)))[4][0].shape == (2, 2)
     g = np.arange(6, dtype=np.float32).reshape(2, 3)
-    _, _, _, _, (k, grads, step, tick) = wire.unpack_request(
-        wire.pack_request("push", "t", "w", 3, (kc[0], g, 11, True)))
+    _, _, _, _, (k, grads, step, tick), op, parts = wire.unpack_request(
+        wire.pack_request("push", "t", "w", 3, (kc[0], g, 11, True), op=5, parts=(0, 2)))
+    assert (op, parts) == (5, (0, 2))  # a staged part names its operation and its shards
     np.testing.assert_array_equal(k, kc[0])
     np.testing.assert_array_equal(grads, g)
     assert (step, tick) == (11, True)
     # an empty push keeps the gradients' width; no step means the table's next
-    _, _, _, _, (k, grads, step, tick) = wire.unpack_request(
+    _, _, _, _, (k, grads, step, tick), _, _ = wire.unpack_request(
         wire.pack_request("push", "t", "w", 4, (kc[0, :0], g[:0], None, False)))
     assert k.shape == (0,) and grads.shape == (0, 3) and step is None and not tick
 
@@ -42,7 +43,10 @@ def test_replies_round_trip():
     np.testing.assert_array_equal(a, absent)
     np.testing.assert_array_equal(r, rows)
     assert wire.unpack_reply(wire.pack_reply(((4, 12), 1, 1, 1)))[0] == (4, 12)
-    assert wire.unpack_reply(wire.pack_reply(BEHIND)) == BEHIND
+    for status in (BEHIND, wire.REFUSED, wire.REREAD):
+        assert wire.unpack_reply(wire.pack_reply(status)) == status
+    assert wire.unpack_reply(wire.pack_reply(((wire.STAGED, True), 2, 0, 0))) == \
+        ((wire.STAGED, True), 2, 0, 0)
 
 
 def test_fits_only_small_data_path_requests():

@@ -6,7 +6,9 @@ the shard count and generation) and ``num_shards`` shard actors
 ``tensorkv``, so any process of the Ray job attaches to them by name. With a
 ``checkpoint_url`` the shard actors restart after a failure (Ray's ``max_restarts``), reload
 their newest checkpoint, and the clients replay the updates since (see
-:mod:`tensorkv.distributed.channel`).
+:mod:`tensorkv.distributed.channel`). Changes over several shards are all or nothing
+(:mod:`tensorkv.distributed.ops`); saves take every shard at one agreed state behind a save
+barrier (:meth:`ParameterServer.save`).
 """
 
 from __future__ import annotations
@@ -20,12 +22,15 @@ import uuid
 import weakref
 from typing import Any
 
-from tensorkv.distributed.channel import Channel, ray_module
+import numpy as np
+
+from tensorkv.distributed.channel import Channel, ray_module, save_barrier
+from tensorkv.distributed.local import start_local_ray
+from tensorkv.distributed.ops import NAMESPACE, settle, shard_actor_name
 from tensorkv.distributed.shard import ShardServer, dumps
 from tensorkv.distributed.table import ShardedEmbeddingTable, resolve_tag
-from tensorkv.errors import ConfigError, ShardUnavailableError
+from tensorkv.errors import ConfigError, ReshardedError, ShardUnavailableError
 
-NAMESPACE = "tensorkv"
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _LIVE: weakref.WeakSet[ParameterServer] = weakref.WeakSet()
 
@@ -43,10 +48,6 @@ class Registry:
     def set(self, state: dict[str, Any]) -> None:
         """Replace the state (after a reshard)."""
         self.state = dict(state)
-
-
-def _shard_name(name: str, generation: int, index: int) -> str:
-    return f"tensorkv-ps-{name}-g{generation}-s{index}"
 
 
 class ParameterServer:
@@ -88,12 +89,19 @@ class ParameterServer:
         Move large pulls and pushes to shards on this client's node through reused
         shared-memory buffers in ``/dev/shm`` rather than Ray's object store (shards on
         other nodes, and platforms without ``/dev/shm``, use the object store anyway).
+    resolve_after
+        Seconds a change over several shards may stay half-done (its client died between
+        two of its messages) before the shards finish or undo it (see
+        :mod:`tensorkv.distributed.ops`). Set when the parameter server starts.
+
+    Without a running Ray, this starts a local one that listens on the loopback address only
+    (:func:`~tensorkv.distributed.start_local_ray`); ``ray.init(...)`` first for a cluster.
 
     Examples
     --------
-    >>> import numpy as np, ray                                      # doctest: +SKIP
-    >>> from tensorkv.distributed import ParameterServer             # doctest: +SKIP
-    >>> ray.init(num_cpus=2, include_dashboard=False)                # doctest: +SKIP
+    >>> import numpy as np                                           # doctest: +SKIP
+    >>> from tensorkv.distributed import ParameterServer, start_local_ray  # doctest: +SKIP
+    >>> start_local_ray(num_cpus=2)                                   # doctest: +SKIP
     >>> ps = ParameterServer(2, name="demo")                          # doctest: +SKIP
     >>> t = ps.table("user", dim=8, optimizer="adagrad")              # doctest: +SKIP
     >>> t.lookup(np.array([3, 7, 3])).shape                           # doctest: +SKIP
@@ -106,7 +114,8 @@ class ParameterServer:
                  checkpoint_full_every: int = 20, mode: str = "sync", staleness: int = 2,
                  worker: str | None = None,
                  max_restarts: int | None = None, actor_options: dict[str, Any] | None = None,
-                 recover_timeout: float = 60.0, shared_memory: bool = True) -> None:
+                 recover_timeout: float = 60.0, shared_memory: bool = True,
+                 resolve_after: float = 2.0) -> None:
         ray = ray_module()
         if num_shards is not None and (isinstance(num_shards, bool) or
                                        not isinstance(num_shards, int) or num_shards < 1):
@@ -126,8 +135,11 @@ class ParameterServer:
                               "int >= 1")
         if mode not in ("sync", "async"):
             raise ConfigError(f"mode={mode!r} must be 'sync' or 'async'")
+        if isinstance(resolve_after, bool) or not isinstance(resolve_after, (int, float)) or \
+                not resolve_after > 0:
+            raise ConfigError(f"resolve_after={resolve_after!r} must be a number of seconds > 0")
         if not ray.is_initialized():
-            ray.init()
+            start_local_ray()
         self.name = name
         self.mode = mode
         self.staleness = staleness
@@ -149,8 +161,8 @@ class ParameterServer:
             state: dict[str, Any] = {
                 "num_shards": num_shards, "generation": 0, "checkpoint_url": checkpoint_url,
                 "checkpoint_every": checkpoint_every, "full_every": checkpoint_full_every,
-                "max_restarts": max_restarts,
-                     "actor_options": dict(actor_options or {})}
+                "max_restarts": max_restarts, "resolve_after": float(resolve_after),
+                "actor_options": dict(actor_options or {})}
             reg_cls = ray.remote(num_cpus=0)(Registry)
             self._registry = reg_cls.options(name=reg_name, namespace=NAMESPACE).remote(state)
             self.owner = True
@@ -164,7 +176,8 @@ class ParameterServer:
                     f"num_shards={num_shards}; pass num_shards=None to attach")
             actors = self._find_shards(self._state)
         self.channel = Channel(actors, worker, logging=bool(self._state["checkpoint_url"]),
-                               recover_timeout=recover_timeout, shared_memory=shared_memory)
+                               recover_timeout=recover_timeout, shared_memory=shared_memory,
+                               on_lost=self._lost)
         self._tables: dict[str, ShardedEmbeddingTable] = {}
         if self.owner:
             _LIVE.add(self)
@@ -177,10 +190,11 @@ class ParameterServer:
                 **state["actor_options"]}
         cls = ray.remote(ShardServer)
         n, gen = state["num_shards"], state["generation"]
-        actors = [cls.options(name=_shard_name(self.name, gen, i), namespace=NAMESPACE,
+        actors = [cls.options(name=shard_actor_name(self.name, gen, i), namespace=NAMESPACE,
                               **opts).remote(self.name, i, n, gen, state["checkpoint_url"],
                                              state["checkpoint_every"], init_from,
-                                             state.get("full_every", 20))
+                                             state.get("full_every", 20),
+                                             state.get("resolve_after", 2.0))
                   for i in range(n)]
         ray.get([a.ping.remote() for a in actors])  # started (and restored) before first use
         return actors
@@ -190,13 +204,36 @@ class ParameterServer:
         out = []
         for i in range(state["num_shards"]):
             try:
-                out.append(ray.get_actor(_shard_name(self.name, state["generation"], i),
+                out.append(ray.get_actor(shard_actor_name(self.name, state["generation"], i),
                                          namespace=NAMESPACE))
             except ValueError as exc:
                 raise ShardUnavailableError(
                     f"shard {i} of parameter server {self.name!r} is gone; restore the tables "
                     "from a checkpoint into a new parameter server") from exc
         return out
+
+    def _lost(self, s: int) -> None:
+        """Shard ``s``'s actor is gone: raise if the shard set changed or stopped for good."""
+        ray = ray_module()
+        try:
+            state = ray.get(self._registry.get.remote(), timeout=30)
+        except Exception as exc:
+            raise ShardUnavailableError(
+                f"parameter server {self.name!r} is gone (its registry does not answer: "
+                f"{type(exc).__name__}); it was shut down, or its Ray cluster stopped") from exc
+        if state["generation"] != self._state["generation"]:
+            raise ReshardedError(
+                f"parameter server {self.name!r} was resharded to {state['num_shards']} shards "
+                f"(generation {state['generation']}) after this client attached; this client "
+                f"still addresses the {self._state['num_shards']} shards of generation "
+                f"{self._state['generation']}. Attach again with "
+                f"ParameterServer(name={self.name!r}) and take its tables from there "
+                "(ps.table(name))")
+
+    @property
+    def handles(self) -> dict[int, Any]:
+        """The shard actors by shard number (what :mod:`~tensorkv.distributed.ops` takes)."""
+        return dict(enumerate(self.channel.actors))
 
     @property
     def num_shards(self) -> int:
@@ -229,8 +266,13 @@ class ParameterServer:
         **kwargs
             :class:`~tensorkv.EmbeddingTable` arguments (``optimizer``, ``initializer``,
             ``storage``, ``admission``, ``eviction``, ``seed`` ...), the same for every shard
-            (a ``storage_path`` gets a directory per shard). An existing table must have been
-            created with the same ones.
+            (a ``storage_path`` gets a directory per shard).
+
+        Raises
+        ------
+        ConfigError
+            Table ``name`` exists with other arguments than ``dim`` and ``kwargs`` (all of
+            them, left-out ones at their defaults): the message names both.
         """
         ray = ray_module()
         if not isinstance(name, str) or not name:
@@ -251,19 +293,38 @@ class ParameterServer:
                 raise ConfigError(f"table {name!r}: its arguments cannot be sent to the shards "
                                   f"({exc}); pass optimizers and filters as objects or "
                                   "configs that pickle") from exc
-            infos = ray.get([a.create.remote(name, spec) for a in self.actors])
-            have = pickle.loads(infos[0]["spec"])
-            if not any(i["created"] for i in infos) and kwargs and dumps(have) != \
-                    dumps(spec):
-                raise ConfigError(
-                    f"table {name!r} exists on parameter server {self.name!r} with other "
-                    f"arguments ({have}); attach with ps.table({name!r}) or choose another name")
-            spec = have
+            # shard 0 decides (two clients creating the table at once get one table), the
+            # others take its arguments
+            info = ray.get(self.actors[0].create.remote(name, spec))
+            if not info["created"]:
+                have = pickle.loads(info["spec"])
+                self._check_spec(name, have, spec)
+                spec = have
+        infos = ray.get([a.create.remote(name, spec) for a in self.actors[1:]])
+        for i, info in enumerate(infos, 1):
+            if not info["created"]:
+                self._check_spec(name, pickle.loads(info["spec"]), spec, shard=i)
         t = ShardedEmbeddingTable(self.channel, name, int(spec["dim"]), spec,
                                   mode=mode or self.mode,
                                   staleness=self.staleness if staleness is None else staleness)
         self._tables[name] = t
         return t
+
+    def _check_spec(self, name: str, have: dict[str, Any], want: dict[str, Any],
+                    shard: int | None = None) -> None:
+        """Raise ConfigError naming both if table ``name``'s arguments ``have`` are not ``want``."""
+        keys = sorted(set(have) | set(want), key=lambda k: (k != "dim", k))
+        diff = [k for k in keys if not _same(have.get(k), want.get(k))]
+        if not diff:
+            return
+
+        def show(d: dict[str, Any]) -> str:
+            return ", ".join(f"{k}={d[k]!r}" if k in d else f"{k} not given" for k in diff)
+        where = "" if shard is None else f" on shard {shard}"
+        raise ConfigError(
+            f"table {name!r} exists on parameter server {self.name!r}{where} with {show(have)}; "
+            f"requested {show(want)}. Attach to it with ps.table({name!r}) (no dim), give its "
+            "arguments, or choose another name")
 
     def _existing(self, name: str) -> dict[str, Any] | None:
         ray = ray_module()
@@ -297,13 +358,28 @@ class ParameterServer:
         """Save the tables as a sharded checkpoint: each shard writes its own rows, in parallel.
 
         The tag is an ordinary sharded save (``num_shards`` = this server's): ``tensorkv.load``
-        restores it into a local table, or onto any number of shards (:meth:`load`).
+        restores it into a local table, or onto any number of shards (:meth:`load`). Every
+        shard is saved at one agreed state, whatever other workers push meanwhile: a save
+        barrier (:func:`~tensorkv.distributed.channel.save_barrier`) holds new changes back
+        until the shards have saved.
         """
-        ray = ray_module()
         for t in self._tables.values():
             t.drain()
-        ray.get([a.save_shard.remote(url, tag, tables, metadata) for a in self.actors])
+        save_barrier(self.channel, lambda a, token: a.save_shard.remote(
+            url, tag, tables, metadata, thaw=token))
         return tag
+
+    def settle(self, timeout: float | None = None) -> int:
+        """Finish or undo every change left half-done on the shards now; how many.
+
+        A worker that dies between the messages of a change over several shards leaves parts
+        of it staged; the shards resolve those by themselves after ``resolve_after`` seconds
+        (:mod:`tensorkv.distributed.ops`). This resolves the ones of dead workers at once and
+        waits for live workers to finish theirs (up to ``timeout`` seconds, default
+        ``recover_timeout``).
+        """
+        timeout = self.recover_timeout if timeout is None else float(timeout)
+        return settle(self.handles, timeout, min_age=float(self._state.get("resolve_after", 2)))
 
     def load(self, url: str, tag: str = "latest", tables: list[str] | None = None) -> int:
         """Replace the tables' rows with a checkpoint's (saved from any number of shards).
@@ -338,10 +414,15 @@ class ParameterServer:
                               "checkpoint_url=")
         state: dict[str, Any] = dict(self._state)
         tag = f"ps-{self.name}-reshard-g{state['generation']}-{uuid.uuid4().hex[:8]}"
-        self.save(url, tag)
+        for t in self._tables.values():
+            t.drain()
+        new = (state["generation"] + 1, num_shards)
+        # saved behind a barrier, then retired: no change lands on the old shards after the
+        # save, and a client still on them gets ReshardedError, never their rows
+        save_barrier(self.channel, lambda a, token: a.save_shard.remote(
+            url, tag, None, None, retire=new))
         old = self.actors
-        state["generation"] += 1
-        state["num_shards"] = num_shards
+        state["generation"], state["num_shards"] = new
         actors = self._start_shards(state, init_from=(url, tag))
         ray.get(self._registry.set.remote(state))
         self._state = state
@@ -351,7 +432,7 @@ class ParameterServer:
             ray.kill(a, no_restart=True)
         ch = Channel(actors, self.channel.worker, logging=bool(state["checkpoint_url"]),
                      recover_timeout=self.recover_timeout,
-                     shared_memory=self.channel.link is not None)
+                     shared_memory=self.channel.link is not None, on_lost=self._lost)
         if self.channel.link is not None:
             self.channel.link.close()
         self.channel = ch
@@ -392,6 +473,21 @@ class ParameterServer:
     def __repr__(self) -> str:
         return (f"ParameterServer(name={self.name!r}, num_shards={self.num_shards}, "
                 f"checkpoint_url={self.checkpoint_url!r})")
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether two table arguments are alike (arrays by value, objects by their pickles)."""
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        a, b = np.asarray(a), np.asarray(b)
+        return a.dtype == b.dtype and a.shape == b.shape and bool(np.array_equal(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(
+            _same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, (str, int, float, bool, type(None))):
+        return type(a) is type(b) and a == b
+    return dumps(a) == dumps(b)
 
 
 @atexit.register

@@ -9,28 +9,40 @@ from a checkpoint) and is answered with :data:`BEHIND`, so the client replays wh
 lost first. The shard checkpoints its tables (values, optimizer slots, frequencies, versions)
 and the applied sequence numbers into ``checkpoint_url`` every ``checkpoint_every`` mutating
 requests, incrementally, and a restarted shard reloads its newest checkpoint.
+
+A change that spans several shards arrives in two phases (:mod:`tensorkv.distributed.ops`):
+:meth:`ShardServer.stage` keeps the shard's part, :meth:`ShardServer.commit` applies it
+(:meth:`ShardServer.abort` drops it). While a save takes its snapshot (:meth:`ShardServer.freeze`)
+the shard refuses new parts and changes (:data:`REFUSED`); the client retries them afterwards.
 """
 
 from __future__ import annotations
 
-import base64
-import contextlib
 import copy
 import os
-import pickle
+import sys
 import time
 import uuid
-import warnings
 from typing import Any
 
 import numpy as np
 
-from tensorkv.checkpoint import delete_tag, list_tags, load, save, tag_info
 from tensorkv.distributed import shm, wire
-from tensorkv.distributed.wire import BEHIND
+from tensorkv.distributed.ops import (
+    ABORTED,
+    COMMITTED,
+    NONE,
+    UNKNOWN,
+    Janitor,
+    Ledger,
+    Part,
+    shard_actor_name,
+)
+from tensorkv.distributed.shard_store import ShardStore, checkpoint_prefix, dumps
+from tensorkv.distributed.wire import BEHIND, REFUSED, REREAD, STAGED
 from tensorkv.embedding.filters import Eviction
 from tensorkv.embedding.table import EmbeddingTable
-from tensorkv.errors import ConfigError, TagNotFoundError, import_optional
+from tensorkv.errors import ConfigError, ReshardedError, ShardUnavailableError
 
 #: Methods of the table a client may call through :meth:`ShardServer.call`, and whether each
 #: changes the table (mutating calls carry a sequence number and are applied exactly once).
@@ -43,17 +55,17 @@ TABLE_METHODS: dict[str, bool] = {
 }
 
 
-def dumps(obj: Any) -> bytes:
-    """Pickle ``obj`` with cloudpickle (table arguments may hold lambdas: lr schedules)."""
-    return import_optional("ray.cloudpickle", "the parameter server", "ray").dumps(obj)
+def _in_ray_actor() -> bool:
+    """Whether this process runs a Ray actor (a shard made by a ParameterServer)."""
+    ray = sys.modules.get("ray")
+    try:
+        return bool(ray is not None and ray.is_initialized()
+                    and ray.get_runtime_context().get_actor_id())
+    except Exception:
+        return False
 
 
-def checkpoint_prefix(ps_name: str, generation: int, index: int) -> str:
-    """Tag prefix of the periodic checkpoints of one shard."""
-    return f"ps-{ps_name}-g{generation}-s{index}-"
-
-
-class ShardServer:
+class ShardServer(ShardStore):
     """The tables of one shard and their exactly-once, checkpointed updates.
 
     Parameters
@@ -75,11 +87,16 @@ class ShardServer:
     full_every
         Every this many checkpoints one is a full save, after which the shard deletes its
         older checkpoint tags (so at most this many are kept).
+    resolve_after
+        Seconds a part of an operation over several shards may stay staged before this
+        shard's janitor has the operation finished or undone (:mod:`tensorkv.distributed.ops`;
+        only in a Ray actor).
     """
 
     def __init__(self, ps_name: str, index: int, num_shards: int, generation: int = 0,
                  checkpoint_url: str | None = None, checkpoint_every: int = 100,
-                 init_from: tuple[str, str] | None = None, full_every: int = 20) -> None:
+                 init_from: tuple[str, str] | None = None, full_every: int = 20,
+                 resolve_after: float = 2.0) -> None:
         # the table's parallel kernels wait for work asleep, not spinning: several shards
         # (and their clients) share the node's cores (read when the thread pool starts)
         os.environ.setdefault("OMP_WAIT_POLICY", "passive")
@@ -105,6 +122,12 @@ class ShardServer:
         self.started = time.time()
         self.mapped = shm.Mapped()  # clients' shared-memory buffers
         self.restored_from: str | None = None
+        self.ledger = Ledger()
+        self.retired: tuple[int, int] | None = None  # (generation, shards) after a reshard
+        self.janitor: Janitor | None = None
+        if _in_ray_actor():
+            self.janitor = Janitor(self.ledger, self.index, self._names, resolve_after)
+            self.janitor.start()
         if self.url is not None and self._recover():
             return
         if init_from is not None:
@@ -112,17 +135,28 @@ class ShardServer:
             if self.url is not None:
                 self.checkpoint()
 
+    def _names(self) -> list[str]:
+        return [shard_actor_name(self.ps_name, self.generation, i)
+                for i in range(self.num_shards)]
+
     # --- identity --------------------------------------------------------------------------
     def info(self) -> dict[str, Any]:
         """Shard number, generation, pid, tables, the checkpoint it restored from."""
         return {"index": self.index, "num_shards": self.num_shards, "pid": os.getpid(),
                 "generation": self.generation, "tables": sorted(self.tables),
                 "restored_from": self.restored_from, "checkpoint": self.ckpt_tag,
-                "checkpoint_url": self.url}
+                "checkpoint_url": self.url, "retired": self.retired}
 
     def applied_seq(self, worker: str) -> tuple[int, int]:
         """``(last applied, last checkpointed)`` sequence numbers of ``worker``."""
+        self._check_retired()
         return self.applied.get(worker, 0), self.ckpt_applied.get(worker, 0)
+
+    def register(self, worker: str, lease: list[Any]) -> bool:
+        """Keep ``worker``'s lease (``[object ref]``): the janitor asks it whether it lives."""
+        if lease:
+            self.ledger.leases[worker] = lease[0]
+        return True
 
     # --- tables ----------------------------------------------------------------------------
     def _build(self, name: str, spec: dict[str, Any]) -> EmbeddingTable:
@@ -147,9 +181,10 @@ class ShardServer:
     def create(self, name: str, spec: dict[str, Any] | None) -> dict[str, Any]:
         """Create table ``name`` from ``spec`` (EmbeddingTable arguments), or find it.
 
-        Returns its ``dim`` and whether it was created now. A table that exists keeps its
-        arguments; the client compares them.
+        Returns its ``dim``, whether it was created now and its arguments (pickled). A table
+        that exists keeps its arguments; the client compares them.
         """
+        self._check_retired()
         self.requests += 1
         created = name not in self.tables
         if created and spec is None:
@@ -184,8 +219,22 @@ class ShardServer:
         return t
 
     # --- exactly once ----------------------------------------------------------------------
-    def _admit(self, worker: str, seq: int, mutating: bool) -> str:
-        """``"apply"``, ``"dup"`` (a retry of an applied request) or :data:`BEHIND`."""
+    def _check_retired(self) -> None:
+        if self.retired is not None:
+            gen, n = self.retired
+            raise ReshardedError(
+                f"parameter server {self.ps_name!r} was resharded to {n} shards (generation "
+                f"{gen}) after this client attached; this client still addresses the "
+                f"{self.num_shards} shards of generation {self.generation}. Attach again with "
+                f"ParameterServer(name={self.ps_name!r}) and take its tables from there "
+                "(ps.table(name))")
+
+    def _admit(self, worker: str, seq: int, mutating: bool, freezable: bool = True) -> str:
+        """``"apply"``, ``"dup"`` (a retry), :data:`BEHIND` or :data:`REFUSED`.
+
+        :data:`REFUSED`: a change while a save barrier holds, recorded as done, not applied.
+        """
+        self._check_retired()
         self.requests += 1
         last = self.applied.get(worker, 0)
         if not mutating:
@@ -194,6 +243,10 @@ class ShardServer:
             return "dup"
         if seq != last + 1:
             return BEHIND
+        self.ledger.synced.add(worker)
+        if freezable and self.ledger.freezes:
+            self._done(worker, seq)
+            return REFUSED
         return "apply"
 
     def _done(self, worker: str, seq: int) -> int:
@@ -208,7 +261,64 @@ class ShardServer:
             self.checkpoint()
         return self.ckpt_applied.get(worker, 0)
 
-    # --- the data path ---------------------------------------------------------------------
+    def noop(self, name: str, worker: str, seq: int) -> Any:
+        """Nothing, under sequence number ``seq`` (what a refused change is replayed as)."""
+        state = self._admit(worker, seq, True, freezable=False)
+        if state == BEHIND:
+            return BEHIND
+        ck = self._done(worker, seq) if state == "apply" else self.ckpt_applied.get(worker, 0)
+        return None, ck, 0, 0
+
+    # --- the data path: what each request does ---------------------------------------------
+    def _pull_core(self, name: str, keys_counts: np.ndarray, insert: bool, touch: bool,
+                   out: np.ndarray | None) -> tuple[Any, int, int]:
+        """The lookup of a pull that inserts; ``(rows, delta, seq)`` (see :meth:`pull`)."""
+        keys, counts = keys_counts[0], keys_counts[1]
+        t = self._table(name)
+        before = t.mutation_seq
+        absent = ~t.contains(keys) if touch else None
+        rows = self._lookup(t, keys, counts, insert, out)
+        after = t.mutation_seq
+        if absent is not None and rows.shape[0] == keys.shape[0]:
+            return (absent, rows[absent]), after - before, after
+        return rows, after - before, after
+
+    def _push_core(self, name: str, keys: np.ndarray, grads: np.ndarray, step: int | None,
+                   tick: bool, decided: bool = False) -> tuple[Any, int, int]:
+        """Apply summed gradients; ``((rows, step), delta, seq)``.
+
+        ``tick``: count the optimizer's step even if no row here changes. ``decided``: the
+        push is part of an operation over several shards, whose shards all count the step or
+        none does, by ``tick`` alone.
+        """
+        t = self._table(name)
+        before, opt_step = t.mutation_seq, t.optimizer.step
+        n = t.apply_gradients(keys, grads, step=step, unique=True)  # distinct keys
+        if decided:
+            if t.optimizer.step != opt_step + int(tick):
+                self._set_opt_step(t, opt_step + int(tick))
+        elif n == 0 and tick:
+            self._set_opt_step(t, opt_step + 1)
+        after = t.mutation_seq
+        return (n, t.step), after - before, after
+
+    def _call_core(self, name: str, method: str, args: tuple) -> tuple[Any, int, int]:
+        t = self._table(name)
+        before = t.mutation_seq
+        out = self._run(t, method, args)
+        if method == "stats":
+            peeked = self.peeked.get(name, [0, 0])
+            out["hits"] -= peeked[0]
+            out["misses"] -= peeked[1]
+            evicted = self.evicted.get(name, 0)
+            out["evictions"] += evicted
+            out["removed"] -= evicted
+        elif method == "evict_keys":
+            self.evicted[name] = self.evicted.get(name, 0) + out
+        after = t.mutation_seq
+        return out, after - before, after
+
+    # --- the data path: requests applied at once -------------------------------------------
     def pull(self, name: str, worker: str, seq: int, keys_counts: np.ndarray,
              insert: bool, touch: bool = False, out: np.ndarray | None = None) -> Any:
         """Rows of distinct keys, each seen some times (a lookup of every sighting).
@@ -220,29 +330,24 @@ class ShardServer:
         ``mutation_seq`` grew, to ``seq``): ``rows`` is ``[len(keys), dim]``, or ``[counts.sum(),
         dim]`` (one row per sighting, grouped by key) in the rare case where sightings of one
         key read differently (an admission filter admitting a key mid-batch, with a
-        ``default_value``); or :data:`BEHIND`. With ``touch`` (the lookup of keys a
-        :meth:`peek` read already) ``rows`` is ``(absent, rows[absent])``: only the rows of
-        keys that had no row before, unless the rows are per sighting. ``out``: where to
-        write rows per key (``[len(keys), dim]`` float32; rows per sighting go elsewhere).
+        ``default_value``); or :data:`BEHIND` (or :data:`REFUSED`). With ``touch`` (the
+        lookup of keys a :meth:`peek` read already) ``rows`` is ``(absent, rows[absent])``:
+        only the rows of keys that had no row before, unless the rows are per sighting.
+        ``out``: where to write rows per key (``[len(keys), dim]`` float32; rows per
+        sighting go elsewhere).
         """
         state = self._admit(worker, seq, insert)
-        if state == BEHIND:
-            return BEHIND
-        keys, counts = keys_counts[0], keys_counts[1]
-        t = self._table(name)
+        if state in (BEHIND, REFUSED):
+            return state
         if state == "dup" or not insert:
-            rows = self._lookup(t, keys, counts, False, out)
+            t = self._table(name)
+            rows = self._lookup(t, keys_counts[0], keys_counts[1], False, out)
             return rows, (self.ckpt_applied.get(worker, 0) if insert else 0), 0, 0
-        before = t.mutation_seq
         try:
-            absent = ~t.contains(keys) if touch else None
-            rows = self._lookup(t, keys, counts, True, out)
+            value, delta, after = self._pull_core(name, keys_counts, True, touch, out)
         finally:
             ck = self._done(worker, seq)
-        after = t.mutation_seq
-        if absent is not None and rows.shape[0] == keys.shape[0]:
-            return (absent, rows[absent]), ck, after - before, after
-        return rows, ck, after - before, after
+        return value, ck, delta, after
 
     def peek(self, name: str, worker: str, seq: int, keys_counts: np.ndarray) -> Any:
         """Rows of ``keys`` as a lookup would return them now, changing nothing.
@@ -278,10 +383,8 @@ class ShardServer:
             kc, out = self.mapped.array(request), self.mapped.array(reply)
         except OSError:
             return shm.NO_SHM
-        res = self.pull(name, worker, seq, kc, insert, out=out)
-        if isinstance(res, str) or not _starts(res[0], out, kc.shape[1]):
-            return res
-        return (shm.Rows(*res[0].shape), *res[1:])
+        return self._rows_in(self.pull(name, worker, seq, kc, insert, out=out), out,
+                             kc.shape[1])
 
     def push_shm(self, name: str, worker: str, seq: int, keys: tuple, grads: tuple,
                  step: int | None, tick: bool = False) -> Any:
@@ -295,6 +398,13 @@ class ShardServer:
         except OSError:
             return shm.NO_SHM
         return self.push(name, worker, seq, k, g, step, tick)
+
+    @staticmethod
+    def _rows_in(res: Any, out: np.ndarray, u: int) -> Any:
+        """An answer whose rows per key lie at the start of ``out``: they stay there."""
+        if isinstance(res, str) or not _starts(res[0], out, u):
+            return res
+        return (shm.Rows(*res[0].shape), *res[1:])
 
     @staticmethod
     def _lookup(t: EmbeddingTable, keys: np.ndarray, counts: np.ndarray,
@@ -344,65 +454,62 @@ class ShardServer:
         even if no row of this shard changes (as the single-process table counts it once).
         """
         state = self._admit(worker, seq, True)
-        if state == BEHIND:
-            return BEHIND
+        if state in (BEHIND, REFUSED):
+            return state
         if state == "dup":
             t = self._table(name)
             return (0, t.step), self.ckpt_applied.get(worker, 0), 0, 0
-        t = self._table(name)
-        before = t.mutation_seq
         try:
-            n = t.apply_gradients(keys, grads, step=step, unique=True)  # distinct keys
-            if n == 0 and tick:
-                self._tick(t)
+            value, delta, after = self._push_core(name, keys, grads, step, tick)
         finally:
             ck = self._done(worker, seq)
-        after = t.mutation_seq
-        return (n, t.step), ck, after - before, after
+        return value, ck, delta, after
 
     def frame(self, data: bytes) -> bytes:
         """A ``pull``, ``peek`` or ``push`` request packed as one frame; the answer packed.
 
-        See :mod:`tensorkv.distributed.wire` (small requests travel so).
+        See :mod:`tensorkv.distributed.wire` (small requests travel so); a frame with an
+        operation number is a staged part (:meth:`stage`).
         """
-        method, name, worker, seq, args = wire.unpack_request(data)
+        method, name, worker, seq, args, op, parts = wire.unpack_request(data)
+        if op:
+            return wire.pack_reply(self._stage(name, worker, seq, op, parts, method, args,
+                                               framed=True))
         return wire.pack_reply(getattr(self, method)(name, worker, seq, *args))
 
     def call(self, name: str, worker: str, seq: int, method: str, args: tuple) -> Any:
         """Any other table method (:data:`TABLE_METHODS`); ``(result, ckpt, delta, seq)``."""
+        mutating = self._method(method)
+        state = self._admit(worker, seq, mutating)
+        if state in (BEHIND, REFUSED):
+            return state
+        if state == "dup":
+            return None, self.ckpt_applied.get(worker, 0), 0, 0
+        try:
+            out, delta, after = self._call_core(name, method, args)
+        finally:
+            ck = self._done(worker, seq) if mutating else 0
+        return out, ck, delta, after
+
+    @staticmethod
+    def _method(method: str) -> bool:
         mutating = TABLE_METHODS.get(method)
         if mutating is None:
             raise ConfigError(f"{method!r} is not a table method a shard serves; use one of "
                               f"{sorted(TABLE_METHODS)}")
-        state = self._admit(worker, seq, mutating)
-        if state == BEHIND:
-            return BEHIND
-        if state == "dup":
-            return None, self.ckpt_applied.get(worker, 0), 0, 0
-        t = self._table(name)
-        before = t.mutation_seq
-        try:
-            out = self._run(t, method, args)
-            if method == "stats":
-                peeked = self.peeked.get(name, [0, 0])
-                out["hits"] -= peeked[0]
-                out["misses"] -= peeked[1]
-                evicted = self.evicted.get(name, 0)
-                out["evictions"] += evicted
-                out["removed"] -= evicted
-            elif method == "evict_keys":
-                self.evicted[name] = self.evicted.get(name, 0) + out
-        finally:
-            ck = self._done(worker, seq) if mutating else 0
-        after = t.mutation_seq
-        return out, ck, after - before, after
+        return mutating
+
+    @staticmethod
+    def _set_opt_step(t: EmbeddingTable, step: int) -> None:
+        """Set the optimizer's global step (an update elsewhere counts one without rows)."""
+        state = dict(t.optimizer.state())
+        state["step"] = int(step)
+        t.optimizer.load_state(state)
 
     @staticmethod
     def _tick(t: EmbeddingTable) -> None:
         """Count one optimizer step without rows (what an update elsewhere counts)."""
-        state = dict(t.optimizer.state())
-        state["step"] = int(state["step"]) + 1
-        t.optimizer.load_state(state)
+        ShardServer._set_opt_step(t, int(t.optimizer.step) + 1)
 
     def _run(self, t: EmbeddingTable, method: str, args: tuple) -> Any:
         if method == "len":
@@ -435,143 +542,215 @@ class ShardServer:
             return None
         return getattr(t, method)(*args)
 
-    # --- checkpoints -----------------------------------------------------------------------
-    def checkpoint(self) -> str | None:
-        """Save every table of the shard (incrementally after the first) as a new tag."""
-        if self.url is None:
-            return None
-        self.ckpt_version += 1
-        tag = f"{self.prefix}{self.ckpt_version:08d}"
-        meta = {"applied": self.applied,
-                "specs": base64.b64encode(dumps(self.specs)).decode(),
-                "version": self.ckpt_version}
-        full = self.ckpt_tag is None or self.since_full + 1 >= self.full_every
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # a first save after a restart is a full one
-            save(dict(self.tables), self.url, tag, incremental=not full,
-                 parent=None if full else self.ckpt_tag, metadata=meta, progress=False)
-        self.ckpt_tag = tag
-        self.ckpt_applied = dict(self.applied)
-        self.since_ckpt = 0
-        self.since_full = 0 if full else self.since_full + 1
-        if full:  # the older tags are needed no more: newest first, children before parents
-            older = [t for t in list_tags(self.url) if t.startswith(self.prefix) and t < tag]
-            for old in reversed(older):
-                with contextlib.suppress(Exception):
-                    delete_tag(self.url, old)
-        return tag
+    # --- operations over several shards (tensorkv.distributed.ops) -------------------------
+    def stage(self, name: str, worker: str, seq: int, op: int, parts: tuple[int, ...],
+              method: str, *args: Any) -> Any:
+        """Keep this shard's part of operation ``op`` of ``worker`` until it is decided.
 
-    def _recover(self) -> bool:
-        """Load the newest own checkpoint, if any; whether there was one."""
-        assert self.url is not None
+        ``method`` and ``args``: the request the part would be (``pull``, ``push``, or
+        ``call`` with the table method and its arguments); ``parts``: the operation's
+        shards. Returns ``((STAGED, would), ckpt, 0, 0)`` (``would``: a push that would
+        change rows here), :data:`REFUSED` (a save barrier holds, or the operation was
+        undone already: abort it and run it again) or :data:`BEHIND`.
+        """
+        return self._stage(name, worker, seq, op, tuple(parts), method, args)
+
+    def stage_shm(self, name: str, worker: str, seq: int, op: int, parts: tuple[int, ...],
+                  method: str, *args: Any) -> Any:
+        """:meth:`stage` of a ``pull`` or ``push`` in a client's shared-memory buffers.
+
+        ``args``: those of :meth:`pull_shm` or :meth:`push_shm` after the sequence number;
+        the part keeps views of the buffers (the client leaves them alone until the commit).
+        """
         try:
-            tags = [t for t in list_tags(self.url) if t.startswith(self.prefix)]
-        except Exception:  # a store that does not exist yet holds no checkpoint
+            if method == "pull":
+                request, reply, insert = args
+                kc, out = self.mapped.array(request), self.mapped.array(reply)
+                real: tuple = (kc, insert, False, out)
+            else:
+                keys, grads, step, tick = args
+                real = (self.mapped.array(keys), self.mapped.array(grads), step, tick)
+        except OSError:
+            return shm.NO_SHM
+        return self._stage(name, worker, seq, op, tuple(parts), method, real)
+
+    def _stage(self, name: str, worker: str, seq: int, op: int, parts: tuple[int, ...],
+               method: str, args: tuple, framed: bool = False) -> Any:
+        state = self._admit(worker, seq, True)
+        if state == BEHIND:
+            return BEHIND
+        if state == REFUSED:
+            self.ledger.record(worker, op, 0)
+            return REFUSED
+        st, _ = self.ledger.status(worker, op)
+        ck = self.ckpt_applied.get(worker, 0)
+        if state == "dup":  # a request sent again: answer what became of it
+            return ((STAGED, False), ck, 0, 0) if st in (STAGED, COMMITTED) else REFUSED
+        if st == STAGED:  # (kept across a lost answer)
+            return (STAGED, self.ledger.staged[(worker, op)].would), self._done(worker, seq), 0, 0
+        if st not in (NONE, UNKNOWN):  # undone by a resolution already
+            self._done(worker, seq)
+            return REFUSED
+        try:
+            t = self._table(name)
+            if method == "call":
+                if not self._method(args[0]):
+                    raise ConfigError(f"{args[0]!r} changes nothing: it is not staged")
+            elif method not in ("pull", "push"):
+                raise ConfigError(f"{method!r} cannot be staged; stage pull, push or call")
+            would = False
+            if method == "push" and t.admission is not None:
+                keys, grads = args[0], args[1]
+                live = np.isfinite(grads).all(axis=1) if grads.size else np.zeros(0, bool)
+                would = bool(t.contains(keys[live]).any()) if live.any() else False
+            self.ledger.staged[(worker, op)] = Part(method, name, tuple(args), parts, seq,
+                                                    time.monotonic(), would, framed)
+        finally:
+            ck = self._done(worker, seq)
+        return (STAGED, would), ck, 0, 0
+
+    def commit(self, name: str, worker: str, seq: int, op: int, tick: bool = False) -> Any:
+        """Apply the staged part of operation ``op``; the answer the request would have had.
+
+        ``tick``: the operation's decision that the optimizer counts this step (some shard
+        changes rows). A commit sent again is not applied again: it is answered as before (a
+        pull's rows, gone by then, with :data:`REREAD`).
+        """
+        state = self._admit(worker, seq, True, freezable=False)
+        if state == BEHIND:
+            return BEHIND
+        part = self.ledger.staged.pop((worker, op), None) if state == "apply" else None
+        if part is None:
+            if state == "apply":
+                self._done(worker, seq)
+            return self._repeated(worker, op)
+        try:
+            out = self._apply_part(worker, op, part, tick)
+        finally:
+            ck = self._done(worker, seq) if state == "apply" else \
+                self.ckpt_applied.get(worker, 0)
+        answer = (out[0], ck, *out[1:])
+        return wire.pack_reply(answer) if part.framed else answer
+
+    def _apply_part(self, worker: str, op: int, part: Part, tick: bool) -> tuple[Any, int, int]:
+        """Apply a staged part (recording the operation as committed); ``(value, delta, seq)``."""
+        code = 1
+        try:
+            if part.method == "pull":
+                kc, insert, touch = part.args[0], part.args[1], part.args[2]
+                out = part.args[3] if len(part.args) > 3 else None
+                value, delta, after = self._pull_core(part.name, kc, insert, touch, out)
+                if out is not None:
+                    value = self._rows_in((value, 0, 0, 0), out, kc.shape[1])[0]
+            elif part.method == "push":
+                keys, grads, step, own_tick = part.args
+                decided = bool(own_tick or tick)
+                code = 2 if decided else 1
+                value, delta, after = self._push_core(part.name, keys, grads, step, decided,
+                                                      decided=True)
+            else:
+                value, delta, after = self._call_core(part.name, part.args[0], part.args[1])
+        finally:
+            self.ledger.record(worker, op, code)
+        if part.method != "pull":
+            self.ledger.answers[worker] = (op, (value, delta, after))
+        return value, delta, after
+
+    def _repeated(self, worker: str, op: int) -> Any:
+        """The answer to a commit of an operation no longer staged here."""
+        st, _ = self.ledger.status(worker, op)
+        if st != COMMITTED:
+            raise ShardUnavailableError(
+                f"operation {op} of client {worker!r} is {st} on shard {self.index}, not staged: "
+                "it was undone (its client was taken for dead, or this shard restarted from a "
+                "checkpoint and lost it); run it again")
+        ck = self.ckpt_applied.get(worker, 0)
+        last = self.ledger.answers.get(worker)
+        if last is not None and last[0] == op:
+            value, _, after = last[1]
+            return value, ck, 0, after
+        return REREAD
+
+    def abort(self, name: str, worker: str, seq: int, op: int) -> Any:
+        """Drop the staged part of operation ``op`` (and refuse it from now on)."""
+        state = self._admit(worker, seq, True, freezable=False)
+        if state == BEHIND:
+            return BEHIND
+        if state == "apply":
+            self._decide(worker, op, False, False)
+            return None, self._done(worker, seq), 0, 0
+        return None, self.ckpt_applied.get(worker, 0), 0, 0
+
+    # --- resolution of operations whose client went quiet (tensorkv.distributed.ops) -------
+    def op_status(self, worker: str, op: int, tombstone: bool = False) -> tuple[str, int]:
+        """What became of operation ``op`` of ``worker`` here (:meth:`Ledger.status`).
+
+        With ``tombstone``, an operation this shard never got is refused from now on (its
+        part can no longer be staged): answered ``"aborted"``.
+        """
+        st, code = self.ledger.status(worker, op)
+        if st == NONE and tombstone:
+            self.ledger.record(worker, op, 0)
+            return ABORTED, 0
+        return st, code
+
+    def decide(self, worker: str, op: int, commit: bool, tick: bool) -> bool:
+        """A resolution's decision on operation ``op`` of ``worker``; whether a part was here."""
+        return self._decide(worker, op, commit, tick)
+
+    def _decide(self, worker: str, op: int, commit: bool, tick: bool) -> bool:
+        part = self.ledger.staged.pop((worker, op), None)
+        if part is None:
+            # an abort refuses the part from now on; a commit leaves the state as it is (a
+            # restarted shard gets the part again from its live client, then the commit)
+            if not commit and self.ledger.status(worker, op)[0] in (NONE, UNKNOWN):
+                self.ledger.record(worker, op, 0)
             return False
-        if not tags:
-            return False
-        tag = max(tags)
-        doc = tag_info(self.url, tag)
-        meta = doc.get("metadata") or {}
-        specs = pickle.loads(base64.b64decode(meta["specs"]))
-        self.tables = {n: self._build(n, s) for n, s in specs.items()}
-        self.specs = specs
-        if self.tables:
-            load(dict(self.tables), self.url, tag, progress=False)
-        self.applied = {str(k): int(v) for k, v in meta["applied"].items()}
-        self.ckpt_applied = dict(self.applied)
-        self.ckpt_version = int(meta["version"])
-        self.ckpt_tag = tag
-        self.restored_from = tag
+        if commit:
+            self._apply_part(worker, op, part, tick)
+        else:
+            self.ledger.record(worker, op, 0)
         return True
 
-    def _load_from(self, url: str, tag: str) -> None:
-        """Fill the tables from shard ``index`` of ``num_shards`` of a (sharded) checkpoint."""
-        try:
-            doc = tag_info(url, tag)
-        except TagNotFoundError:
-            raise
-        meta = doc.get("metadata") or {}
-        specs = pickle.loads(base64.b64decode(meta["ps_specs"])) if "ps_specs" in meta else {}
-        for n, ent in doc["tables"].items():
-            spec = specs.get(n)
-            self.tables[n] = (self._build(n, spec) if spec is not None
-                              else EmbeddingTable.from_meta(ent["meta"]))
-            self.specs[n] = spec if spec is not None else {"dim": ent["dim"]}
-        if self.tables:
-            load(dict(self.tables), url, tag, shard=self.index, num_shards=self.num_shards,
-                 progress=False)
-        self.restored_from = tag
+    def pending(self) -> list[tuple[str, int, tuple[int, ...], float, list[Any]]]:
+        """``(worker, op, parts, age in seconds, [lease])`` of every part staged here."""
+        now = time.monotonic()
+        out = []
+        for (w, op), p in list(self.ledger.staged.items()):
+            lease = self.ledger.leases.get(w)
+            out.append((w, op, p.parts, now - p.since, [] if lease is None else [lease]))
+        return out
 
-    def save_shard(self, url: str, tag: str, names: list[str] | None,
-                   metadata: dict[str, Any] | None, options: dict[str, Any] | None = None,
-                   as_name: str | None = None) -> str:
-        """Save this shard's tables as shard ``index`` of ``num_shards`` of tag ``tag``.
+    # --- save barriers ---------------------------------------------------------------------
+    def freeze(self, token: str, worker: str) -> bool:
+        """Refuse new parts and changes (:data:`REFUSED`) until :meth:`thaw` of ``token``.
 
-        ``options``: more :func:`tensorkv.save` arguments (``step``, ``incremental``,
-        ``parent``, ``ttl``); ``as_name``: save the one table of ``names`` under this name.
+        A save's barrier: with every shard frozen and no part left staged, every shard holds
+        the same operations, and each saves its rows at that agreed state. Parts staged
+        before are still committed or aborted. The janitor thaws a freeze whose ``worker``
+        died.
         """
-        self.requests += 1
-        names = sorted(self.tables) if names is None else names
-        tabs = {n: self._table(n) for n in names}
-        specs = {n: self.specs[n] for n in names}
-        if as_name is not None:
-            (only,) = names
-            tabs, specs = {as_name: tabs[only]}, {as_name: specs[only]}
-        meta = dict(metadata or {})
-        meta["ps_specs"] = base64.b64encode(dumps(specs)).decode()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # an incremental save whose parent is unknown
-            save(tabs, url, tag, shard=self.index, num_shards=self.num_shards, metadata=meta,
-                 progress=False, **(options or {}))
-        return tag
+        self._check_retired()
+        self.ledger.freezes[token] = (worker, time.monotonic())
+        return True
 
-    def load_shard(self, url: str, tag: str, names: list[str] | None,
-                   saved_as: str | None = None) -> int:
-        """Replace this shard's tables' rows with their rows in tag ``tag`` (any shard count).
+    def thaw(self, token: str) -> bool:
+        """End the freeze ``token``; whether it held."""
+        return self.ledger.freezes.pop(token, None) is not None
 
-        Tables the shard does not have are created from the checkpoint; ``saved_as``: the one
-        table of ``names`` is stored under that name. Returns the rows the shard holds
-        afterwards. Clients must be idle (their logs are not replayed across it).
+    def frozen(self) -> bool:
+        """Whether a save barrier holds here."""
+        self._check_retired()
+        return bool(self.ledger.freezes)
+
+    def retire(self, generation: int, num_shards: int) -> None:
+        """Answer every later request with :class:`~tensorkv.errors.ReshardedError`.
+
+        After a reshard to ``num_shards`` shards of ``generation``, a client still holding
+        this shard gets an error saying so, never rows of a shard set that no longer serves.
         """
-        self.requests += 1
-        doc = tag_info(url, tag)
-        meta = doc.get("metadata") or {}
-        specs = pickle.loads(base64.b64decode(meta["ps_specs"])) if "ps_specs" in meta else {}
-        if saved_as is not None and names is not None:  # one table, saved under that name
-            (only,) = names
-            self._table(only)
-            if saved_as not in doc["tables"]:
-                raise ConfigError(f"tag {tag!r} holds no table {saved_as!r}; it holds "
-                                  f"{sorted(doc['tables'])}")
-            load({saved_as: self.tables[only]}, url, tag, shard=self.index,
-                 num_shards=self.num_shards, progress=False)
-            if self.url is not None:
-                self.checkpoint()
-            return len(self.tables[only])
-        names = sorted(doc["tables"]) if names is None else names
-        for n in names:
-            if n not in self.tables:
-                spec = specs.get(n)
-                self.tables[n] = (self._build(n, spec) if spec is not None
-                                  else EmbeddingTable.from_meta(doc["tables"][n]["meta"]))
-                self.specs[n] = spec if spec is not None else {"dim": doc["tables"][n]["dim"]}
-        load({n: self.tables[n] for n in names}, url, tag, shard=self.index,
-             num_shards=self.num_shards, progress=False)
-        if self.url is not None:
-            self.checkpoint()
-        return sum(len(self.tables[n]) for n in names)
-
-    def forget_checkpoints(self) -> int:
-        """Delete this shard's periodic checkpoint tags (at shutdown); how many."""
-        if self.url is None:
-            return 0
-        n = 0
-        with contextlib.suppress(Exception):
-            for t in reversed([t for t in list_tags(self.url) if t.startswith(self.prefix)]):
-                delete_tag(self.url, t)
-                n += 1
-        return n
+        self.retired = (int(generation), int(num_shards))
+        self.ledger.freezes.clear()
 
     # --- operations ------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
@@ -581,15 +760,19 @@ class ShardServer:
         for n, t in self.tables.items():
             st = t.stats()
             tabs[n] = {"rows": st["rows"], "bytes": st["bytes"], "step": st["step"],
+                       "optimizer_step": int(t.optimizer.step),
                        "tiers": [{k: v for k, v in tier.items() if k in ("rows", "bytes")}
                                  for tier in st.get("tiers", [])]}
         return {**self.info(), "tables": tabs, "requests": self.requests,
                 "uptime_s": now - self.started,
                 "requests_per_s": self.requests / max(now - self.started, 1e-9),
-                "checkpoint_version": self.ckpt_version}
+                "checkpoint_version": self.ckpt_version, "staged": len(self.ledger.staged),
+                "frozen": bool(self.ledger.freezes)}
 
     def close(self) -> None:
-        """Flush and close every table's storage."""
+        """Flush and close every table's storage (and stop the janitor)."""
+        if self.janitor is not None:
+            self.janitor.stopped.set()
         for t in self.tables.values():
             t.close()
 
@@ -604,4 +787,4 @@ def _starts(rows: Any, buf: np.ndarray, u: int) -> bool:
             and rows.__array_interface__["data"][0] == buf.__array_interface__["data"][0])
 
 
-__all__ = ["BEHIND", "TABLE_METHODS", "ShardServer", "checkpoint_prefix", "dumps"]
+__all__ = ["BEHIND", "REFUSED", "TABLE_METHODS", "ShardServer", "checkpoint_prefix", "dumps"]

@@ -7,7 +7,9 @@ summed per key in input order with the table's own kernel), split by shard, and 
 request per shard, all in flight together; numpy arrays travel through Ray's object store.
 Each shard applies its requests in the order the client sent them, so one client's results
 are bit-identical to a single-process :class:`~tensorkv.EmbeddingTable` (only the
-``mutation_seq`` counters differ: each shard counts its own).
+``mutation_seq`` counters differ: each shard counts its own). A change that spans several
+shards is one :class:`~tensorkv.distributed.channel.Op`, staged on each, then committed: it
+lands on every shard or on none.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from tensorkv.checkpoint.layout import shard_of_keys
-from tensorkv.distributed.channel import Channel, ray_module
+from tensorkv.distributed.channel import Channel, Op, ray_module, save_barrier
 from tensorkv.embedding.chunks import ExportChunk, is_single_chunk, nonfinite_rows
 from tensorkv.embedding.filters import Eviction
 from tensorkv.embedding.keys import as_int64_keys
@@ -172,7 +174,7 @@ class ShardedEmbeddingTable:
         self.staleness = staleness
         self.storage = spec.get("storage")
         self._collisions = 0
-        self._inflight: collections.deque[list[tuple[int, Any, Any]]] = collections.deque()
+        self._inflight: collections.deque[Any] = collections.deque()  # updates in flight
         # (keys, split, peek requests sent after the last update or None, sequence mark)
         self._prefetch: tuple[np.ndarray, Split, list[tuple[int, Any, Any]] | None,
                               int] | None = None
@@ -200,19 +202,34 @@ class ShardedEmbeddingTable:
         return "cpu"
 
     def _send_all(self, method: str, args_of: Any, mutating: bool,
-                  shards: Any = None) -> list[tuple[int, Any, Any]]:
+                  shards: Any = None) -> Any:
+        """Send a request to every shard (or ``shards``).
+
+        A change of several shards goes out as one :class:`~tensorkv.distributed.channel.Op`
+        (staged); anything else as ``[(shard, ref, request)]``.
+        """
         ch = self.channel
+        shards = list(range(ch.num_shards) if shards is None else shards)
+        if mutating and len(shards) > 1:
+            return Op(ch, method, self.name, args_of, shards, self.dim)
         out = []
-        for s in range(ch.num_shards) if shards is None else shards:
+        for s in shards:
             ref, req = ch.send(s, method, self.name, args_of(s), mutating, self.dim)
             out.append((s, ref, req))
         return out
 
-    def _gather(self, sent: list[tuple[int, Any, Any]]) -> list[Any]:
+    @staticmethod
+    def _shards_of(sent: Any) -> list[int]:
+        return list(sent.shards) if isinstance(sent, Op) else [x[0] for x in sent]
+
+    def _gather(self, sent: Any) -> list[Any]:
         """The results of requests sent together; counts their ``mutation_seq`` growth."""
+        if isinstance(sent, Op):
+            answers = list(zip(sent.shards, sent.results(), strict=True))
+        else:
+            answers = [(s, self.channel.result(s, ref, req)) for s, ref, req in sent]
         out, grew, changed = [], 0, []
-        for s, ref, req in sent:
-            value, delta, seq = self.channel.result(s, ref, req)
+        for s, (value, delta, seq) in answers:
             out.append(value)
             if delta:
                 self._own_seq += delta
@@ -231,8 +248,30 @@ class ShardedEmbeddingTable:
 
     def drain(self) -> None:
         """Wait for every update in flight (``"async"`` mode) and raise a failed one's error."""
+        self._advance(block=True)
         while self._inflight:
             self._gather(self._inflight.popleft())
+
+    def _advance(self, block: bool) -> None:
+        """Commit the updates in flight whose parts are all staged, in the order sent.
+
+        ``block``: wait for every stage answer (nothing of ours may come between an update
+        and the requests after it). An update a save barrier refused is redone, and so is
+        every update sent after it (each in turn): the shards still apply them in order.
+        """
+        ops = [x for x in self._inflight if isinstance(x, Op) and x.committed is None]
+        for i, op in enumerate(ops):
+            if not block and not op.ready():
+                return
+            if op.decide():
+                continue
+            later = ops[i + 1:]
+            for x in later:
+                x.withdraw()
+            op.run()
+            for x in later:
+                x.redo()
+            return
 
     def as_keys(self, keys: Any) -> np.ndarray:
         """``keys`` as the table stores them: a 1-D int64 array (str/bytes hashed)."""
@@ -257,27 +296,28 @@ class ShardedEmbeddingTable:
 
         return self._send_all(method, args, insert and method == "pull", shards)
 
-    def _rows_of(self, sp: Split, sent: list[tuple[int, Any, Any]], out: np.ndarray | None,
+    def _rows_of(self, sp: Split, sent: Any, out: np.ndarray | None,
                  peeked: list[tuple[int, Any, Any]] | None = None) -> np.ndarray:
         u = sp.uniq.shape[0]
         n = sp.keys.shape[0]
         before = {} if peeked is None else dict(zip([x[0] for x in peeked],
                                                     self._gather(peeked), strict=True))
         got = self._gather(sent)
+        shards = self._shards_of(sent)
         if peeked is None and all(isinstance(r, np.ndarray) and r.shape[0] ==
                                   sp.bounds[s + 1] - sp.bounds[s]
-                                  for (s, _, _), r in zip(sent, got, strict=True)):
+                                  for s, r in zip(shards, got, strict=True)):
             # every shard's rows per key: straight into batch order, one pass each
             res = np.empty((n, self.dim), np.float32) if out is None else out
             dest = sp.dest
-            for (s, _, _), rows in zip(sent, got, strict=True):
+            for s, rows in zip(shards, got, strict=True):
                 sk.gather_part(rows, dest, int(sp.bounds[s]), int(sp.bounds[s + 1]), res)
             return res
         urows = np.empty((u, self.dim), np.float32)
         per_sighting = []
-        for (s, _, _), rows in zip(sent, got, strict=True):
+        for s, rows in zip(shards, got, strict=True):
             p = sp.part(s)
-            if isinstance(rows, tuple):  # a touch: the peeked rows, and those of new keys
+            if isinstance(rows, tuple) and s in before:  # a touch: peeked rows, new keys' rows
                 absent, new_rows = rows
                 urows[p] = before[s]
                 urows[p[absent]] = new_rows
@@ -314,6 +354,8 @@ class ShardedEmbeddingTable:
                 f"out must be a writeable C-contiguous float32 array of shape ({k.shape[0]}, "
                 f"{self.dim}); got {getattr(out, 'dtype', type(out).__name__)} "
                 f"{getattr(out, 'shape', '')}")
+        if self._inflight:  # our updates land before this lookup reads
+            self._advance(block=True)
         pre, self._prefetch = self._prefetch, None
         same = pre is not None and np.array_equal(pre[0], k)
         sp = pre[1] if pre is not None and same else Split(k, self.num_shards)
@@ -416,23 +458,27 @@ class ShardedEmbeddingTable:
             lo, hi = bounds[s], bounds[s + 1]
             return uniq[lo:hi], sums[lo:hi], None if step is None else int(step), tick
 
-        sent = self._send_all("push", args, True)
-        if pre is not None:  # the next batch's rows, read right behind this update
-            self._prefetch = (pre[0], pre[1], self._send_pull(pre[1], False, "peek"),
-                              sum(self.channel.seq))
         ev = self._eviction
         # (an admission filter or an eviction schedule needs the answers before going on)
-        if self.mode == "async" and not self._admission and not (ev is not None
-                                                                 and ev.every_n_steps):
+        wait = not (self.mode == "async" and not self._admission and
+                    not (ev is not None and ev.every_n_steps))
+        sent = self._send_all("push", args, True)
+        if isinstance(sent, Op) and wait:
+            sent.run()  # committed: what is read next sees it
+        if pre is not None and (wait or not isinstance(sent, Op)):
+            # the next batch's rows, read right behind this update
+            self._prefetch = (pre[0], pre[1], self._send_pull(pre[1], False, "peek"),
+                              sum(self.channel.seq))
+        if not wait:
             self._inflight.append(sent)
-            while len(self._inflight) > self.staleness:
-                self._gather(self._inflight.popleft())
+            self._advance(block=False)
+            if len(self._inflight) > self.staleness:
+                self._advance(block=True)
+                while len(self._inflight) > self.staleness:
+                    self._gather(self._inflight.popleft())
             return int(u)
         seq0 = self._seq
         res = self._gather(sent)
-        if self._admission and any(r[0] for r in res):  # count the optimizer step everywhere
-            idle = [s for s, r in enumerate(res) if not r[0]]
-            self._gather(self._send_all("call", lambda s: ("optimizer_tick", ()), True, idle))
         new_step = int(res[0][1])
         if ev is not None and ev.every_n_steps and new_step % ev.every_n_steps == 0:
             # the shards evicted by their own rules in the same call; max_rows ranks them all
@@ -674,14 +720,14 @@ class ShardedEmbeddingTable:
 
         ``tensorkv.save(table, url, tag, ...)`` calls this. The tag holds one table, under
         this table's name; ``options`` are :func:`tensorkv.save` arguments (``step``,
-        ``incremental``, ``parent``, ``metadata``, ``ttl``).
+        ``incremental``, ``parent``, ``metadata``, ``ttl``). The shards are saved at one
+        agreed state behind a save barrier (see ``ParameterServer.save``).
         """
-        ray = ray_module()
         self._mutating()
         metadata = options.pop("metadata", None)
-        refs = [a.save_shard.remote(url, tag, [self.name], metadata, options)
-                for a in self.channel.actors]
-        ray.get(refs)
+        # every shard at one agreed state, whatever other workers push meanwhile
+        save_barrier(self.channel, lambda a, token: a.save_shard.remote(
+            url, tag, [self.name], metadata, options, thaw=token))
         return tag
 
     def load_sharded(self, url: str, tag: str = "latest") -> None:

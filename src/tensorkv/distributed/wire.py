@@ -4,8 +4,9 @@ Ray serialises every argument of an actor call on its own, and pickles tuples an
 arrays; for a pull of a few keys that costs more than the call itself. A request whose arrays
 are small (:func:`fits`) therefore travels as one ``bytes`` argument to
 :meth:`ShardServer.frame <tensorkv.distributed.shard.ShardServer.frame>`, and its answer as
-one ``bytes`` value: a fixed header, the table and client names, then the raw arrays. Large
-requests keep the numpy path (Ray moves their buffers through its object store).
+one ``bytes`` value: a fixed header, the table and client names, the shards of an operation
+staged in two phases (:mod:`tensorkv.distributed.ops`), then the raw arrays. Large requests
+keep the numpy path (Ray moves their buffers through its object store).
 """
 
 from __future__ import annotations
@@ -25,13 +26,22 @@ FRAME_BYTES = 64 * 1024
 
 #: Answer of a request that found the shard behind the client (it lost updates in a restart).
 BEHIND = "behind"
+#: Answer of a change a shard refuses for now: a save is taking its snapshot (retry later).
+REFUSED = "refused"
+#: Answer of a repeated commit of a lookup whose rows are gone: read them again.
+REREAD = "reread"
+#: Answer of a shard to a staged part: ``(STAGED, would)`` (``would``: it would change rows).
+STAGED = "staged"
 
-# method, flags, len(name), len(worker), seq, step, keys, dim of the gradients
-_REQ = struct.Struct("<BBHHqqqq")
-# status (0 answer, 1 behind), ckpt, delta, seq, kind, a, b, c
+# method, flags, len(name), len(worker), shards of the operation, seq, operation, step, keys,
+# dim of the gradients
+_REQ = struct.Struct("<BBHHHqqqqq")
+# status (0 answer, 1 behind, 2 refused, 3 reread), ckpt, delta, seq, kind, a, b, c
 _REP = struct.Struct("<Bqqqbqqq")
+_STATUS = {BEHIND: 1, REFUSED: 2, REREAD: 3}
+_STATUS_OF = {v: k for k, v in _STATUS.items()}
 _INSERT, _TOUCH, _TICK, _STEP = 1, 2, 4, 8
-_ROWS, _TOUCHED, _PUSHED = 0, 1, 2
+_ROWS, _TOUCHED, _PUSHED, _STAGED = 0, 1, 2, 3
 
 
 def fits(method: str, args: tuple, dim: int) -> bool:
@@ -42,11 +52,14 @@ def fits(method: str, args: tuple, dim: int) -> bool:
     return n * max(16, 4 * dim) <= FRAME_BYTES
 
 
-def pack_request(method: str, name: str, worker: str, seq: int, args: tuple) -> bytes:
+def pack_request(method: str, name: str, worker: str, seq: int, args: tuple, op: int = 0,
+                 parts: tuple[int, ...] = ()) -> bytes:
     """One frame of a request.
 
     ``args``: ``(keys_counts, insert, touch)`` of a ``pull``, ``(keys_counts,)`` of a
-    ``peek``, ``(keys, grads, step, tick)`` of a ``push``.
+    ``peek``, ``(keys, grads, step, tick)`` of a ``push``. ``op`` (with the operation's
+    shards ``parts``): the request stages part ``op`` of an operation over several shards
+    rather than applying it; 0 applies it.
     """
     nb, wb = name.encode(), worker.encode()
     if method == "push":
@@ -63,17 +76,20 @@ def pack_request(method: str, name: str, worker: str, seq: int, args: tuple) -> 
         data = np.ascontiguousarray(kc, np.int64).tobytes()
         n, dim = kc.shape[1], 0
         step_v = 0
-    head = _REQ.pack(METHODS[method], flags, len(nb), len(wb), int(seq), step_v, n, dim)
-    return b"".join((head, nb, wb, data))
+    head = _REQ.pack(METHODS[method], flags, len(nb), len(wb), len(parts), int(seq), int(op),
+                     step_v, n, dim)
+    return b"".join((head, nb, wb, np.asarray(parts, np.int32).tobytes(), data))
 
 
-def unpack_request(frame: bytes) -> tuple[str, str, str, int, tuple]:
-    """``(method, name, worker, seq, args)`` of a frame, the arrays read-only views of it."""
-    code, flags, ln, lw, seq, step, n, dim = _REQ.unpack_from(frame)
+def unpack_request(frame: bytes) -> tuple[str, str, str, int, tuple, int, tuple[int, ...]]:
+    """``(method, name, worker, seq, args, op, parts)`` of a frame (arrays: views of it)."""
+    code, flags, ln, lw, lp, seq, op, step, n, dim = _REQ.unpack_from(frame)
     at = _REQ.size
     name = frame[at:at + ln].decode()
     worker = frame[at + ln:at + ln + lw].decode()
     at += ln + lw
+    parts = tuple(int(x) for x in np.frombuffer(frame, np.int32, lp, at))
+    at += 4 * lp
     method = _NAMES[code]
     if method == "push":
         keys = np.frombuffer(frame, np.int64, n, at)
@@ -83,14 +99,16 @@ def unpack_request(frame: bytes) -> tuple[str, str, str, int, tuple]:
     else:
         kc = np.frombuffer(frame, np.int64, 2 * n, at).reshape(2, n)
         args = (kc, bool(flags & _INSERT), bool(flags & _TOUCH)) if method == "pull" else (kc,)
-    return method, name, worker, seq, args
+    return method, name, worker, seq, args, op, parts
 
 
 def pack_reply(out: Any) -> bytes:
-    """One frame of a shard's answer: ``(value, ckpt, delta, seq)`` or ``"behind"``."""
+    """One frame of a shard's answer: ``(value, ckpt, delta, seq)``, or a status string."""
     if isinstance(out, str):
-        return _REP.pack(1, 0, 0, 0, 0, 0, 0, 0)
+        return _REP.pack(_STATUS[out], 0, 0, 0, 0, 0, 0, 0)
     value, ckpt, delta, seq = out
+    if isinstance(value, tuple) and isinstance(value[0], str):  # (STAGED, would)
+        return _REP.pack(0, ckpt, delta, seq, _STAGED, int(bool(value[1])), 0, 0)
     if isinstance(value, np.ndarray):
         rows = np.ascontiguousarray(value, np.float32)
         return _REP.pack(0, ckpt, delta, seq, _ROWS, rows.shape[0], rows.shape[1], 0) + \
@@ -106,13 +124,15 @@ def pack_reply(out: Any) -> bytes:
 
 
 def unpack_reply(frame: bytes) -> Any:
-    """The ``(value, ckpt, delta, seq)`` (or ``"behind"``) of a reply frame."""
+    """The ``(value, ckpt, delta, seq)`` (or status string) of a reply frame."""
     status, ckpt, delta, seq, kind, a, b, c = _REP.unpack_from(frame)
     if status:
-        return BEHIND
+        return _STATUS_OF[status]
     at = _REP.size
-    if kind == _ROWS:
-        value: Any = np.frombuffer(frame, np.float32, a * b, at).reshape(a, b)
+    if kind == _STAGED:
+        value: Any = (STAGED, bool(a))
+    elif kind == _ROWS:
+        value = np.frombuffer(frame, np.float32, a * b, at).reshape(a, b)
     elif kind == _TOUCHED:
         absent = np.frombuffer(frame, np.bool_, a, at)
         value = (absent, np.frombuffer(frame, np.float32, b * c, at + a).reshape(b, c))
@@ -121,5 +141,5 @@ def unpack_reply(frame: bytes) -> Any:
     return value, ckpt, delta, seq
 
 
-__all__ = ["BEHIND", "FRAME_BYTES", "METHODS", "fits", "pack_reply", "pack_request", "unpack_reply",
-           "unpack_request"]
+__all__ = ["BEHIND", "FRAME_BYTES", "METHODS", "REFUSED", "REREAD", "STAGED", "fits", "pack_reply",
+           "pack_request", "unpack_reply", "unpack_request"]
