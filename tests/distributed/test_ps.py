@@ -3,14 +3,22 @@
 Every test shares the module's 2-shard server (``ps`` in conftest.py) on the session's Ray.
 """
 
+import ipaddress
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 import tensorkv
 from tensorkv.distributed import ParameterServer
-from tensorkv.errors import ConfigError, MissingDependencyError, ShapeError, ShardUnavailableError
+from tensorkv.errors import (
+    ConfigError,
+    MissingDependencyError,
+    ReshardedError,
+    ShapeError,
+    ShardUnavailableError,
+)
 from tensorkv.testing.tablecheck import assert_same_rows, table_rows
 
 
@@ -160,9 +168,21 @@ def test_reshard_is_exact(ray_cluster, tmp_path):
     with ParameterServer(2, name="reshard", checkpoint_url=url) as ps2:
         t = ps2.table("r", 8, **kw)
         _train([ref, t], 4)
+        before = ParameterServer(name="reshard", recover_timeout=5)  # another client
+        stale = before.table("r")
+        stale.lookup(np.arange(5), insert=False)
         ps2.reshard(3)
         assert ps2.num_shards == 3 and t.num_shards == 3
         assert_same_rows(table_rows(t), table_rows(ref), seq=False)
+        # the client attached before gets an error that says so, for reads and changes
+        for call in (lambda: stale.lookup(np.arange(5), insert=False),
+                     lambda: stale.apply_gradients([1, 2], np.ones((2, 8), np.float32))):
+            with pytest.raises(ReshardedError, match=r"resharded to 3 shards \(generation 1\)"
+                               r".*ParameterServer\(name='reshard'\)"):
+                call()
+        again = ParameterServer(name="reshard").table("r")  # attached again: the rows
+        np.testing.assert_array_equal(again.lookup(np.arange(50), insert=False),
+                                      ref.lookup(np.arange(50), insert=False))
         _train([ref, t], 3, seed=2)
         ps2.reshard(1)
         _train([ref, t], 2, seed=3)
@@ -211,6 +231,15 @@ def test_bad_inputs(ps, ray_cluster):
     ps.table("fixed", 4, optimizer="sgd")
     with pytest.raises(ConfigError, match="exists on parameter server"):
         ps.table("fixed", 4, optimizer="adam")
+    # the existing table's arguments against those requested, a dim-only call too
+    with pytest.raises(ConfigError, match=r"with dim=4, optimizer='sgd'; requested dim=8, "
+                                          r"optimizer not given"):
+        ps.table("fixed", 8)
+    with pytest.raises(ConfigError, match=r"with dim=4; requested dim=8\."):
+        ps.table("fixed", 8, optimizer="sgd")
+    with pytest.raises(ConfigError, match=r"with optimizer='sgd'; requested optimizer not given"):
+        ps.table("fixed", 4)
+    assert ps.table("fixed", 4, optimizer="sgd").dim == 4  # the same arguments: attached
     t = ps.table("fixed")
     with pytest.raises(ShapeError, match=r"shape \(3, 4\)"):
         t.apply_gradients([1, 2, 3], np.ones((2, 4)))
@@ -223,6 +252,67 @@ def test_bad_inputs(ps, ray_cluster):
     with pytest.raises(tensorkv.errors.NonFiniteGradientError):
         t.apply_gradients([1], np.full((1, 4), np.nan))
     assert len(t) == 0  # nothing reached a shard
+
+
+def _listening(pids):
+    """``(process name, address, port)`` of the TCP sockets ``pids`` listen on (/proc)."""
+    socks = {}
+    for table, v6 in (("/proc/net/tcp", False), ("/proc/net/tcp6", True)):
+        for line in Path(table).read_text().splitlines()[1:]:
+            f = line.split()
+            if f[3] != "0A":  # LISTEN
+                continue
+            ip, port = f[1].split(":")
+            raw = bytes.fromhex(ip)
+            words = [raw[i:i + 4][::-1] for i in range(0, len(raw), 4)]
+            addr = b"".join(words)
+            if v6 and addr[:12] == bytes(10) + b"\xff\xff":  # an IPv4 address on IPv6
+                addr = addr[12:]
+            socks[int(f[9])] = (str(ipaddress.ip_address(addr)), int(port, 16))
+    out = set()
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+            name = Path(f"/proc/{pid}/comm").read_text().strip()
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:[") and int(target[8:-1]) in socks:
+                out.add((name, *socks[int(target[8:-1])]))
+    return out
+
+
+def _descendants(pid):
+    children = {}
+    for p in os.listdir("/proc"):
+        if p.isdigit():
+            try:
+                ppid = int(Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(p))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += children.get(p, [])
+    return out
+
+
+def test_local_ray_listens_on_loopback_only(ps, ray_cluster):
+    """The session's Ray, started by tensorkv: its GCS, raylet, object manager, workers
+    (the shards among them) and this driver accept connections on 127.0.0.1 only."""
+    ps.table("net", 4).lookup(np.arange(10))  # the shard workers run
+    socks = _listening(_descendants(os.getpid()))
+    names = {name for name, _, _ in socks}
+    assert {"gcs_server", "raylet"} <= names and len(socks) >= 5, socks
+    assert all(ipaddress.ip_address(addr).is_loopback for _, addr, _ in socks), socks
+    assert ray_cluster.get_runtime_context().gcs_address.startswith("127.0.0.1:")
+    assert not any(port == 8265 for _, _, port in socks)  # no dashboard
 
 
 def test_missing_ray_names_the_extra(monkeypatch):

@@ -119,3 +119,61 @@ def test_save_shard_and_load_shard_round_trip(tmp_path):
     with pytest.raises(ConfigError, match="holds no table"):
         other.load_shard(url, "v1", ["u2"], saved_as="nope")
     assert other.forget_checkpoints() == 0
+
+
+def test_staged_parts_apply_once_at_commit_and_survive_a_restart(tmp_path):
+    """Two-phase changes on one shard: staged parts wait for their commit, a checkpoint
+    taken meanwhile makes the client send the stage again, nothing applies twice, a save
+    barrier refuses changes, a tombstone refuses a late part, a retired shard says so."""
+    from tensorkv.distributed.ops import ABORTED, STAGED, UNKNOWN
+    from tensorkv.distributed.wire import REFUSED
+    from tensorkv.errors import ReshardedError
+
+    url = f"lmdb://{tmp_path / 'ck'}"
+    s = ShardServer("u", 0, 2, checkpoint_url=url, checkpoint_every=1)
+    s.create("t", {"dim": 4, "optimizer": "sgd", "initializer": "zeros"})
+    k, g = np.arange(3), np.ones((3, 4), np.float32)
+    ref = tensorkv.EmbeddingTable(4, optimizer="sgd", initializer="zeros")
+    assert s.stage("t", "w", 1, 1, (0, 1), "push", k, g, None, True)[0] == (STAGED, False)
+    assert len(s.tables["t"]) == 0 and s.op_status("w", 1) == (STAGED, 0)
+    assert s.applied_seq("w") == (1, 0)  # its checkpoint does not hold the staged part
+    # the shard restarts from that checkpoint: the client sends the stage again
+    s = ShardServer("u", 0, 2, checkpoint_url=url, checkpoint_every=1)
+    assert s.applied_seq("w") == (0, 0) and s.op_status("w", 1) == (UNKNOWN, 0)
+    assert s.stage("t", "w", 1, 1, (0, 1), "push", k, g, None, True)[0] == (STAGED, False)
+    (n, step), _, delta, _ = s.commit("t", "w", 2, 1, False)
+    assert (n, step) == (3, 1) and delta == 1
+    assert s.commit("t", "w", 2, 1, False)[0] == (3, 1)  # sent again: answered, not applied
+    ref.apply_gradients(k, g)
+    assert_same_rows(table_rows(s.tables["t"]), table_rows(ref), seq=False)
+    s = ShardServer("u", 0, 2, checkpoint_url=url, checkpoint_every=1)  # and once more
+    assert s.applied_seq("w") == (2, 2)
+    assert s.stage("t", "w", 1, 1, (0, 1), "push", k, g, None, True) == \
+        ((STAGED, False), 2, 0, 0)  # an old stage sent again is not staged again
+    assert s.ledger.staged == {}
+    # a save barrier refuses parts and direct changes, and lets commits through
+    assert s.stage("t", "w", 3, 2, (0, 1), "push", k, g, None, True)[0][0] == STAGED
+    s.freeze("save", "w")
+    assert s.stage("t", "w", 4, 3, (0, 1), "push", k, g, None, True) == REFUSED
+    assert s.op_status("w", 3) == (ABORTED, 0)
+    assert s.push("t", "w", 5, k, g, None) == REFUSED
+    assert s.commit("t", "w", 6, 2, False)[0] == (3, 2)
+    assert s.thaw("save") and not s.frozen()
+    # an abort drops the part; a tombstone refuses a part that comes late
+    assert s.stage("t", "w", 7, 4, (0, 1), "push", k, g, None, True)[0][0] == STAGED
+    s.abort("t", "w", 8, 4)
+    assert s.op_status("w", 4) == (ABORTED, 0) and s.tables["t"].step == 2
+    assert s.op_status("w", 5, tombstone=True) == (ABORTED, 0)
+    assert s.stage("t", "w", 9, 5, (0, 1), "push", k, g, None, True) == REFUSED
+    # a resolution commits a part; its client's commit is then answered as done
+    assert s.stage("t", "w", 10, 6, (0, 1), "push", k, g, None, True)[0][0] == STAGED
+    assert s.decide("w", 6, True, False)
+    assert s.commit("t", "w", 11, 6, False)[0] == (3, 3)
+    ref.apply_gradients(k, g)
+    ref.apply_gradients(k, g)
+    assert_same_rows(table_rows(s.tables["t"]), table_rows(ref), seq=False)
+    with pytest.raises(ConfigError, match="no table 'x'"):
+        s.stage("x", "w", 12, 7, (0, 1), "push", k, g, None, True)
+    s.retire(1, 3)
+    with pytest.raises(ReshardedError, match=r"resharded to 3 shards.*ParameterServer\(name='u'\)"):
+        s.pull("t", "w", 12, _kc(k), False)

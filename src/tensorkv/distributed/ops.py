@@ -124,11 +124,12 @@ class Ledger:
         seqs = [p.seq for (w, _), p in list(self.staged.items()) if w == worker]
         return min([applied, *(s - 1 for s in seqs)])
 
-    def stale(self, age: float) -> list[tuple[str, int, tuple[int, ...]]]:
-        """``(worker, op, parts)`` of parts staged at least ``age`` seconds ago, oldest first."""
+    def stale(self, age: float) -> list[tuple[str, int, tuple[int, ...], float]]:
+        """``(worker, op, parts, age)`` of parts staged ``age`` seconds or more, oldest first."""
         now = time.monotonic()
         items = sorted(list(self.staged.items()), key=lambda kv: kv[1].since)
-        return [(w, op, p.parts) for (w, op), p in items if now - p.since >= age]
+        return [(w, op, p.parts, now - p.since) for (w, op), p in items
+                if now - p.since >= age]
 
     def to_meta(self) -> dict[str, Any]:
         """The outcomes as a checkpoint's metadata keeps them (JSON)."""
@@ -236,8 +237,10 @@ def settle(handles: dict[int, Any], timeout: float, min_age: float = 0.0,
 class Janitor(threading.Thread):
     """A shard's thread resolving operations staged too long, and thawing dead savers' freezes.
 
-    Of the shards of an operation, the first one's janitor resolves it. Runs inside the shard
-    actor's process; it changes the shard only through calls to the actor itself.
+    Each shard resolves the parts it holds: the ``r``-th shard of an operation once its part
+    is ``(r + 1) * resolve_after`` seconds old (so the first usually does it alone; the others
+    still do when the first committed its part already). Runs inside the shard actor's
+    process; it changes the shard only through calls to the actor itself.
     """
 
     def __init__(self, ledger: Ledger, index: int, names: Callable[[], list[str]],
@@ -272,8 +275,9 @@ class Janitor(threading.Thread):
         """One pass: resolve the stale operations this shard leads; how many were decided."""
         n = 0
         ledger = self.ledger
-        for worker, op, parts in ledger.stale(self.resolve_after):
-            if parts and parts[0] == self.index and \
+        for worker, op, parts, age in ledger.stale(self.resolve_after):
+            rank = parts.index(self.index) if self.index in parts else 0
+            if age >= (rank + 1) * self.resolve_after and \
                     resolve(self.handles(), worker, op, parts, ledger.leases.get(worker)):
                 n += 1
         now = time.monotonic()

@@ -708,6 +708,8 @@ class ShardServer(ShardStore):
             return False
         if commit:
             self._apply_part(worker, op, part, tick)
+            if self.url is not None:
+                self.checkpoint()  # no client holds this change to send it again
         else:
             self.ledger.record(worker, op, 0)
         return True
