@@ -80,8 +80,8 @@ REWRITES = [
             "the block says 'run from the repository root'; it runs in a temporary directory"),
     Rewrite("docs/redis.md", r"range\(100_000\)", "range(2_000)",
             "benchmark script: small size"),
-    Rewrite("docs/distributed.md", r"ray\.init\(num_cpus=2, include_dashboard=False\)",
-            'ray.init(num_cpus=2, include_dashboard=False, _temp_dir="/tmp/tensorkv-ray")',
+    Rewrite("docs/distributed.md", r"start_local_ray\(num_cpus=2\)",
+            'start_local_ray(num_cpus=2, _temp_dir="/tmp/tensorkv-ray")',
             "Ray's socket paths must stay under 108 bytes; the block's TMPDIR is longer"),
 ]
 

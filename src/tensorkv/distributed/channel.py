@@ -123,19 +123,23 @@ class Channel:
                     buf.holders.append(ref)
         return ref, req
 
-    def _remote(self, s: int, req: Request, plain: bool = False) -> Any:
+    def _remote(self, s: int, req: Request, plain: bool = False, replay: bool = False) -> Any:
+        """Send ``req`` to shard ``s``; ``replay``: sent again to a restarted shard."""
+        a = self.actors[s]
         if req.frame:
-            return self.actors[s].frame.remote(wire.pack_request(
-                req.method, req.name, self.worker, req.seq, req.args, req.op, req.parts))
+            data = wire.pack_request(req.method, req.name, self.worker, req.seq, req.args,
+                                     req.op, req.parts)
+            return a.replay.remote("frame", data) if replay else a.frame.remote(data)
         if not plain and self.link is not None and self.link.enabled[s]:
             ref = self._remote_shm(s, req)
             if ref is not None:
                 return ref
+        method, args = req.method, (req.name, self.worker, req.seq, *req.args)
         if req.op:
-            return self.actors[s].stage.remote(req.name, self.worker, req.seq, req.op,
-                                               req.parts, req.method, *req.args)
-        fn = getattr(self.actors[s], req.method)
-        return fn.remote(req.name, self.worker, req.seq, *req.args)
+            method, args = "stage", (*args[:3], req.op, req.parts, req.method, *req.args)
+        if replay:
+            return a.replay.remote(method, *args)
+        return getattr(a, method).remote(*args)
 
     def _free(self, buf: shm.Buffer) -> bool:
         """Whether no request uses ``buf`` (those whose answers were never read are done)."""
@@ -346,7 +350,7 @@ class Channel:
                     "them. Give the ParameterServer a checkpoint_url= so shards checkpoint "
                     "and clients keep what came after; the table must be restored from a "
                     "checkpoint now")
-            refs = [(r, self._remote(s, r, plain=True)) for r in todo]
+            refs = [(r, self._remote(s, r, plain=True, replay=True)) for r in todo]
             own, failed = None, False
             for r, ref in refs:
                 try:
@@ -418,6 +422,7 @@ class Op:
         self.op = 0
         self.staged: list[tuple[int, Any, Request]] = []
         self.committed: list[tuple[int, Any, Request]] | None = None
+        self.failed: Exception | None = None  #: the error that aborted it for good
         self._results: list[Any] | None = None
         self._stage()
 
@@ -431,7 +436,7 @@ class Op:
 
     def ready(self) -> bool:
         """Whether every shard answered its stage (:meth:`decide` would not wait)."""
-        if self.committed is not None:
+        if self.committed is not None or self.failed is not None:
             return True
         refs = [ref for _, ref, _ in self.staged]
         return len(ray_module().wait(refs, num_returns=len(refs), timeout=0)[0]) == len(refs)
@@ -445,6 +450,8 @@ class Op:
         if self.committed is not None:
             return True
         ch = self.channel
+        if self.failed is not None:
+            raise self.failed
         acks: list[Any] = []
         err: Exception | None = None
         for s, ref, req in self.staged:
@@ -456,6 +463,7 @@ class Op:
         if err is not None or not all(isinstance(a, tuple) and a[0] == STAGED for a in acks):
             self.abort()
             if err is not None:
+                self.failed = err
                 raise err
             return False
         tick = any(bool(a[1]) for a in acks)  # some shard changes rows: all count the step
@@ -514,6 +522,8 @@ def save_barrier(channel: Channel, save: Any, timeout: float | None = None) -> l
     ray = ray_module()
     token = uuid.uuid4().hex
     actors = channel.actors
+    if len(actors) == 1:  # one shard: its save is one call, between two of its requests
+        return list(ray.get([save(a, None) for a in actors]))
     ray.get([a.freeze.remote(token, channel.worker) for a in actors])
     try:
         settle(dict(enumerate(actors)), channel.recover_timeout if timeout is None else timeout)

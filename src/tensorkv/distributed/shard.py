@@ -124,6 +124,7 @@ class ShardServer(ShardStore):
         self.restored_from: str | None = None
         self.ledger = Ledger()
         self.retired: tuple[int, int] | None = None  # (generation, shards) after a reshard
+        self.replaying = False  # serving a client's replay (accepted once: never refused)
         self.janitor: Janitor | None = None
         if _in_ray_actor():
             self.janitor = Janitor(self.ledger, self.index, self._names, resolve_after)
@@ -244,7 +245,7 @@ class ShardServer(ShardStore):
         if seq != last + 1:
             return BEHIND
         self.ledger.synced.add(worker)
-        if freezable and self.ledger.freezes:
+        if freezable and self.ledger.freezes and not self.replaying:
             self._done(worker, seq)
             return REFUSED
         return "apply"
@@ -260,6 +261,17 @@ class ShardServer(ShardStore):
         if self.url is not None and self.every and self.since_ckpt >= self.every:
             self.checkpoint()
         return self.ckpt_applied.get(worker, 0)
+
+    def replay(self, method: str, *args: Any) -> Any:
+        """``method(*args)`` of a request a client sends again after this shard restarted.
+
+        The shard accepted it before it lost it, so a save barrier does not refuse it now.
+        """
+        self.replaying = True
+        try:
+            return getattr(self, method)(*args)
+        finally:
+            self.replaying = False
 
     def noop(self, name: str, worker: str, seq: int) -> Any:
         """Nothing, under sequence number ``seq`` (what a refused change is replayed as)."""
@@ -722,37 +734,6 @@ class ShardServer(ShardStore):
             lease = self.ledger.leases.get(w)
             out.append((w, op, p.parts, now - p.since, [] if lease is None else [lease]))
         return out
-
-    # --- save barriers ---------------------------------------------------------------------
-    def freeze(self, token: str, worker: str) -> bool:
-        """Refuse new parts and changes (:data:`REFUSED`) until :meth:`thaw` of ``token``.
-
-        A save's barrier: with every shard frozen and no part left staged, every shard holds
-        the same operations, and each saves its rows at that agreed state. Parts staged
-        before are still committed or aborted. The janitor thaws a freeze whose ``worker``
-        died.
-        """
-        self._check_retired()
-        self.ledger.freezes[token] = (worker, time.monotonic())
-        return True
-
-    def thaw(self, token: str) -> bool:
-        """End the freeze ``token``; whether it held."""
-        return self.ledger.freezes.pop(token, None) is not None
-
-    def frozen(self) -> bool:
-        """Whether a save barrier holds here."""
-        self._check_retired()
-        return bool(self.ledger.freezes)
-
-    def retire(self, generation: int, num_shards: int) -> None:
-        """Answer every later request with :class:`~tensorkv.errors.ReshardedError`.
-
-        After a reshard to ``num_shards`` shards of ``generation``, a client still holding
-        this shard gets an error saying so, never rows of a shard set that no longer serves.
-        """
-        self.retired = (int(generation), int(num_shards))
-        self.ledger.freezes.clear()
 
     # --- operations ------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:

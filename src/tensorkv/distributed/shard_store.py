@@ -4,7 +4,8 @@ Periodic checkpoints (``ps-<name>-g<generation>-s<shard>-<n>``) hold the shard's
 sequence numbers of the clients' requests they contain and the outcomes of recent operations
 over several shards (:mod:`tensorkv.distributed.ops`); a restarted shard reloads the newest.
 Sharded saves (:meth:`ShardStore.save_shard`) write the shard's rows as one shard of an
-ordinary tag, at the agreed state a save barrier brings every shard to.
+ordinary tag, at the agreed state a save barrier (:meth:`ShardStore.freeze`) brings every
+shard to.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import pickle
+import time
 import warnings
 from typing import Any
 
@@ -50,6 +52,7 @@ class ShardStore:
     requests: int
     restored_from: str | None
     ledger: Ledger
+    retired: tuple[int, int] | None
 
     def _build(self, name: str, spec: dict[str, Any]) -> EmbeddingTable:
         raise NotImplementedError
@@ -57,12 +60,7 @@ class ShardStore:
     def _table(self, name: str) -> EmbeddingTable:
         raise NotImplementedError
 
-    def thaw(self, token: str) -> bool:
-        """Stop refusing changes for save ``token`` (see ``ShardServer.freeze``)."""
-        raise NotImplementedError
-
-    def retire(self, generation: int, num_shards: int) -> None:
-        """Answer every later request with ``ReshardedError`` (see ``ShardServer.retire``)."""
+    def _check_retired(self) -> None:
         raise NotImplementedError
 
     # --- periodic checkpoints --------------------------------------------------------------
@@ -142,6 +140,37 @@ class ShardStore:
                 delete_tag(self.url, t)
                 n += 1
         return n
+
+    # --- save barriers --------------------------------------------------------------------
+    def freeze(self, token: str, worker: str) -> bool:
+        """Refuse new parts and changes (``REFUSED``) until :meth:`thaw` of ``token``.
+
+        A save's barrier: with every shard frozen and no part left staged, every shard holds
+        the same operations, and each saves its rows at that agreed state. Parts staged
+        before are still committed or aborted. The janitor thaws a freeze whose ``worker``
+        died.
+        """
+        self._check_retired()
+        self.ledger.freezes[token] = (worker, time.monotonic())
+        return True
+
+    def thaw(self, token: str) -> bool:
+        """End the freeze ``token``; whether it held."""
+        return self.ledger.freezes.pop(token, None) is not None
+
+    def frozen(self) -> bool:
+        """Whether a save barrier holds here."""
+        self._check_retired()
+        return bool(self.ledger.freezes)
+
+    def retire(self, generation: int, num_shards: int) -> None:
+        """Answer every later request with :class:`~tensorkv.errors.ReshardedError`.
+
+        After a reshard to ``num_shards`` shards of ``generation``, a client still holding
+        this shard gets an error saying so, never rows of a shard set that no longer serves.
+        """
+        self.retired = (int(generation), int(num_shards))
+        self.ledger.freezes.clear()
 
     # --- sharded saves and loads -----------------------------------------------------------
     def snapshot(self, names: list[str]) -> dict[str, Any]:

@@ -263,8 +263,12 @@ class ShardedEmbeddingTable:
         for i, op in enumerate(ops):
             if not block and not op.ready():
                 return
-            if op.decide():
-                continue
+            try:
+                if op.decide():
+                    continue
+            except Exception:
+                self._inflight.remove(op)  # aborted everywhere: its error is raised once
+                raise
             later = ops[i + 1:]
             for x in later:
                 x.withdraw()
