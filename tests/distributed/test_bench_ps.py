@@ -12,10 +12,12 @@ def test_bench_ps_tiny(ray_cluster):
 
     report = Report("ps", echo=False)
     # (several workers: test_ps.py and the ps_train test below run worker actors)
-    ps.run(True, report, batch=256, steps=2, vocab=2000, shards="1", calls=10, workers=0)
+    ps.run(True, report, batch=256, steps=2, vocab=2000, shards="1,2", calls=10, workers=0,
+           small=16)
     cases = [r.case for r in report.results]
     assert cases == ["pull+push, 1 shard, 1 worker", "pull of 1 key (per-call overhead)",
-                     "pull of an empty batch"]
+                     "pull of an empty batch", "pull+push, 2 shards, 1 worker",
+                     "step of 16 keys, 2 shards (latency)"]
     assert all(math.isfinite(r.ratio) and r.value > 0 for r in report.results)
 
 

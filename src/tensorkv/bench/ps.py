@@ -7,8 +7,10 @@ worker (this process), and 2 shards with 2 workers (two Ray actors, each its own
 once), against the in-process :class:`~tensorkv.EmbeddingTable` on the same batches in the
 same run, timed again right before each case (the machine's load drifts). The per-call
 overhead is a pull of one key (one request to one shard) against a bare Ray actor call; a pull
-of an empty batch sends no request at all.
-Starts a local Ray (``num_cpus`` = the machine's) unless one runs.
+of an empty batch sends no request at all. The latency of a small step (256 keys, 2 shards:
+the lookup and the push each staged on both shards, then committed) is the median over many
+steps against the in-process table's.
+Starts a local Ray (``num_cpus`` = the machine's, loopback only) unless one runs.
 """
 
 from __future__ import annotations
@@ -58,9 +60,20 @@ def _fill(table: Any, vocab: int, chunk: int = 1 << 18) -> None:
         table.lookup(np.arange(lo, min(lo + chunk, vocab), dtype=np.int64))
 
 
+def _median_step(table: Any, batches: list[np.ndarray], grads: np.ndarray) -> float:
+    """Median seconds of one lookup + apply_gradients over ``batches``."""
+    times = []
+    for k in batches:
+        t0 = time.perf_counter()
+        table.lookup(k)
+        table.apply_gradients(k, grads)
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
 def run(quick: bool, report: Report, *, batch: int = 65536, steps: int | None = None,
         vocab: int | None = None, shards: str | None = None, calls: int | None = None,
-        workers: int = 2) -> None:
+        workers: int = 2, small: int = 256) -> None:
     """Run the workload (see the module docstring).
 
     Parameters
@@ -78,19 +91,23 @@ def run(quick: bool, report: Report, *, batch: int = 65536, steps: int | None = 
         Timed one-key pulls and bare actor calls (default 2000; quick 300).
     workers
         Worker actors of the several-workers case, on 2 shards (0 leaves the case out).
+    small
+        Keys per step of the latency case on 2 shards (0 leaves it out).
     """
     import ray
 
     from tensorkv import Adagrad, EmbeddingTable
-    from tensorkv.distributed import ParameterServer
+    from tensorkv.distributed import ParameterServer, start_local_ray
 
     steps = steps or (4 if quick else 20)
     vocab = vocab or (200_000 if quick else 1_000_000)
     calls = calls or (300 if quick else 2000)
     counts = [int(x) for x in (shards or ("1,2" if quick else "1,2,4")).split(",")]
-    if batch < 1 or steps < 1 or vocab < 1 or calls < 1 or min(counts) < 1 or workers < 0:
+    if batch < 1 or steps < 1 or vocab < 1 or calls < 1 or min(counts) < 1 or workers < 0 \
+            or small < 0:
         raise ValueError(f"batch={batch}, steps={steps}, vocab={vocab}, calls={calls}, "
-                         f"shards={counts}, workers={workers}: all must be >= 1 (workers >= 0)")
+                         f"shards={counts}, workers={workers}, small={small}: all must be >= 1 "
+                         "(workers and small >= 0)")
     report.params.update(batch=batch, steps=steps, vocab=vocab, dim=DIM, shards=counts)
     batches = _batches(steps + 1, batch, vocab, 0)
     grads = np.random.default_rng(1).standard_normal((batch, DIM)).astype(np.float32)
@@ -103,8 +120,7 @@ def run(quick: bool, report: Report, *, batch: int = 65536, steps: int | None = 
         return batch * steps / _steps(local, batches[1:], grads)
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=os.cpu_count() or 2, include_dashboard=False, log_to_driver=False,
-                 configure_logging=False)
+        start_local_ray(num_cpus=os.cpu_count() or 2)
     try:
         for n in counts:
             with ParameterServer(n, name=f"bench-{uuid.uuid4().hex[:8]}") as ps:
@@ -116,6 +132,15 @@ def run(quick: bool, report: Report, *, batch: int = 65536, steps: int | None = 
                 report.add(f"pull+push, {n} shard{'s' * (n > 1)}, 1 worker", "keys/s",
                            batch * steps / sec, "in-process table", base,
                            note="goal >= 0.4 with 2 shards" if n == 2 else "")
+                if n == 2 and small:
+                    few = _batches(calls // 3 + 1, small, vocab, 2)
+                    g = grads[:small]
+                    _steps(t, few[:1], g)
+                    _steps(local, few[:1], g)
+                    report.add(f"step of {small} keys, 2 shards (latency)", "ms",
+                               _median_step(t, few[1:], g) * 1e3, "in-process table",
+                               _median_step(local, few[1:], g) * 1e3,
+                               note="lookup and push: staged, then committed")
                 if n == 1:
                     one = np.array([7], np.int64)
                     t.lookup(one)

@@ -216,7 +216,9 @@ def run(quick: bool, report: Report, *, steps: int | None = None, batch: int | N
                          shards=shards)
     started = not ray.is_initialized()
     if started:
-        ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
+        from tensorkv.distributed import start_local_ray
+
+        start_local_ray()
     try:
         single = train_single(steps, batch, eval_batches)
         dist = train_distributed(steps, batch, eval_batches, workers=workers, shards=shards)
