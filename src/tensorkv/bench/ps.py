@@ -102,7 +102,7 @@ def run(quick: bool, report: Report, *, batch: int = 65536, steps: int | None = 
     steps = steps or (4 if quick else 20)
     vocab = vocab or (200_000 if quick else 1_000_000)
     calls = calls or (300 if quick else 2000)
-    counts = [int(x) for x in (shards or ("1,2" if quick else "1,2,4")).split(",")]
+    counts = [int(x) for x in str(shards or ("1,2" if quick else "1,2,4")).split(",")]
     if batch < 1 or steps < 1 or vocab < 1 or calls < 1 or min(counts) < 1 or workers < 0 \
             or small < 0:
         raise ValueError(f"batch={batch}, steps={steps}, vocab={vocab}, calls={calls}, "
