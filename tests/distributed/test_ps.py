@@ -247,6 +247,8 @@ def test_bad_inputs(ps, ray_cluster):
         t.lookup([1], out=np.empty((1, 3), np.float32))
     with pytest.raises(ConfigError, match="mode='fast'"):
         ps.table("fixed", mode="fast")
+    with pytest.raises(ConfigError, match="staleness=65 must be an int from 1 to 64"):
+        ps.table("fixed", mode="async", staleness=65)
     with pytest.raises(ConfigError, match="reshard needs a store"):
         ps.reshard(3)
     with pytest.raises(tensorkv.errors.NonFiniteGradientError):

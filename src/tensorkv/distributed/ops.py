@@ -45,6 +45,8 @@ UNKNOWN = "unknown"  #: the shard restarted since; the client has not caught it 
 
 #: Outcomes kept per client on a shard (older operations are resolved on every shard long ago).
 KEEP_OUTCOMES = 256
+#: Most operations a client may have in flight (``staleness``): far fewer than are kept.
+MAX_IN_FLIGHT = 64
 #: Ray namespace of the parameter servers' actors.
 NAMESPACE = "tensorkv"
 
@@ -288,6 +290,6 @@ class Janitor(threading.Thread):
         return n
 
 
-__all__ = ["ABORTED", "COMMITTED", "KEEP_OUTCOMES", "NAMESPACE", "NONE", "REFUSED", "REREAD",
-           "STAGED", "UNKNOWN", "Janitor", "Ledger", "Part", "owner_dead", "resolve", "settle",
-           "shard_actor_name"]
+__all__ = ["ABORTED", "COMMITTED", "KEEP_OUTCOMES", "MAX_IN_FLIGHT", "NAMESPACE", "NONE",
+           "REFUSED", "REREAD", "STAGED", "UNKNOWN", "Janitor", "Ledger", "Part", "owner_dead",
+           "resolve", "settle", "shard_actor_name"]

@@ -598,6 +598,11 @@ class ShardServer(ShardStore):
         ck = self.ckpt_applied.get(worker, 0)
         if state == "dup":  # a request sent again: answer what became of it
             return ((STAGED, False), ck, 0, 0) if st in (STAGED, COMMITTED) else REFUSED
+        if op <= self.ledger.floor.get(worker, 0):
+            self._done(worker, seq)
+            raise ShardUnavailableError(
+                f"operation {op} of client {worker!r} is older than the outcomes shard "
+                f"{self.index} keeps; it cannot tell whether it was applied")
         if st == STAGED:  # (kept across a lost answer)
             return (STAGED, self.ledger.staged[(worker, op)].would), self._done(worker, seq), 0, 0
         if st not in (NONE, UNKNOWN):  # undone by a resolution already

@@ -21,6 +21,7 @@ import numpy as np
 
 from tensorkv.checkpoint.layout import shard_of_keys
 from tensorkv.distributed.channel import Channel, Op, ray_module, save_barrier
+from tensorkv.distributed.ops import MAX_IN_FLIGHT
 from tensorkv.embedding.chunks import ExportChunk, is_single_chunk, nonfinite_rows
 from tensorkv.embedding.filters import Eviction
 from tensorkv.embedding.keys import as_int64_keys
@@ -162,8 +163,9 @@ class ShardedEmbeddingTable:
                  mode: str = "sync", staleness: int = 2) -> None:
         if mode not in ("sync", "async"):
             raise ConfigError(f"mode={mode!r} must be 'sync' or 'async'")
-        if not isinstance(staleness, int) or staleness < 1:
-            raise ConfigError(f"staleness={staleness!r} must be a positive int")
+        if isinstance(staleness, bool) or not isinstance(staleness, int) or \
+                not 1 <= staleness <= MAX_IN_FLIGHT:
+            raise ConfigError(f"staleness={staleness!r} must be an int from 1 to {MAX_IN_FLIGHT}")
         self.channel = channel
         self.name = name
         self.dim = int(dim)
