@@ -472,12 +472,14 @@ class Op:
         return True
 
     def abort(self) -> None:
-        """Drop the staged parts on every shard (each refuses the operation from now on)."""
+        """Drop the staged parts on every shard (each refuses the operation from now on).
+
+        Not waited for: every later request of this client reaches each shard after it (and
+        a shard that restarts gets it again with the client's other requests).
+        """
         ch = self.channel
-        sent = [(s, *ch.send(s, "abort", self.name, (self.op,), True)) for s in self.shards]
-        for s, ref, req in sent:
-            with contextlib.suppress(Exception):
-                ch.result(s, ref, req)
+        for s in self.shards:
+            ch.send(s, "abort", self.name, (self.op,), True)
 
     def withdraw(self) -> None:
         """Abort it whatever the shards answered (an earlier operation must be redone first)."""
