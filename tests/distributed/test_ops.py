@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 import tensorkv
+from tensorkv.checkpoint.layout import shard_of_keys
 from tensorkv.distributed import ParameterServer
 from tensorkv.testing.tablecheck import assert_same_rows, table_rows
 
@@ -174,3 +175,57 @@ def test_saves_are_consistent_with_concurrent_pushes(ray_cluster, tmp_path):
         total = 2 * 3 + 2 * 20
         np.testing.assert_array_equal(t.lookup(keys, insert=False), -float(total))
         assert _steps(ps, "s") == [(total, total)] * 2
+
+
+def test_resolution_rules_against_real_shards(ray_cluster):
+    """The resolution of an operation from what its shards hold (ops.resolve), a janitor's
+    pass over its shard's stale parts, and Ray's word on a dead client (ops.owner_dead)."""
+    from tensorkv.distributed import ops
+    from tensorkv.distributed.wire import REFUSED
+
+    ray = ray_cluster
+    with ParameterServer(2, name=f"rules-{uuid.uuid4().hex[:6]}", resolve_after=60) as ps:
+        ps.table("r", DIM, optimizer=tensorkv.SGD(lr=1.0), initializer="zeros")
+        h = ps.handles
+        k = np.arange(16)
+        own = {s: k[shard_of_keys(k, 2) == s] for s in (0, 1)}
+
+        def stage(s, seq, op):
+            return ray.get(h[s].stage.remote("r", "ghost", seq, op, (0, 1), "push", own[s],
+                                             np.ones((own[s].size, DIM), np.float32), None,
+                                             True))
+
+        # op 1 staged on shard 0 only: shard 1 is tombstoned, shard 0 drops it
+        stage(0, 1, 1)
+        assert ops.resolve(h, "ghost", 1, (0, 1))
+        assert [ray.get(x.op_status.remote("ghost", 1)) for x in h.values()] == \
+            [(ops.ABORTED, 0)] * 2
+        assert stage(1, 1, 1) == REFUSED  # its late part is refused
+        # op 2 staged on both, committed on shard 0 by a janitor holding that part
+        stage(0, 2, 2)
+        stage(1, 2, 2)
+        ledger = ops.Ledger()
+        ledger.staged[("ghost", 2)] = ops.Part("push", "r", (), (0, 1), 2, 0.0, False, False)
+        janitor = ops.Janitor(ledger, 1, lambda: [ops.shard_actor_name(ps.name, 0, i)
+                                                  for i in h], resolve_after=0.0)
+        assert janitor.sweep() == 1
+        states = [ray.get(x.op_status.remote("ghost", 2)) for x in h.values()]
+        assert states == [(ops.COMMITTED, 2)] * 2
+        assert [st["tables"]["r"]["step"] for st in ps.status()] == [1, 1]
+        np.testing.assert_array_equal(ps.table("r").lookup(k, insert=False), -1.0)
+        assert ps.settle() == 0
+
+        # a client's lease tells whether its process lives
+        @ray.remote(num_cpus=0, max_restarts=0)
+        class Client:
+            def lease(self):
+                return [ray.put(b"lease")]
+
+        c = Client.remote()
+        (lease,) = ray.get(c.lease.remote())
+        assert not ops.owner_dead(lease) and not ops.owner_dead(None)
+        ray.kill(c)
+        deadline = time.monotonic() + 60
+        while not ops.owner_dead(lease, timeout=1.0):  # Ray learns of the death shortly
+            assert time.monotonic() < deadline, "Ray never reported the owner dead"
+            time.sleep(0.05)
