@@ -195,9 +195,11 @@ def test_resolution_rules_against_real_shards(ray_cluster):
                                              np.ones((own[s].size, DIM), np.float32), None,
                                              True))
 
-        # op 1 staged on shard 0 only: shard 1 is tombstoned, shard 0 drops it
+        # op 1 staged on shard 0 only: left to its client while it may live; a save barrier's
+        # resolution (force) tombstones shard 1, and shard 0 drops it
         stage(0, 1, 1)
-        assert ops.resolve(h, "ghost", 1, (0, 1))
+        assert not ops.resolve(h, "ghost", 1, (0, 1))
+        assert ops.resolve(h, "ghost", 1, (0, 1), force=True)
         assert [ray.get(x.op_status.remote("ghost", 1)) for x in h.values()] == \
             [(ops.ABORTED, 0)] * 2
         assert stage(1, 1, 1) == REFUSED  # its late part is refused

@@ -528,7 +528,8 @@ def save_barrier(channel: Channel, save: Any, timeout: float | None = None) -> l
         return list(ray.get([save(a, None) for a in actors]))
     ray.get([a.freeze.remote(token, channel.worker) for a in actors])
     try:
-        settle(dict(enumerate(actors)), channel.recover_timeout if timeout is None else timeout)
+        settle(dict(enumerate(actors)), channel.recover_timeout if timeout is None else timeout,
+               force=True)
         return list(ray.get([save(a, token) for a in actors]))
     finally:
         for a in actors:

@@ -9,13 +9,17 @@ client *abort* the operation everywhere and run it again afterwards.
 
 A client that dies between two of these messages leaves parts staged and never committed.
 Every staged part names the operation's shards, so the survivors can finish it: the
-*resolution* asks each shard what became of the operation, marking it refused on a shard that
-never got its part (*tombstone*: the part can no longer be staged there), then
+*resolution* asks each shard what became of the operation, then
 
-- commits it on every shard if any shard has committed it or every shard has it staged;
-- aborts it (drops the staged parts) if any shard refused it or never got its part;
-- waits while a shard cannot tell: it restarted from a checkpoint since and the client has not
-  sent it its requests again (a live client will; a dead client's part is gone: abort).
+- commits it on every shard if any shard has committed it or every shard has it staged (the
+  client had decided, or could have);
+- if not, and the client is gone (Ray reports its lease lost) or a save barrier needs the
+  shards settled, asks again, marking the operation refused on a shard that never got its part
+  (a *tombstone*: the part can no longer be staged there), and aborts it (drops the staged
+  parts) everywhere if a shard refused it or never got its part;
+- waits otherwise: a live client finishes its own operation, and a shard that restarted from a
+  checkpoint since cannot tell until the client sends it its requests again (a dead client's
+  part is gone there: abort).
 
 The decision depends only on what the shards hold, so resolutions running at once (or with a
 client finishing its own operation) decide alike, and committing or aborting twice changes
@@ -168,17 +172,25 @@ def owner_dead(lease: Any, timeout: float = 2.0) -> bool:
 
 
 def resolve(handles: dict[int, Any], worker: str, op: int, parts: tuple[int, ...],
-            lease: Any = None) -> bool:
+            lease: Any = None, force: bool = False) -> bool:
     """Commit or abort operation ``op`` of ``worker`` on its shards ``parts``.
 
     ``handles``: the shard actors by number; ``lease``: the client's lease (see
-    :func:`owner_dead`), needed only when a shard cannot tell. Returns whether the operation
-    is decided now (False: wait, its live client is catching a restarted shard up).
+    :func:`owner_dead`). An operation not every shard has is aborted only if its client is
+    gone, or with ``force`` (a save barrier: its missing parts would be refused anyway).
+    Returns whether the operation is decided now (False: wait for its live client).
     """
     ray = _ray()
-    states = ray.get([handles[s].op_status.remote(worker, op, True) for s in parts])
-    committed = [code for st, code in states if st == COMMITTED]
+    states = ray.get([handles[s].op_status.remote(worker, op, False) for s in parts])
     kinds = {st for st, _ in states}
+    dead = False
+    if COMMITTED not in kinds and kinds != {STAGED}:
+        dead = owner_dead(lease)
+        if not (force or dead):
+            return False
+        states = ray.get([handles[s].op_status.remote(worker, op, True) for s in parts])
+        kinds = {st for st, _ in states}
+    committed = [code for st, code in states if st == COMMITTED]
     tick = False
     if committed:
         commit, tick = True, max(committed) == 2
@@ -190,7 +202,7 @@ def resolve(handles: dict[int, Any], worker: str, op: int, parts: tuple[int, ...
         commit = False
     elif kinds == {STAGED}:
         commit, tick = True, any(code for _, code in states)
-    elif owner_dead(lease):  # a restarted shard lost the part of a client that cannot resend it
+    elif dead:  # a restarted shard lost the part of a client that cannot send it again
         commit = False
     else:
         return False
@@ -198,13 +210,14 @@ def resolve(handles: dict[int, Any], worker: str, op: int, parts: tuple[int, ...
     return True
 
 
-def settle(handles: dict[int, Any], timeout: float, min_age: float = 0.0,
+def settle(handles: dict[int, Any], timeout: float, force: bool = False,
            poll: float = 0.005) -> int:
     """Resolve every operation staged on the shards now; how many were decided here.
 
-    Operations staged less than ``min_age`` seconds ago are left to their clients unless
-    those died. Raises :class:`~tensorkv.errors.ShardUnavailableError` after ``timeout``
-    seconds with some still undecided.
+    ``force``: abort the operations live clients have not staged everywhere yet (a save
+    barrier); else those wait for their clients. Raises
+    :class:`~tensorkv.errors.ShardUnavailableError` after ``timeout`` seconds with some still
+    undecided.
     """
     ray = _ray()
     deadline = time.monotonic() + timeout
@@ -221,9 +234,8 @@ def settle(handles: dict[int, Any], timeout: float, min_age: float = 0.0,
         if not todo:
             return n
         decided = 0
-        for (worker, op), (parts, age, lease) in sorted(todo.items()):
-            if (age >= min_age or owner_dead(lease[0] if lease else None)) and \
-                    resolve(handles, worker, op, parts, lease[0] if lease else None):
+        for (worker, op), (parts, _age, lease) in sorted(todo.items()):
+            if resolve(handles, worker, op, parts, lease[0] if lease else None, force):
                 decided += 1
         n += decided
         if time.monotonic() > deadline:
@@ -239,10 +251,11 @@ def settle(handles: dict[int, Any], timeout: float, min_age: float = 0.0,
 class Janitor(threading.Thread):
     """A shard's thread resolving operations staged too long, and thawing dead savers' freezes.
 
-    Each shard resolves the parts it holds: the ``r``-th shard of an operation once its part
-    is ``(r + 1) * resolve_after`` seconds old (so the first usually does it alone; the others
-    still do when the first committed its part already). Runs inside the shard actor's
-    process; it changes the shard only through calls to the actor itself.
+    Each shard resolves the parts it holds (:func:`resolve`, never aborting a live client's
+    operation): the ``r``-th shard of an operation once its part is ``(r + 1) *
+    resolve_after`` seconds old (so the first usually does it alone; the others still do when
+    the first committed its part already). Runs inside the shard actor's process; it changes
+    the shard only through calls to the actor itself.
     """
 
     def __init__(self, ledger: Ledger, index: int, names: Callable[[], list[str]],

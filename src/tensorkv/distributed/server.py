@@ -374,12 +374,12 @@ class ParameterServer:
 
         A worker that dies between the messages of a change over several shards leaves parts
         of it staged; the shards resolve those by themselves after ``resolve_after`` seconds
-        (:mod:`tensorkv.distributed.ops`). This resolves the ones of dead workers at once and
-        waits for live workers to finish theirs (up to ``timeout`` seconds, default
-        ``recover_timeout``).
+        (:mod:`tensorkv.distributed.ops`). This resolves them at once (those of workers Ray
+        reports dead, and those staged on every shard), and waits for live workers to finish
+        theirs (up to ``timeout`` seconds, default ``recover_timeout``).
         """
         timeout = self.recover_timeout if timeout is None else float(timeout)
-        return settle(self.handles, timeout, min_age=float(self._state.get("resolve_after", 2)))
+        return settle(self.handles, timeout)
 
     def load(self, url: str, tag: str = "latest", tables: list[str] | None = None) -> int:
         """Replace the tables' rows with a checkpoint's (saved from any number of shards).
