@@ -18,6 +18,7 @@ import numpy as np
 from tensorkv.checkpoint import tables
 from tensorkv.checkpoint.tables import Rows
 from tensorkv.errors import QueryError, RowNotFoundError
+from tensorkv.viewer.limits import shown
 from tensorkv.viewer.rows import TableView, as_keys, concat_rows, copy_rows
 from tensorkv.viewer.where import Predicate, parse_predicate, row_norms
 
@@ -159,8 +160,8 @@ def parse_vector(text: str, dim: int) -> np.ndarray:
             vec = np.array([float(p) for p in parts], np.float32)
     except ValueError:
         bad = next(p for p in parts if not _is_float(p))
-        raise QueryError(f"vector {text!r}: {bad!r} at character {text.find(bad)} is not a "
-                         "number", text, text.find(bad)) from None
+        raise QueryError(f"vector {shown(text)}: {shown(bad)} at character {text.find(bad)} "
+                         "is not a number", text, text.find(bad)) from None
     if vec.shape[0] != dim:
         raise QueryError(f"vector has {vec.shape[0]} numbers but the table's rows have dim "
                          f"{dim}", text, None)
@@ -222,7 +223,7 @@ def nearest(view: TableView, *, key: Any = None, vector: Any = None, k: int = 10
         The table holds no row for ``key``.
     """
     if metric not in METRICS:
-        raise QueryError(f"metric {metric!r} is not one of {', '.join(METRICS)}")
+        raise QueryError(f"metric {shown(metric)} is not one of {', '.join(METRICS)}")
     if not isinstance(k, (int, np.integer)) or k < 1:
         raise QueryError(f"k={k!r} must be an int >= 1")
     if (key is None) == (vector is None):
