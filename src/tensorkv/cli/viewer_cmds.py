@@ -310,6 +310,9 @@ def _show_dense(cat: Any, info: Any, tag: str | None, index: str | None, head: i
               show_default=True, help="Similarity of --nearest / --vector.")
 @click.option("--head", type=int, default=20, show_default=True,
               help=f"Matching rows to print (at most {HEAD_CAP}).")
+@click.option("--offset", type=int, default=None, metavar="N",
+              help="--where / --range: scan from scan position N (the next page of matches "
+                   "starts where the previous one says).")
 @click.option("--no-count", is_flag=True,
               help="Stop at --head matches instead of counting them all.")
 @click.option("--full", is_flag=True, help="Print whole vectors.")
@@ -317,12 +320,14 @@ def _show_dense(cat: Any, info: Any, tag: str | None, index: str | None, head: i
 @_guarded
 def search_cmd(url: str, var: str, tag: str | None, keys: tuple[str, ...],
                key_range: str | None, where: str | None, nearest: str | None,
-               vector: str | None, k: int, metric: str, head: int, no_count: bool,
-               full: bool, as_json: bool) -> None:
+               vector: str | None, k: int, metric: str, head: int, offset: int | None,
+               no_count: bool, full: bool, as_json: bool) -> None:
     """Search the rows of table VAR: by keys, a key range, a predicate, or nearest neighbours.
 
     The table is streamed in chunks (never loaded whole); --where combines with every other
-    mode. Nearest neighbours are exact over every row. Exits 1 when nothing matched.
+    mode. Matches of --where and --range come a page at a time: --head of them from scan
+    position --offset, and the position of the next match for the next page. Nearest
+    neighbours are exact over every row. Exits 1 when nothing matched.
     """
     from tensorkv.viewer import search
     from tensorkv.viewer.where import parse_predicate
@@ -335,6 +340,12 @@ def search_cmd(url: str, var: str, tag: str | None, keys: tuple[str, ...],
     if not modes and where is None:
         raise QueryError("give --keys, --range, --where, --nearest or --vector")
     head, capped = _head(head)
+    if offset is not None and (keys or nearest is not None or vector is not None):
+        raise QueryError("--offset pages the matches of --where and --range; --keys, --nearest "
+                         "and --vector take none")
+    start = 0 if offset is None else offset
+    if start < 0:
+        raise QueryError(f"--offset {start} must be >= 0")
     pred = parse_predicate(where) if where is not None else None
     with _catalog(url) as cat:
         view = cat.table(var, tag)
@@ -380,22 +391,25 @@ def search_cmd(url: str, var: str, tag: str | None, keys: tuple[str, ...],
                 inside = (r.keys >= lo_v) & (r.keys <= hi_v)
                 return inside if pred is None else inside & pred(r)
 
-            m = search.scan(view, mask, limit=head, count=not no_count)
+            m = search.scan(view, mask, limit=head, count=not no_count, start=start)
             mode = "range"
         else:
             assert pred is not None
-            m = search.scan(view, pred, limit=head, count=not no_count)
+            m = search.scan(view, pred, limit=head, count=not no_count, start=start)
             mode = "where"
         rows = type(m.rows)(*(a[:head] for a in m.rows))
         offs = m.offsets[:head]
         if as_json:
+            paged = {} if mode == "keys" else {"offset": start, "next_offset": m.next_offset}
             _emit({"variable": var, "tag": view.tag, "mode": mode, "where": where,
                    "matched": m.matched, "complete": m.complete, "scanned": m.scanned,
-                   "capped": capped, "rows": fmt.rows_json(rows, offsets=offs),
+                   "capped": capped, **paged, "rows": fmt.rows_json(rows, offsets=offs),
                    "missing": [int(x) for x in m.missing]})
         else:
             more = "" if m.complete else "+"
             scanned = "" if m.scanned < 0 else f" of {m.scanned} rows scanned"
+            if start:
+                scanned += f" from scan position {start}"
             stop = "" if m.complete else " (stopped at --head; drop --no-count to count all)"
             noun = "row" if m.matched == 1 and m.complete else "rows"
             click.echo(f"{m.matched}{more} {noun} matched in table {var} of tag {view.tag}"
@@ -403,7 +417,10 @@ def search_cmd(url: str, var: str, tag: str | None, keys: tuple[str, ...],
             if len(rows.keys):
                 click.echo(fmt.rows_text(rows, full=full,
                                          offsets=None if mode == "keys" else offs))
-            if m.matched > len(rows.keys):
+            if m.next_offset is not None:
+                click.echo(f"showing {len(rows.keys)} (--head); --offset {m.next_offset} "
+                           "for the next ones")
+            elif m.matched > len(rows.keys):
                 click.echo(f"showing {len(rows.keys)} (--head)")
             if m.missing.size:
                 _note(f"not in table {var!r}: "

@@ -1,10 +1,16 @@
 """Searches over a table's rows: keys, key ranges, predicates, exact nearest neighbours.
 
 Every search streams the table in chunks (:meth:`TableView.chunks`) and works on each chunk
-with whole-array numpy operations; only the matches kept are copied. Nearest neighbours are
-exact: each chunk's scores come from one matrix-vector product, the chunk's best candidates
-are picked with ``np.argpartition`` and scored again in float64, and a running top-k keeps
-the best ``k`` (ties broken by the smaller key).
+with whole-array numpy operations; only the matches kept are copied.
+
+Scans page: a scan keeps the first ``limit`` matches from a scan position on and says where
+the next match is (:attr:`Matches.next_offset`), so scanning again from there continues
+exactly where the last one stopped: across the pages every match appears once, whatever the
+page size, the predicate and where the chunks begin and end.
+
+Nearest neighbours are exact: each chunk's scores come from one matrix-vector product, the
+chunk's best candidates are picked with ``np.argpartition`` and scored again in float64, and
+a running top-k keeps the best ``k`` (ties broken by the smaller key).
 """
 
 from __future__ import annotations
@@ -39,13 +45,18 @@ class Matches:
     offsets
         Scan position of each row kept (-1 for key searches, which read no positions).
     matched
-        Rows that matched: all of them when ``complete``, else at least ``len(rows)``.
+        Rows that matched: all of them (from the scan's start on) when ``complete``, else
+        at least ``len(rows) + 1``.
     scanned
-        Rows read.
+        Rows read (-1 for key searches).
     complete
-        Whether every row was examined (False when the search stopped at ``limit``).
+        Whether every row from the scan's start to the end of the table was examined.
     missing
         Key searches: the keys asked for that the table lacks.
+    next_offset
+        Scans: the scan position of the first match after the rows kept, where the next
+        page starts (``scan(..., start=next_offset)``); None when the rows kept are every
+        match from the scan's start on. Key searches: None.
     """
 
     rows: Rows
@@ -54,6 +65,7 @@ class Matches:
     scanned: int
     complete: bool
     missing: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
+    next_offset: int | None = None
 
     def __len__(self) -> int:
         return int(self.rows.keys.shape[0])
@@ -70,7 +82,12 @@ def by_keys(view: TableView, keys: Any) -> Matches:
 
 def scan(view: TableView, mask: Callable[[Rows], np.ndarray], *, limit: int,
          count: bool = True, start: int = 0) -> Matches:
-    """Rows for which ``mask(rows)`` is True, from scan position ``start`` on.
+    """The first ``limit`` rows, from scan position ``start`` on, for which ``mask`` is True.
+
+    A page of matches: :attr:`Matches.next_offset` is the scan position of the first match
+    after the rows kept (None when there is none), and ``scan(view, mask, limit=...,
+    start=next_offset)`` returns the next page. Each match is in exactly one page, for any
+    ``limit`` and any chunk boundaries: a page ends at a match, not at a chunk.
 
     Parameters
     ----------
@@ -79,51 +96,72 @@ def scan(view: TableView, mask: Callable[[Rows], np.ndarray], *, limit: int,
     limit
         Keep at most this many rows.
     count
-        Go on counting matches after ``limit`` rows were kept (to the end of the table);
-        False stops there.
+        Go on counting matches to the end of the table after ``limit`` rows were kept
+        (``matched`` is then exact); False stops at the first match past the rows kept.
+    start
+        The scan position to begin at (a previous page's ``next_offset``).
+
+    Raises
+    ------
+    QueryError
+        ``limit`` or ``start`` is negative.
     """
     if limit < 0:
         raise QueryError(f"limit={limit} must be >= 0")
     kept: list[Rows] = []
     offs: list[np.ndarray] = []
     n_kept = matched = scanned = 0
-    complete = True
+    next_offset: int | None = None
     it = view.chunks(start=start)
     try:
         for ch in it:
-            if n_kept >= limit and not count:
-                complete = False
-                break
             m = np.asarray(mask(ch.rows), dtype=bool)
             scanned += len(m)
             hit = np.flatnonzero(m)
             matched += len(hit)
-            if n_kept < limit and len(hit):
-                hit = hit[: limit - n_kept]
-                kept.append(copy_rows(tables.take(ch.rows, hit)))
-                offs.append(ch.offset + hit)
-                n_kept += len(hit)
+            room = limit - n_kept
+            if next_offset is not None or not len(hit):
+                continue
+            if room:
+                take = hit[:room]
+                kept.append(copy_rows(tables.take(ch.rows, take)))
+                offs.append(ch.offset + take)
+                n_kept += len(take)
+            if len(hit) > room:  # the page is full: the next one starts at this match
+                next_offset = int(ch.offset + hit[room])
+                if not count:
+                    break
     finally:
         it.close()
     offsets = np.concatenate(offs) if offs else np.empty(0, np.int64)
-    return Matches(concat_rows(kept, view.empty()), offsets, matched, scanned, complete)
+    complete = next_offset is None or count
+    return Matches(concat_rows(kept, view.empty()), offsets, matched, scanned, complete,
+                   next_offset=next_offset)
 
 
 def key_range(view: TableView, lo: int | None, hi: int | None, *, limit: int,
-              count: bool = True) -> Matches:
-    """Rows whose key lies in ``[lo, hi]`` (inclusive; None: unbounded), in scan order."""
+              count: bool = True, start: int = 0) -> Matches:
+    """Rows whose key lies in ``[lo, hi]`` (inclusive; None: unbounded), in scan order.
+
+    A page of them, as :func:`scan` returns: ``next_offset`` is None when the rows are all
+    the rows of the range from ``start`` on.
+    """
     lo_v = -(2**63) if lo is None else int(as_keys([lo])[0])
     hi_v = 2**63 - 1 if hi is None else int(as_keys([hi])[0])
     if lo_v > hi_v:
         raise QueryError(f"key range {lo}..{hi} is empty: the low end is above the high end")
-    return scan(view, lambda r: (r.keys >= lo_v) & (r.keys <= hi_v), limit=limit, count=count)
+    return scan(view, lambda r: (r.keys >= lo_v) & (r.keys <= hi_v), limit=limit, count=count,
+                start=start)
 
 
 def where(view: TableView, predicate: str | Predicate, *, limit: int,
-          count: bool = True) -> Matches:
-    """Rows satisfying a predicate (``"freq >= 10 and norm < 0.1"``, see :mod:`.where`)."""
+          count: bool = True, start: int = 0) -> Matches:
+    """Rows satisfying a predicate (``"freq >= 10 and norm < 0.1"``, see :mod:`.where`).
+
+    A page of them, as :func:`scan` returns.
+    """
     pred = parse_predicate(predicate) if isinstance(predicate, str) else predicate
-    return scan(view, pred, limit=limit, count=count)
+    return scan(view, pred, limit=limit, count=count, start=start)
 
 
 @dataclass

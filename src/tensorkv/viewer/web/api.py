@@ -220,7 +220,8 @@ def rows(state: ViewerState, params: dict[str, str]) -> dict[str, Any]:
     """A page of a table's rows in scan order; with ``where``, the next rows that match.
 
     A filtered page scans from ``cursor`` (a scan position) until it has ``limit`` rows and
-    returns the position to go on from (``next_cursor``; None at the end of the table).
+    returns the scan position of the next match (``next_cursor``; None when no row after
+    the page matches): the pages from cursor 0 on hold every match once.
     """
     view = state.table(params)
     limit = integer(params, "limit", 50, 1, MAX_PAGE)
@@ -236,10 +237,8 @@ def rows(state: ViewerState, params: dict[str, str]) -> dict[str, Any]:
 
     start = integer(params, "cursor", 0, 0, max(len(view), 0))
     found = search.scan(view, parse_predicate(where), limit=limit, count=False, start=start)
-    more = not found.complete and len(found) > 0
     return {"tag": view.tag, "var": view.name, "total": len(view), "where": where,
-            "rows": columns(found.rows), "cursor": start,
-            "next_cursor": int(found.offsets[-1]) + 1 if more else None,
+            "rows": columns(found.rows), "cursor": start, "next_cursor": found.next_offset,
             "scanned": found.scanned}
 
 
@@ -269,7 +268,8 @@ def search_keys(state: ViewerState, params: dict[str, str]) -> dict[str, Any]:
     """Rows of given keys or of a key range.
 
     ``keys=12,7`` reads only the blocks that can hold them; ``keys=100..200`` (inclusive)
-    scans the table and keeps at most ``limit`` rows.
+    scans the table and keeps at most ``limit`` rows; ``complete`` says whether they are
+    every row of the range.
     """
     from tensorkv.viewer import search
 
@@ -286,7 +286,7 @@ def search_keys(state: ViewerState, params: dict[str, str]) -> dict[str, Any]:
         asked = None
     return {"tag": view.tag, "var": view.name, "keys": text, "asked": asked,
             "rows": columns(found.rows), "missing": found.missing.astype(str).tolist(),
-            "complete": found.complete}
+            "complete": found.next_offset is None}
 
 
 def nearest(state: ViewerState, params: dict[str, str]) -> dict[str, Any]:
