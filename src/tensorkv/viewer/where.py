@@ -9,7 +9,7 @@ Grammar (keywords are case-insensitive; ``&&``, ``||`` and ``!`` are accepted fo
     primary := "(" expr ")" | compare
     compare := operand (op operand)+          # chains: 0.1 < norm <= 1
              | FIELD "in" "[" NUMBER ("," NUMBER)* "]"
-    operand := FIELD | NUMBER                 # NUMBER: 10, -3, 0.5, 1e-3, inf, nan
+    operand := FIELD | NUMBER                 # NUMBER: 10, -3, 0.5, 1e-3, inf, -inf, nan
     op      := "==" | "=" | "!=" | "<" | "<=" | ">" | ">="
 
 Fields, per row: ``key``, ``freq`` (lookups counted), ``version`` (step of the last update),
@@ -64,7 +64,8 @@ _OPS: dict[str, Callable[[Any, Any], Any]] = {
 _FLIP = {"==": "==", "=": "==", "!=": "!=", "<": ">", "<=": ">=", ">": "<", ">=": "<="}
 _TOKEN = re.compile(r"""
     (?P<ws>\s+)
-  | (?P<num>[+-]?(?:\d+\.?\d*(?:[eE][+-]?\d+)?|\.\d+(?:[eE][+-]?\d+)?)(?![A-Za-z_\d]))
+  | (?P<num>[+-]?(?:\d+\.?\d*(?:[eE][+-]?\d+)?|\.\d+(?:[eE][+-]?\d+)?)(?![A-Za-z_\d])
+          |[+-](?i:inf|nan)(?![A-Za-z_\d]))
   | (?P<name>[A-Za-z_][A-Za-z_0-9]*)
   | (?P<op>==|!=|<=|>=|&&|\|\||[<>=!()\[\],])
 """, re.VERBOSE)
