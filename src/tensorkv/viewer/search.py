@@ -8,9 +8,11 @@ the next match is (:attr:`Matches.next_offset`), so scanning again from there co
 exactly where the last one stopped: across the pages every match appears once, whatever the
 page size, the predicate and where the chunks begin and end.
 
-Nearest neighbours are exact: each chunk's scores come from one matrix-vector product, the
-chunk's best candidates are picked with ``np.argpartition`` and scored again in float64, and
-a running top-k keeps the best ``k`` (ties broken by the smaller key).
+Nearest neighbours are exact: each chunk's scores come from one float32 matrix-vector
+product; the rows that can be among the best are those whose score lies within a bound of
+float32's rounding error of the chunk's ``pool``-th best (``np.partition``), ties included;
+they are scored again in float64, and a running top-k keeps the best ``k``, ties broken by
+the smaller key.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from tensorkv.checkpoint.tables import Rows
 from tensorkv.errors import QueryError, RowNotFoundError
 from tensorkv.viewer.limits import shown
 from tensorkv.viewer.rows import TableView, as_keys, concat_rows, copy_rows
-from tensorkv.viewer.where import Predicate, parse_predicate, row_norms
+from tensorkv.viewer.where import Predicate, parse_predicate
 
 #: The metrics of :func:`nearest`: cosine and dot are similarities (larger is nearer), l2 a
 #: distance (smaller is nearer).
@@ -228,6 +230,43 @@ def _exact(metric: str, v: np.ndarray, q64: np.ndarray, qn: float) -> np.ndarray
         return dot / (norms * qn)
 
 
+def _approx(metric: str, v: np.ndarray, q: np.ndarray, qn: float, gamma: float
+            ) -> tuple[np.ndarray, float]:
+    """float32 scores of rows ``v`` that order them as ``metric`` does, and their error bound.
+
+    ``gamma`` bounds the relative rounding error of a float32 dot product of the rows'
+    length; the bound returned holds for every row.
+    """
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        s = v @ q
+        nv = np.einsum("ij,ij->i", v, v)
+        vmax = float(np.sqrt(nv.max()))
+        if metric == "cosine":  # the order of v.q / |v|; |v.q / |v|| <= |q|
+            s = s / np.sqrt(nv)
+            return np.where(np.isnan(s), -np.inf, s), 2 * gamma * qn
+        if metric == "l2":  # the order of |v - q|^2 (|q|^2 is the same for every row)
+            return nv - 2 * s, 2 * gamma * (vmax * vmax + 2 * vmax * qn)
+        return s, gamma * vmax * qn
+
+
+def _candidates(s: np.ndarray, larger: bool, pool: int, tol: float) -> np.ndarray:
+    """Indices of the rows whose exact score can be among the best ``pool`` of the chunk.
+
+    ``s`` are float32 scores, each within ``tol`` of its exact value. A row whose score is
+    more than ``2 * tol`` worse than the ``pool``-th best has ``pool`` rows exactly better
+    than it, so it cannot be among the best ``k <= pool``; every other row is a candidate,
+    ties with the ``pool``-th best included.
+    """
+    n = s.shape[0]
+    if n <= pool or not np.isfinite(tol):
+        return np.arange(n)
+    worse = np.where(np.isnan(s), np.inf, -s if larger else s)  # smaller is better, NaN last
+    bound = np.partition(worse, pool - 1)[pool - 1] + 2 * tol
+    if not np.isfinite(bound):
+        return np.arange(n)
+    return np.flatnonzero(worse <= bound)
+
+
 def _order(scores: np.ndarray, keys: np.ndarray, larger_better: bool) -> np.ndarray:
     """Indices best first: by score (NaN last), then by key."""
     s = np.where(np.isnan(scores), -np.inf if larger_better else np.inf, scores)
@@ -294,7 +333,11 @@ def nearest(view: TableView, *, key: Any = None, vector: Any = None, k: int = 10
     if metric == "cosine" and qn == 0:
         raise QueryError("the query vector is all zeros: cosine similarity is undefined; "
                          "use --metric l2 or dot")
-    pool = max(4 * k, 64)  # candidates per chunk re-scored exactly
+    pool = max(4 * k, 64)  # the pool-th best score of a chunk bounds its candidates
+    # a bound of the relative rounding error of a float32 sum of dim + 3 products (the dot
+    # product, the norm, the division), with a factor 2 to spare
+    eps = 2.0 ** -24 * (view.dim + 3)
+    gamma = 2 * eps / (1 - eps)
     best_s = np.empty(0, np.float64)
     best_k = np.empty(0, np.int64)
     best_rows: Rows = view.empty()
@@ -314,16 +357,9 @@ def nearest(view: TableView, *, key: Any = None, vector: Any = None, k: int = 10
             if n == 0:
                 continue
             v = rows.values if rows.values.dtype == np.float32 else rows.values.astype(np.float32)
-            s = v @ q
-            if metric == "cosine":
-                with np.errstate(divide="ignore", invalid="ignore"):
-                    s = s / row_norms(v)
-                s = np.where(np.isnan(s), -np.inf, s)
-            elif metric == "l2":
-                nv = np.einsum("ij,ij->i", v, v)
-                s = nv - 2 * s  # ordering of |v - q|^2 (|q|^2 is the same for every row)
-            if n > pool:
-                cand = np.argpartition(-s if larger else s, pool - 1)[:pool]
+            if n > pool:  # only rows near the chunk's pool-th best are scored again
+                s, tol = _approx(metric, v, q, qn, gamma)
+                cand = _candidates(s, larger, pool, tol)
             else:
                 cand = np.arange(n)
             exact = _exact(metric, v[cand], q64, qn)
