@@ -146,7 +146,6 @@ def variable_info_of(doc: dict[str, Any], name: str) -> VariableInfo:
             rows * row_bytes(e), rows=rows, dim=int(e["dim"]), optimizer=opt,
             slots=slot_columns(e),
         )
-    check_name(name)
     raise VariableNotFoundError(
         f"tag {doc['tag']!r} has no variable {shown(name)}; it has {_listing(doc)}"
     )

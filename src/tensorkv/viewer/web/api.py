@@ -46,8 +46,8 @@ PARAM_LIMITS = {
     "var": limits.MAX_NAME_BYTES,
     "where": limits.MAX_PREDICATE_CHARS,
     "slice": limits.MAX_SLICE_CHARS,
-    "keys": MAX_KEYS * (limits.MAX_NUMBER_CHARS + 2),
-    "vector": 64 * 1024,  # dim numbers: 4,096 of 16 characters
+    "keys": MAX_KEYS * 24,  # an int64 and its separator
+    "vector": 32 * 1024,  # dim numbers: 2,048 of 16 characters
 }
 
 
