@@ -2,9 +2,10 @@
 
 A page (``search.scan(..., limit=L, start=cursor)``) ends at a match, not at a chunk, and says
 where the next match is (``next_offset``); the next page starts there. These tests walk the
-pages of every page size from 1 to past the number of matches, over tables whose chunks are
-small, large, one for the whole table, or cut by an incremental tag's exclusions, and compare
-the rows gathered with the matches of one full read.
+pages of every page size from 1 to past the number of matches (to 40, then around the block
+sizes and the number of matches), over tables whose chunks are small, large, one for the
+whole table, in two shards, or cut by an incremental tag's exclusions, and compare the rows
+gathered with the matches of one full read.
 """
 
 from __future__ import annotations
@@ -35,6 +36,12 @@ def _layouts() -> dict[str, tuple[object, str]]:
         store = tensorkv.open_store("memory://")
         tensorkv.save({"emb": make_table(ROWS, 4)}, store, "t", **opts)
         out[name] = (store, "t")
+    # a sharded save: each shard's blocks in turn
+    store = tensorkv.open_store("memory://")
+    for shard in (0, 1):
+        part = make_table(ROWS // 2, 4, seed=shard, start=shard * 10_000)
+        tensorkv.save({"emb": part}, store, "s", shard=shard, num_shards=2, block_rows=20)
+    out["two shards"] = (store, "s")
     # an incremental tag: its newest link first, then the older link's rows it did not replace
     t = make_table(ROWS, 4)
     store = tensorkv.open_store("memory://")
