@@ -83,9 +83,9 @@ def test_an_unexpected_error_is_one_line_and_logged(ckpt, monkeypatch, caplog):
     assert "report it" in r.json()["error"]
     assert any("Traceback" in (rec.exc_text or "") or rec.exc_info for rec in caplog.records)
     monkeypatch.setenv("TENSORKV_DEBUG", "1")  # debugging: the exception itself
-    with TestClient(create_app(ckpt["url"]), base_url="http://127.0.0.1") as c:
-        with pytest.raises(ZeroDivisionError):
-            c.get("/api/info")
+    with (TestClient(create_app(ckpt["url"]), base_url="http://127.0.0.1") as c,
+          pytest.raises(ZeroDivisionError)):
+        c.get("/api/info")
 
 
 def test_integer_parameters_are_bounded_when_called_directly():

@@ -51,7 +51,7 @@ def _matches(url: str, where: str) -> list[int]:
 ])
 def test_filtered_pages_hold_every_match_once(client, ckpt, where, sizes):
     want = _matches(ckpt["url"], where)
-    assert 0 < len(want)
+    assert len(want) > 0
     for limit in sizes:
         pages = _pages(client, where, limit)
         assert [k for p in pages for k in p] == want, f"limit={limit}"

@@ -7,6 +7,11 @@ no endpoint takes a URL or a file path, and the static files are served from the
 every text from the store with ``textContent`` and the Content-Security-Policy allows scripts
 from this server only. Requests whose ``Host`` is not the bound loopback name are refused
 (DNS rebinding) unless the app serves remote clients on purpose.
+
+Every request's parameters are bounded before an endpoint reads them
+(:func:`tensorkv.viewer.web.api.check_params`); a query's error is one line of JSON with the
+status :func:`status_of` gives it, and an unexpected exception (a bug) a 500 with one line,
+its traceback going to this module's logger (``TENSORKV_DEBUG=1`` lets it propagate).
 """
 
 from __future__ import annotations
