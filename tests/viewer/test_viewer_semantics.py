@@ -213,3 +213,27 @@ def test_nearest_is_exact_where_float32_rounding_reorders_rows(metric, big, seed
             nn = search.nearest(view, vector=q, k=k, metric=metric)
             np.testing.assert_array_equal(nn.keys, wk[:k])
             np.testing.assert_allclose(nn.scores, ws[:k], rtol=1e-12)
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e-26])
+def test_nearest_by_cosine_is_exact_for_rows_too_small_to_square_in_float32(scale):
+    # 700 rows of norm ~7e-23 (their squares underflow float32) point near the query; 300
+    # rows of norm ~1 are almost orthogonal to it. The best cosines are the small rows'.
+    rng = np.random.default_rng(4)
+    q0 = rng.standard_normal(8)
+    values = rng.standard_normal((1000, 8))
+    values -= np.outer(values @ q0 / (q0 @ q0), q0)
+    values += 0.01 * q0 / np.linalg.norm(q0)
+    small = rng.choice(1000, 700, replace=False)
+    values[small] = (q0 + 0.5 * rng.standard_normal((700, 8))) * 2e-23
+    values = values.astype(np.float32)
+    keys = rng.choice(10**12, 1000, replace=False).astype(np.int64)
+    store = _store_of(keys, values, block_rows=4096, bucket_bits=0)
+    q = (q0 * scale).astype(np.float32)
+    wk, ws = _brute(keys, values, q, "cosine")
+    assert set(wk[:5].tolist()) <= set(keys[small].tolist())
+    with Catalog(store) as cat:
+        nn = search.nearest(cat.table("emb"), vector=q, k=5, metric="cosine")
+    np.testing.assert_array_equal(nn.keys, wk[:5])
+    np.testing.assert_allclose(nn.scores, ws[:5], rtol=1e-12)
+

@@ -10,9 +10,9 @@ page size, the predicate and where the chunks begin and end.
 
 Nearest neighbours are exact: each chunk's scores come from one float32 matrix-vector
 product; the rows that can be among the best are those whose score lies within a bound of
-float32's rounding error of the chunk's ``pool``-th best (``np.partition``), ties included;
-they are scored again in float64, and a running top-k keeps the best ``k``, ties broken by
-the smaller key.
+float32's rounding error of the chunk's ``pool``-th best (``np.partition``), ties included,
+and (cosine) the rows too small for float32 to square; they are scored again in float64, and
+a running top-k keeps the best ``k``, ties broken by the smaller key.
 """
 
 from __future__ import annotations
@@ -231,40 +231,58 @@ def _exact(metric: str, v: np.ndarray, q64: np.ndarray, qn: float) -> np.ndarray
 
 
 def _approx(metric: str, v: np.ndarray, q: np.ndarray, qn: float, gamma: float
-            ) -> tuple[np.ndarray, float]:
+            ) -> tuple[np.ndarray, float, np.ndarray | None]:
     """float32 scores of rows ``v`` that order them as ``metric`` does, and their error bound.
 
-    ``gamma`` bounds the relative rounding error of a float32 dot product of the rows'
-    length; the bound returned holds for every row.
+    Returns ``(scores, tol, force)``: every score is within ``tol`` of its exact value,
+    except the rows of ``force`` (None: no row), which must be scored exactly. ``gamma``
+    bounds the relative rounding error of a float32 dot product of the rows' length; ``tiny``
+    below bounds what products and squares that underflow to subnormals or zero lose.
     """
-    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-        s = v @ q
+    tiny = 2.0 ** -149 * (2 * v.shape[1] + 4)
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore", under="ignore"):
         nv = np.einsum("ij,ij->i", v, v)
-        vmax = float(np.sqrt(nv.max()))
-        if metric == "cosine":  # the order of v.q / |v|; |v.q / |v|| <= |q|
+        if metric == "cosine":  # the order of v.q / |v|, with |q| = 1 (a tiny q cannot underflow)
+            s = v @ (q.astype(np.float64) / qn).astype(np.float32)
             s = s / np.sqrt(nv)
-            return np.where(np.isnan(s), -np.inf, s), 2 * gamma * qn
+            s = np.where(np.isnan(s), -np.inf, s)
+            # a norm float32 cannot square without underflow: score the row exactly (a zero
+            # row's cosine is undefined: it comes last and needs no exact score)
+            small = np.flatnonzero(nv < 2.0 ** -100)
+            force = None
+            if small.size:
+                force = np.zeros(v.shape[0], bool)
+                force[small[v[small].any(axis=1)]] = True
+            return s, 2 * gamma + tiny * 2.0 ** 50, force
+        s = v @ q
+        vmax = float(np.sqrt(nv.max()))
         if metric == "l2":  # the order of |v - q|^2 (|q|^2 is the same for every row)
-            return nv - 2 * s, 2 * gamma * (vmax * vmax + 2 * vmax * qn)
-        return s, gamma * vmax * qn
+            return nv - 2 * s, 2 * gamma * (vmax * vmax + 2 * vmax * qn) + 3 * tiny, None
+        return s, gamma * vmax * qn + tiny, None
 
 
-def _candidates(s: np.ndarray, larger: bool, pool: int, tol: float) -> np.ndarray:
+def _candidates(s: np.ndarray, larger: bool, pool: int, tol: float,
+                force: np.ndarray | None = None) -> np.ndarray:
     """Indices of the rows whose exact score can be among the best ``pool`` of the chunk.
 
-    ``s`` are float32 scores, each within ``tol`` of its exact value. A row whose score is
-    more than ``2 * tol`` worse than the ``pool``-th best has ``pool`` rows exactly better
-    than it, so it cannot be among the best ``k <= pool``; every other row is a candidate,
-    ties with the ``pool``-th best included.
+    ``s`` are float32 scores, each within ``tol`` of its exact value but those of ``force``
+    (a mask, or None), which are candidates whatever their score. A row whose score is more
+    than ``2 * tol`` worse than the ``pool``-th best of the others has ``pool`` rows exactly
+    better than it, so it cannot be among the best ``k <= pool``; every other row is a
+    candidate, ties with the ``pool``-th best included.
     """
     n = s.shape[0]
     if n <= pool or not np.isfinite(tol):
         return np.arange(n)
     worse = np.where(np.isnan(s), np.inf, -s if larger else s)  # smaller is better, NaN last
-    bound = np.partition(worse, pool - 1)[pool - 1] + 2 * tol
+    rest = worse if force is None else worse[~force]
+    if rest.shape[0] <= pool:
+        return np.arange(n)
+    bound = np.partition(rest, pool - 1)[pool - 1] + 2 * tol
     if not np.isfinite(bound):
         return np.arange(n)
-    return np.flatnonzero(worse <= bound)
+    keep = worse <= bound
+    return np.flatnonzero(keep if force is None else keep | force)
 
 
 def _order(scores: np.ndarray, keys: np.ndarray, larger_better: bool) -> np.ndarray:
@@ -337,7 +355,7 @@ def nearest(view: TableView, *, key: Any = None, vector: Any = None, k: int = 10
     # a bound of the relative rounding error of a float32 sum of dim + 3 products (the dot
     # product, the norm, the division), with a factor 2 to spare
     eps = 2.0 ** -24 * (view.dim + 3)
-    gamma = 2 * eps / (1 - eps)
+    gamma = 2 * eps / (1 - eps) if eps < 0.5 else np.inf
     best_s = np.empty(0, np.float64)
     best_k = np.empty(0, np.int64)
     best_rows: Rows = view.empty()
@@ -358,8 +376,8 @@ def nearest(view: TableView, *, key: Any = None, vector: Any = None, k: int = 10
                 continue
             v = rows.values if rows.values.dtype == np.float32 else rows.values.astype(np.float32)
             if n > pool:  # only rows near the chunk's pool-th best are scored again
-                s, tol = _approx(metric, v, q, qn, gamma)
-                cand = _candidates(s, larger, pool, tol)
+                s, tol, force = _approx(metric, v, q, qn, gamma)
+                cand = _candidates(s, larger, pool, tol, force)
             else:
                 cand = np.arange(n)
             exact = _exact(metric, v[cand], q64, qn)
