@@ -11,6 +11,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tests.checkpoint.helpers import make_table
 
 import tensorkv
@@ -146,3 +148,22 @@ def test_commands_refuse_long_and_deep_inputs_with_status_2(url, tmp_path, monke
     assert res.stderr.startswith("tensorkv: error: ") and res.stderr.count("\n") == 1
     assert what in res.stderr and len(res.stderr) < 400
     assert not (tmp_path / "x.npz").exists()
+
+
+TOKENS = ["freq", "norm", "key", "absmax", "(", ")", "not", "!", "and", "&&", "or", "<", "<=",
+          "==", "!=", "1", "-3", "0.5", "-inf", "nan", "in", "[", "]", ",", "9" * 1000, "x" * 1000,
+          "$", "é"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(TOKENS), max_size=700), st.sampled_from([" ", ""]))
+def test_any_text_parses_or_gets_one_short_query_error(tokens, sep):
+    # whatever the text (up to and past the length limit), the parser answers a predicate
+    # or a QueryError of a few hundred characters: never another exception, never the text
+    text = sep.join(tokens)
+    try:
+        pred = parse_predicate(text)
+    except QueryError as exc:
+        assert len(str(exc)) < 600, str(exc)[:200]
+        return
+    pred(_rows())

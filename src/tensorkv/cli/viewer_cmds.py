@@ -430,10 +430,11 @@ def search_cmd(url: str, var: str, tag: str | None, keys: tuple[str, ...],
 
 
 def _parse_range(text: str) -> tuple[int | None, int | None]:
+    from tensorkv.viewer.limits import shown
     from tensorkv.viewer.rows import as_keys
 
     if ":" not in text:
-        raise QueryError(f"--range {text!r} must be LO:HI (either end may be empty, e.g. "
+        raise QueryError(f"--range {shown(text)} must be LO:HI (either end may be empty, e.g. "
                          "'100:' or ':-1')", text, 0)
     lo_s, hi_s = text.split(":", 1)
     lo = int(as_keys([lo_s.strip()])[0]) if lo_s.strip() else None

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from tensorkv.errors import CheckpointError, QueryError
 
-#: Characters of a ``--where`` predicate.
+#: Characters of a ``--where`` predicate (below the 4,300 digits Python parses into an int).
 MAX_PREDICATE_CHARS = 4096
 #: Brackets and ``not`` nested inside each other in a predicate (``not (not (freq > 1))``
 #: nests 3 deep); ``and`` / ``or`` chains of any length do not nest.

@@ -119,7 +119,7 @@ def tokenize(text: str) -> list[Token]:
             elif low in FIELDS:
                 out.append(Token("field", low, pos))
             else:
-                raise _fail(text, pos, f"unknown field {tok!r}")
+                raise _fail(text, pos, f"unknown field {shown(tok)}")
         elif kind == "op":
             if tok in _SYMBOLS:
                 out.append(Token(_SYMBOLS[tok], tok, pos))
@@ -235,7 +235,8 @@ class _Parser:
             return ("in", first.text, tuple(vals))
         if self.tok.kind != "op":
             raise _fail(self.text, self.tok.pos, f"expected a comparison (==, !=, <, <=, >, >=) "
-                        f"after {first.text!r}, found {_describe(self.tok.kind, self.tok.text)}")
+                        f"after {shown(first.text)}, found "
+                        f"{_describe(self.tok.kind, self.tok.text)}")
         parts: list[Node] = []
         lhs = first
         while self.tok.kind == "op":
@@ -262,8 +263,8 @@ def _describe(kind: str, text: str = "") -> str:
         return "the end"
     if kind in ("num", "field", "op"):
         return {"num": "a number", "field": "a field", "op": "a comparison"}[kind] + (
-            f" {text!r}" if text else "")
-    return repr(text or kind)
+            f" {shown(text)}" if text else "")
+    return shown(text or kind)
 
 
 # ------------------------------------------------------------------ per-row fields
@@ -359,8 +360,10 @@ def _check_literals(text: str, node: Node) -> None:
         return
     for k, v in node[2:]:
         if k == "num" and isinstance(v, int) and not -(2**63) <= v < 2**63:
-            raise QueryError(f"predicate {shown(text)}: the number {v} is outside the int64 "
-                             "range", text, text.find(str(v)))
+            digits = str(v)
+            num = digits if len(digits) <= 40 else f"{digits[:40]}... ({len(digits)} digits)"
+            raise QueryError(f"predicate {shown(text)}: the number {num} is outside the int64 "
+                             "range", text, text.find(digits))
 
 
 def _eval(node: Node, get: Callable[[str], np.ndarray]) -> Any:
