@@ -8,6 +8,8 @@ line of JSON that shows at most a few dozen characters of what it refused.
 from __future__ import annotations
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tensorkv.viewer import limits
 from tensorkv.viewer.web import api
@@ -97,3 +99,29 @@ def test_integer_parameters_are_bounded_when_called_directly():
     with pytest.raises(QueryError, match="cursor='x") as e:
         api.integer({"cursor": "x" * 64}, "cursor", 0, 0, 10)
     assert len(str(e.value)) < 200
+
+
+NASTY = ["", "x", "-1", "0", "1", "t1", "t2", "emb", "mlp.bias", "cube", "latest", "a/b", "~x",
+         "{x}", "\x00", "é", "1..5", "5..1", "..", "0x10", "1,2,x", "0:2", ":, :, :", "...",
+         "cosine", "nan", "inf", "1e999", "9" * 64, "9" * 65, "t" * 200, "t" * 201,
+         "(" * 40 + "freq > 0" + ")" * 40, "not " * 40 + "freq > 0", "freq > 0 and " * 400,
+         "3=freq" + "=3=freq" * 580, "0," * 600, "x" * 5000, "1 " * 20_000]
+PARAMS = {"variables": ["tag"], "rows": ["tag", "var", "offset", "limit", "where", "cursor"],
+          "row": ["tag", "var", "key"], "search": ["tag", "var", "keys", "limit"],
+          "nearest": ["tag", "var", "key", "vector", "k", "metric"],
+          "stats": ["tag", "var", "bins", "exact"], "pca": ["tag", "var", "n"],
+          "diff": ["a", "b", "var"], "slice": ["tag", "var", "slice"]}
+
+
+@settings(max_examples=150, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_no_parameter_makes_an_endpoint_fail(client, data):
+    # whatever the parameters, an endpoint answers its result or a short 400/404: no 500
+    path = data.draw(st.sampled_from(sorted(PARAMS)))
+    values = st.one_of(st.sampled_from(NASTY), st.text(max_size=30))
+    params = data.draw(st.dictionaries(st.sampled_from(PARAMS[path]), values))
+    r = client.get(f"/api/{path}", params=params)
+    assert r.status_code in (200, 400, 404), (path, params, r.status_code, r.text[:300])
+    if r.status_code != 200:
+        assert len(r.content) < 1000 and r.json()["error"], r.text[:300]
