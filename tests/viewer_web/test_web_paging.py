@@ -58,10 +58,6 @@ def test_filtered_pages_hold_every_match_once(client, ckpt, where, sizes):
         assert all(pages), f"limit={limit}: an empty page"
 
 
-def test_no_match_is_one_empty_page(client):
-    assert _pages(client, "freq < 0", 50) == [[]]
-
-
 def test_key_range_search_says_when_it_left_rows_out(client, ckpt):
     # the page's "(the first ones found; narrow the range ...)" hint reads `complete`
     with Catalog(ckpt["url"]) as cat:
