@@ -415,3 +415,17 @@ def test_get_many_buffers_fallback_copies(tmp_path):
         assert not s.zero_copy_reads
         with s.get_many_buffers([b"a", b"b"]) as vals:
             assert vals == [b"1", None]
+
+
+@pytest.mark.parametrize("how", [{"create": False}, {"readonly": True}])
+def test_an_empty_data_file_is_refused_by_opens_that_need_a_store(tmp_path, how):
+    from tensorkv.errors import CorruptStoreError
+
+    (tmp_path / "data.mdb").touch()
+    with pytest.raises(CorruptStoreError, match=r"data.mdb is empty \(0 bytes\)"):
+        tensorkv.open_store(f"lmdb://{tmp_path}", **how)
+    assert os.path.getsize(tmp_path / "data.mdb") == 0
+    with tensorkv.open_store(f"lmdb://{tmp_path}") as s:  # a writer may start a store there
+        s.put(b"k", b"v")
+    with tensorkv.open_store(f"lmdb://{tmp_path}", **how) as s:
+        assert s.get(b"k") == b"v"

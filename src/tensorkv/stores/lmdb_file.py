@@ -171,17 +171,31 @@ def free_pages(fd: int, meta: Meta, size: int) -> set[int] | None:
     return out
 
 
-def check_data_file(store: str) -> None:
+def check_data_file(store: str, *, empty_ok: bool = True) -> None:
     """Refuse a ``data.mdb`` that LMDB would map past its end (CorruptStoreError).
 
-    Does nothing when the file is missing or empty (LMDB creates or initialises it) or on a
-    build whose layout this module does not know.
+    Does nothing when the file is missing (LMDB creates it, or its own open reports it) or on
+    a build whose layout this module does not know. An empty file is refused unless
+    ``empty_ok``: LMDB would write a new environment into it, so an open that must find an
+    existing store (``create=False``, read-only) would read, or make, an empty one.
 
     Parameters
     ----------
     store
         The environment directory.
+    empty_ok
+        Whether an empty ``data.mdb`` may be initialised (an open that may create a store).
     """
+    if not empty_ok:
+        try:
+            empty = os.stat(os.path.join(store, "data.mdb")).st_size == 0
+        except OSError:
+            empty = False
+        if empty:
+            raise corrupt_error(
+                "lmdb", store, "data.mdb is empty (0 bytes), so it holds no LMDB environment "
+                "(nothing was read or written; if no data was ever saved there, delete the "
+                "directory to start a new store)")
     if not SUPPORTED:
         return
     try:
