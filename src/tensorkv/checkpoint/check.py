@@ -198,7 +198,7 @@ def gc(url: str | KVStore, *, grace: float | None = None, dry_run: bool = False)
     Candidates are checked twice (before and after the data scan), and unreferenced dense
     chunks are kept while any save is in progress, since a new save may reuse them.
     """
-    with using_store(url, create=not dry_run) as store:
+    with using_store(url, create=False) as store:
         rep, _ = _scan_orphans(store, grace)
         if dry_run:
             return rep
@@ -207,24 +207,26 @@ def gc(url: str | KVStore, *, grace: float | None = None, dry_run: bool = False)
             for child, d in docs.items():  # keep live children loadable
                 if d.get("parent") == t and d.get("incremental") and child not in rep.expired:
                     compact(store, child)
-            refs.delete_doc(store, docs[t])
+            n, nbytes = refs.delete_doc(store, docs[t], measure=True)
+            rep.removed_keys += n
+            rep.removed_bytes += nbytes
             rep.removed_tags.append(t)
         rep2, _ = _scan_orphans(store, grace)
         keys = _still_orphaned(store, rep2.orphan_keys, grace)
-        removed = 0
+        orphan_bytes = 0
         for i in range(0, len(keys), 4096):
             batch = keys[i : i + 4096]
             if refs.live_pending(store, grace):  # a save started meanwhile: it may reuse chunks
                 batch = [k for k in batch if not k.startswith(layout.CHUNK)]
-            rep.removed_bytes += _bytes_of(store, batch)
+            orphan_bytes += _bytes_of(store, batch)
             store.delete_many(batch)
-            removed += len(batch)
-        rep.removed_keys = removed
+            rep.removed_keys += len(batch)
+        rep.removed_bytes += orphan_bytes
         for m in refs.pending_markers(store, grace):
             if m["stale"]:  # only if unchanged: a new save may have claimed the tag since
                 store.compare_and_set(m["key"], m["raw"], None)
         rep.orphan_keys = keys
-        rep.orphan_bytes = rep.removed_bytes
+        rep.orphan_bytes = orphan_bytes
         rep.pending = [
             _public(m) for m in refs.pending_markers(store, grace)
         ]

@@ -2,7 +2,7 @@
 
 Every command reads (never writes) the store at a URL of any backend, at ``--tag`` (default:
 the newest tag); prints tables for people, or JSON with ``--json``; and exits with one of the
-statuses below (``docs/viewer.md``), the error itself as one line on stderr.
+statuses of ``cli/exits.py`` (``docs/viewer.md``), the error itself as one line on stderr.
 """
 
 from __future__ import annotations
@@ -16,29 +16,16 @@ import click
 import numpy as np
 
 from tensorkv.cli import viewer_fmt as fmt
-from tensorkv.errors import (
-    BadIndexError,
-    ConfigError,
-    InvalidURLError,
-    QueryError,
-    RowNotFoundError,
-    StoreNotFoundError,
-    TagNotFoundError,
-    TensorKVError,
-    VariableNotFoundError,
+from tensorkv.cli.exits import (  # the statuses of every command (cli/exits.py)
+    EXIT_INTERNAL,
+    EXIT_NO_MATCH,
+    EXIT_NOT_FOUND,
+    EXIT_OK,
+    EXIT_STORE,
+    EXIT_USAGE,
+    exit_code_of,
 )
-
-EXIT_OK = 0
-#: ``search`` matched no row; ``diff --exit-code`` found differences.
-EXIT_NO_MATCH = 1
-#: Bad option or argument: malformed predicate, slice, vector or key; unknown format.
-EXIT_USAGE = 2
-#: No such store, tag, variable, or row of the key asked for.
-EXIT_NOT_FOUND = 3
-#: The store failed: unreachable, refused, corrupt data; a missing optional dependency.
-EXIT_STORE = 4
-#: An unexpected error (a bug: the message asks to report it).
-EXIT_INTERNAL = 5
+from tensorkv.errors import QueryError, TensorKVError
 
 #: Most rows ``show`` and ``search`` print; a larger ``--head`` is capped (with a note).
 HEAD_CAP = 1000
@@ -54,18 +41,6 @@ class ViewerFailure(click.ClickException):
     def __init__(self, message: str, exit_code: int):
         super().__init__(message)
         setattr(self, "exit_code", exit_code)  # noqa: B010 (click declares it a ClassVar)
-
-
-def exit_code_of(exc: BaseException) -> int:
-    """The exit status that stands for an error (see the module's ``EXIT_*`` constants)."""
-    if isinstance(exc, (TagNotFoundError, VariableNotFoundError, StoreNotFoundError,
-                        RowNotFoundError)):
-        return EXIT_NOT_FOUND
-    if isinstance(exc, (QueryError, BadIndexError, InvalidURLError, ConfigError)):
-        return EXIT_USAGE
-    if isinstance(exc, (TensorKVError, OSError)):
-        return EXIT_STORE
-    return EXIT_INTERNAL
 
 
 def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -629,3 +604,7 @@ def export_cmd(url: str, var: str, path: str, tag: str | None, format_: str | No
 
 
 COMMANDS = [ls_cmd, show_cmd, search_cmd, stats_cmd, diff_cmd, export_cmd]
+
+#: The statuses stay importable from here (``EXIT_*``, ``exit_code_of``: cli/exits.py).
+__all__ = ["COMMANDS", "EXIT_INTERNAL", "EXIT_NOT_FOUND", "EXIT_NO_MATCH", "EXIT_OK",
+           "EXIT_STORE", "EXIT_USAGE", "ViewerFailure", "exit_code_of"]
