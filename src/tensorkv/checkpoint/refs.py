@@ -135,7 +135,11 @@ def delete_doc(store: KVStore, doc: dict[str, Any]) -> None:
     """
     tag = doc["tag"]
     store.delete(layout.manifest_key(tag))
-    store.delete_prefix(layout.SHARD_MANIFEST + tag.encode() + b"/")
+    token = (doc.get("run") or {}).get("token")
+    if token is not None:  # the kept shard manifests of its run (another run's are not its)
+        store.delete_prefix(layout.run_parts_prefix(tag, token))
+    else:  # a tag merged before run ids existed
+        store.delete_many([layout.shard_manifest_key(tag, i) for i in doc.get("shards") or []])
     keys = table_data_keys(doc)
     for i in range(0, len(keys), 4096):
         store.delete_many(keys[i : i + 4096])
