@@ -351,13 +351,8 @@ def confirm(store: KVStore, run: Run, shard: int, claim: claims.Claim) -> Run:
     if cur.state == REMOVING:
         raise _removing_error(store, cur)
     done = parts(store, run.tag, run.token)
-    if shard in done:
-        raise TagExistsError(
-            f"shard {shard} of tag {run.tag!r} is already saved by {run.name} in "
-            f"{store.url!r}; each shard is saved once"
-        )
     why, dead = [], []
-    if claim.took_over is not None:
+    if claim.took_over is not None and shard not in done:
         dead.append(shard)
         why.append(f"shard {shard}'s saver ({claims.describe_owner(claim.took_over)}) died "
                    "before its shard was saved")
@@ -371,6 +366,11 @@ def confirm(store: KVStore, run: Run, shard: int, claim: claims.Claim) -> Run:
         cur = mark_broken(store, cur, why, dead)
     if cur.broken:
         raise broken_error(store, cur)
+    if shard in done:
+        raise TagExistsError(
+            f"shard {shard} of tag {run.tag!r} is already saved by {run.name} in "
+            f"{store.url!r}; each shard is saved once"
+        )
     return cur
 
 

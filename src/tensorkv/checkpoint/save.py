@@ -150,7 +150,8 @@ def save_table(
                     else "this table object did not write or load the parent tag"
                 )
                 warnings.warn(
-                    f"incremental save of table {name!r} to tag {tag!r}: {why} "
+                    f"incremental save of table {name!r} to tag "
+                    f"{layout.split_data_tag(tag)[0]!r}: {why} "
                     f"({parent_doc['tag']!r}); saving it in full",
                     stacklevel=4,
                 )
