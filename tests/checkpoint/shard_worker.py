@@ -5,7 +5,8 @@ The table is the part of :func:`reference` ``(S)`` that shard ``SHARD`` of ``NUM
 owns, saved with the replicated dense tensor ``w``. Prints ``done``, or ``refused:
 <error class>: <message>`` for a checkpoint error (exit status 0 either way). ``--die``
 SIGKILLs the process at its first write of a table record (into the store, or into its
-stage for LevelDB and RocksDB), after it claimed its shard.
+stage for LevelDB and RocksDB), after it claimed its shard; ``--die-moving`` (LevelDB,
+RocksDB) at the first table record moved from its stage into the store.
 """
 
 from __future__ import annotations
@@ -57,6 +58,27 @@ def die_at_first_table_write(url: str) -> None:
     cls._write = _write
 
 
+def die_moving_stage(url: str) -> None:
+    """SIGKILL this process when its stage starts moving into the (main) store."""
+    from tests.faults.saver import store_class
+
+    cls = store_class(url)
+    orig = cls._write
+
+    def _write(self, ops, *, atomic):
+        if ".stage" not in self.path and any(
+                bytes(k).startswith(b"ckpt/t/") for k, v in ops if v is not None):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return orig(self, ops, atomic=atomic)
+
+    cls._write = _write
+    if hasattr(cls, "ingest_files"):
+        def ingest_files(self, paths):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        cls.ingest_files = ingest_files
+
+
 def main() -> None:
     url, tag, shard, n = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     rest = sys.argv[5:]
@@ -65,6 +87,8 @@ def main() -> None:
     t = shard_table(shard, n, seed)
     if "--die" in rest:
         die_at_first_table_write(url)
+    if "--die-moving" in rest:
+        die_moving_stage(url)
     dense = {"w": np.arange(1000, dtype=np.float32) + seed}  # replicated: same on every shard
     try:
         tensorkv.save({"emb": t, **dense}, url, tag, shard=shard, num_shards=n, run=run,

@@ -74,3 +74,23 @@ def test_a_crashed_run_is_never_completed_by_another(backend, first_run, tmp_pat
     assert tensorkv.checkpoint.check(url, verify=True).ok
     if backend in ("leveldb", "rocksdb"):
         assert not os.path.exists(url.split("://", 1)[1] + ".stage")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("backend", ["leveldb", "rocksdb"])
+def test_a_shard_killed_while_its_stage_moves_in_publishes_nothing(backend, tmp_path, request):
+    # the records land in the store before the shard's manifest, so a kill in between
+    # leaves no manifest that references missing records
+    url = make_url(backend, tmp_path, request)
+    killed = _worker(url, 0, "--die-moving")
+    assert killed.returncode == -9, killed.stdout + killed.stderr
+    rep = tensorkv.checkpoint.check(url)
+    assert not rep.missing and [(r["finished"], r["state"]) for r in rep.runs] == [([], "stale")]
+    rep = tensorkv.checkpoint.gc(url)
+    assert rep.removed_runs and not rep.stages
+    with tensorkv.open_store(url) as s:
+        assert list(s.keys(b"ckpt/")) == []
+    for shard in (0, 1):
+        tensorkv.save({"emb": shard_table(shard, 2)}, url, "t", shard=shard, num_shards=2)
+    got = rows_of(tensorkv.load(None, url, "t")["emb"])
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(rows_of(reference()), got, strict=True))
