@@ -94,3 +94,19 @@ def test_a_shard_killed_while_its_stage_moves_in_publishes_nothing(backend, tmp_
         tensorkv.save({"emb": shard_table(shard, 2)}, url, "t", shard=shard, num_shards=2)
     got = rows_of(tensorkv.load(None, url, "t")["emb"])
     assert all(a.tobytes() == b.tobytes() for a, b in zip(rows_of(reference()), got, strict=True))
+
+
+@pytest.mark.timeout(300)
+def test_a_run_whose_last_saver_died_before_publishing_is_kept_for_merge(tmp_path, request):
+    url = make_url("lmdb", tmp_path, request)
+    tensorkv.save({"emb": shard_table(0, 2)}, url, "t", shard=0, num_shards=2)
+    killed = _worker(url, 1, "--die-before-publish")  # its shard saved, the tag not published
+    assert killed.returncode == -9, killed.stdout + killed.stderr
+    rep = tensorkv.checkpoint.check(url)
+    assert rep.ok and [(r["finished"], r["state"]) for r in rep.runs] == [([0, 1], "complete")]
+    assert tensorkv.checkpoint.gc(url, grace=0).removed_runs == []  # complete data is kept
+    tensorkv.checkpoint.merge(url, "t")
+    got = rows_of(tensorkv.load(None, url, "t")["emb"])
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(rows_of(reference()), got, strict=True))
+    rep = tensorkv.checkpoint.check(url, verify=True)
+    assert rep.ok and not rep.runs, rep.as_dict()

@@ -20,6 +20,7 @@ from tensorkv.stores.base import KVStore
 SAVING = "saving"  # a shard's saver runs
 WAITING = "waiting"  # no saver runs; shards may still come (within the grace period)
 STALE = "stale"  # it can never publish: gc removes it
+COMPLETE = "complete"  # every shard finished but none published the tag (its saver died)
 PUBLISHED = "published"  # the tag is published; only its run record was left
 
 
@@ -82,7 +83,9 @@ def list_runs(store: KVStore, grace: float | None = None) -> list[RunStatus]:
     :func:`tensorkv.checkpoint.claims.is_stale`), else *stale* when it can never publish
     (it is broken, a saver of it died, another save published the tag, its record is gone,
     or it is being removed) or when nothing happened to it for ``grace`` seconds (default
-    ``config.CHECKPOINT_GC_GRACE_SECONDS``), else *waiting* (for shards not started yet).
+    ``config.CHECKPOINT_GC_GRACE_SECONDS``), *complete* when every shard finished but the
+    last one's saver died before it published the tag (:func:`~tensorkv.checkpoint.merge`
+    publishes it; gc leaves it), else *waiting* (for shards not started yet).
     A published tag whose run record was left is listed as *published*.
     """
     now = time.time()
@@ -122,6 +125,10 @@ def list_runs(store: KVStore, grace: float | None = None) -> list[RunStatus]:
             st.state, st.reason = STALE, "its removal was interrupted"
         elif rec is not None and rec.broken:
             st.state, st.reason = STALE, "; ".join(rec.broken.get("why", [])) or "broken"
+        elif rec is not None and len(st.parts) >= rec.num_shards:
+            st.state = COMPLETE
+            st.reason = (f"publish it with tensorkv.checkpoint.merge(url, {tag!r}), or delete "
+                         "it with tensorkv.delete_tag")
         elif dead:
             st.state = STALE
             st.reason = "; ".join(f"shard {i}'s saver ({claims.describe_owner(st.marks[i])}) "

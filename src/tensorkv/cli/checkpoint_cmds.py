@@ -61,7 +61,8 @@ def _print_report(rep: dict, removed: bool) -> None:
         if r["token"] is None:
             who = "shards saved before run ids existed"
         what = {"saving": "saving", "waiting": "waiting for shards (presumed alive)",
-                "stale": "stale: gc removes it"}.get(r["state"], r["state"])
+                "stale": "stale: gc removes it",
+                "complete": "complete but not published"}.get(r["state"], r["state"])
         click.echo(f"sharded save: tag {r['tag']!r} {who}, {r['num_shards']} shards; finished "
                    f"{r['finished']}, missing {r['missing']}; {what}"
                    + (f" ({r['reason']})" if r["reason"] else ""))
