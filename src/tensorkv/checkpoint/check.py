@@ -220,9 +220,13 @@ def gc(url: str | KVStore, *, grace: float | None = None, dry_run: bool = False)
         if dry_run:
             return rep
         for st in sweep.list_runs(store, grace):  # their data goes with the orphans below
-            removable = st.state in (sweep.STALE, sweep.PUBLISHED)
-            if removable and sweep.remove(store, st, grace) and st.state == sweep.STALE:
+            if st.state not in (sweep.STALE, sweep.PUBLISHED):
+                continue
+            gone = sweep.remove(store, st, grace)
+            if gone is not None and st.state == sweep.STALE:
                 rep.removed_runs.append(st.public())
+                rep.removed_keys += gone[0]
+                rep.removed_bytes += gone[1]
         staging.remove_stale_stages(store, grace)
         docs = manifest.read_all(store, include_expired=True)
         for t in rep.expired:
@@ -241,7 +245,7 @@ def gc(url: str | KVStore, *, grace: float | None = None, dry_run: bool = False)
             rep.removed_bytes += _bytes_of(store, batch)
             store.delete_many(batch)
             removed += len(batch)
-        rep.removed_keys = removed
+        rep.removed_keys += removed
         for m in refs.pending_markers(store, grace):
             if m["stale"]:  # only if unchanged: a new save may have claimed the tag since
                 store.compare_and_set(m["key"], m["raw"], None)

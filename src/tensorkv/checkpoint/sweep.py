@@ -144,29 +144,37 @@ def list_runs(store: KVStore, grace: float | None = None) -> list[RunStatus]:
     return out
 
 
-def remove(store: KVStore, st: RunStatus, grace: float | None = None) -> bool:
+def remove(
+    store: KVStore, st: RunStatus, grace: float | None = None
+) -> tuple[int, int] | None:
     """Remove a run that is not saving: its shard manifests, markers, records and record.
 
     The run record is first marked as being removed, so no shard joins meanwhile; a shard
-    that joined before and still runs makes this give up (returning False) and puts the
+    that joined before and still runs makes this give up (returning None) and puts the
     record back. Dense chunks only the run referenced are removed unless a save runs.
+
+    Returns
+    -------
+    tuple of int, or None
+        The table records and dense chunks removed, and their bytes; None when it gave up.
     """
     rec = st.record
     if st.state == PUBLISHED:
         if rec is not None:
             runs.finish(store, rec)
-        return True
+        return 0, 0
     removing = None
     if rec is not None:
         removing = rec if rec.state == runs.REMOVING else runs.begin_removal(store, rec)
         if removing is None:
-            return False  # the record changed meanwhile
+            return None  # the record changed meanwhile
         if rec.state != runs.REMOVING and any(
             not claims.is_stale(m, grace) for m in runs.markers(store, rec.data_tag).values()
         ):
             runs.undo_removal(store, rec, removing)
-            return False
+            return None
     docs = list(st.parts.values())
+    doomed: list[bytes] = []
     if st.token is not None:
         store.delete_prefix(layout.run_parts_prefix(st.tag, st.token))
         for k, v in manifest.scan_items(
@@ -176,29 +184,36 @@ def remove(store: KVStore, st: RunStatus, grace: float | None = None) -> bool:
         data_tag = layout.run_data_tag(st.tag, st.token)
         hash_tags = {None, "table"}
         hash_tags |= {e.get("hash_tag") for d in docs for e in d["tables"].values()}
-        for ht in hash_tags:
-            store.delete_prefix(layout.tag_table_prefix(data_tag, ht))
+        for ht in hash_tags:  # records of unfinished shards too (other hash tags: gc's scan)
+            doomed += manifest.scan_keys(store, layout.tag_table_prefix(data_tag, ht))
     else:
         store.delete_many([layout.shard_manifest_key(st.tag, i) for i in st.parts])
         if not any(not claims.is_stale(claims.parse_marker(v), grace) for _, v in
                    manifest.scan_items(store, layout.PENDING + st.tag.encode() + b"/")):
             owned = {k for d in manifest.read_all(store, include_expired=True).values()
                      for k in refs.table_data_keys(d)}  # an unsharded tag may use the keys
-            store.delete_many([k for d in docs for k in refs.table_data_keys(d)
-                               if k not in owned])
-    _drop_chunks(store, docs)
+            doomed += [k for d in docs for k in refs.table_data_keys(d) if k not in owned]
+    doomed += _unused_chunks(store, docs)
+    total = 0
+    for i in range(0, len(doomed), 4096):
+        batch = doomed[i : i + 4096]
+        sizes = store.value_sizes(batch)
+        total += int(sizes[sizes > 0].sum())
+        store.delete_many(batch)
     if removing is not None:
         runs.end_removal(store, removing)
-    return True
+    return len(doomed), total
 
 
-def _drop_chunks(store: KVStore, docs: list[dict[str, Any]]) -> None:
+def _unused_chunks(store: KVStore, docs: list[dict[str, Any]]) -> list[bytes]:
+    """Keys of the dense chunks of ``docs`` that no other manifest references.
+
+    None while a save runs (it may reuse them): gc removes what is left later.
+    """
     mine = {d for doc in docs for e in doc["dense"].values() for d in e["chunks"]}
     if not mine or refs.live_pending(store):
-        return  # a running save may reuse them: gc removes what is left later
-    doomed = sorted(mine - refs.referenced_chunks_all(store))
-    if doomed:
-        store.delete_many([layout.chunk_key(d) for d in doomed])
+        return []
+    return [layout.chunk_key(d) for d in sorted(mine - refs.referenced_chunks_all(store))]
 
 
 def shard_disagreements(store: KVStore, doc: dict[str, Any]) -> list[str]:

@@ -125,7 +125,7 @@ def delete_tag(url: str | KVStore, tag: str, *, force: bool = False) -> None:
                     "shards to finish (or stop them), then delete the tag"
                 )
             for st in left:
-                if not sweep.remove(store, st):
+                if sweep.remove(store, st) is None:
                     raise CheckpointError(f"tag {tag!r}: a shard joined its sharded save "
                                           "while it was deleted; retry")
             return
