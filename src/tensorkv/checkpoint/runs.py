@@ -132,6 +132,12 @@ def parts(store: KVStore, tag: str, token: str | None) -> dict[int, dict[str, An
     return out
 
 
+def finished(store: KVStore, tag: str, token: str) -> list[int]:
+    """The shards of run ``token`` of ``tag`` that have finished (keys only: nothing decoded)."""
+    return sorted(layout.parse_part_key(k)[2]
+                  for k in manifest.scan_keys(store, layout.run_parts_prefix(tag, token)))
+
+
 def markers(store: KVStore, data_tag: str) -> dict[int, dict[str, Any]]:
     """The pending markers under ``data_tag``, by shard (decoded owner records)."""
     prefix = layout.PENDING + data_tag.encode() + b"/"
@@ -147,7 +153,7 @@ def _when(t: float) -> str:
 
 def describe(store: KVStore, run: Run) -> str:
     """The run, its shards and their owners, for messages."""
-    done = sorted(parts(store, run.tag, run.token))
+    done = finished(store, run.tag, run.token)
     marks = markers(store, run.data_tag)
     saving = [f"shard {i} by {claims.describe_owner(marks[i])}" for i in sorted(marks)
               if i not in done]
@@ -350,7 +356,7 @@ def confirm(store: KVStore, run: Run, shard: int, claim: claims.Claim) -> Run:
         )
     if cur.state == REMOVING:
         raise _removing_error(store, cur)
-    done = parts(store, run.tag, run.token)
+    done = finished(store, run.tag, run.token)
     why, dead = [], []
     if claim.took_over is not None and shard not in done:
         dead.append(shard)
