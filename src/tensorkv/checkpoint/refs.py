@@ -153,11 +153,15 @@ def delete_doc(store: KVStore, doc: dict[str, Any], *,
         store.delete_many(keys)
 
     delete([layout.manifest_key(tag)])
-    shard_prefix = layout.SHARD_MANIFEST + tag.encode() + b"/"
-    if measure:
-        delete([bytes(k) for k in store.keys(shard_prefix)])
-    else:
-        store.delete_prefix(shard_prefix)
+    token = (doc.get("run") or {}).get("token")
+    if token is not None:  # the kept shard manifests of its run (another run's are not its)
+        prefix = layout.run_parts_prefix(tag, token)
+        if measure:
+            delete([bytes(k) for k in store.keys(prefix)])
+        else:
+            store.delete_prefix(prefix)
+    else:  # a tag merged before run ids existed
+        delete([layout.shard_manifest_key(tag, i) for i in doc.get("shards") or []])
     keys = table_data_keys(doc)
     for i in range(0, len(keys), 4096):
         delete(keys[i : i + 4096])
