@@ -82,7 +82,7 @@ def test_kv_bench_leaves_the_page_cache_alone_by_default(tmp_path):
 def test_kv_bench_drop_caches_must_be_a_bool(tmp_path):
     result = CliRunner().invoke(main, ["bench", "kv", "-p", "drop_caches=maybe", *TINY,
                                        "-p", f"directory={tmp_path}"])
-    assert result.exit_code == 1
+    assert result.exit_code == 2
     assert "drop_caches='maybe'" in result.output and "true or false" in result.output
 
 

@@ -58,10 +58,10 @@ def test_demo_memory_url(runner, tmp_path):
 
 def test_demo_bad_url(runner):
     result = runner.invoke(main, ["demo", "tour", "--url", "nosuch://x"])
-    assert result.exit_code == 1
+    assert result.exit_code == 2  # a usage error
     assert "nosuch" in result.output and "lmdb" in result.output  # names the known schemes
     result = runner.invoke(main, ["demo", "tour", "--url", "lmdb://relative/path"])
-    assert result.exit_code == 1
+    assert result.exit_code == 2
     assert "lmdb:///" in result.output  # says how to write it
 
 
@@ -111,7 +111,7 @@ def test_bench_kv_tiny_json(runner, tmp_path):
 
 def test_bench_kv_bad_size(runner, tmp_path):
     result = runner.invoke(main, ["bench", "kv", "-p", "sizes=3B", "-p", f"directory={tmp_path}"])
-    assert result.exit_code == 1
+    assert result.exit_code == 2
     assert "3B" in result.output and "4KiB" in result.output
 
 
@@ -142,15 +142,19 @@ def _cli(*args, **env):
 
 @pytest.mark.parametrize("scheme", ["lmdb", "rocksdb", "leveldb"])
 @pytest.mark.parametrize("command", [["tags"], ["check"], ["check", "--verify"],
-                                     ["gc", "--dry-run"], ["vacuum"]])
+                                     ["gc", "--dry-run"], ["gc"], ["vacuum"],
+                                     ["compact", "{url}", "v1"], ["ls"]])
 def test_read_only_commands_on_a_mistyped_path(runner, tmp_path, scheme, command):
-    path = tmp_path / "typo"
-    result = runner.invoke(main, [*command, f"{scheme}://{path}"])
-    assert result.exit_code == 1
+    """Maintenance and viewer commands open existing stores only: nothing is created."""
+    path = tmp_path / "typo" / "deeper"
+    url = f"{scheme}://{path}"
+    args = [a.format(url=url) for a in command] + ([] if "{url}" in command else [url])
+    result = runner.invoke(main, args)
+    assert result.exit_code == 3  # not found
     assert result.stderr.startswith("tensorkv: error: no "), result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.output
     assert str(path) in result.stderr and "[Errno" not in result.stderr
-    assert not path.exists() and os.listdir(tmp_path) == []
+    assert os.listdir(tmp_path) == []
 
 
 def test_truncated_lmdb_is_one_line_not_a_signal(tmp_path):
@@ -162,7 +166,7 @@ def test_truncated_lmdb_is_one_line_not_a_signal(tmp_path):
     os.truncate(data, os.path.getsize(data) // 2)
     for args in (["tags", url], ["check", url], ["check", "--verify", url]):
         r = _cli(*args)
-        assert r.returncode == 1, (args, r.returncode, r.stderr)  # not -7 (SIGBUS)
+        assert r.returncode == 4, (args, r.returncode, r.stderr)  # not -7 (SIGBUS)
         assert r.stderr.startswith("tensorkv: error: the lmdb store") and "truncated" in r.stderr
         assert len(r.stderr.strip().splitlines()) == 1, r.stderr
 

@@ -252,6 +252,31 @@ def test_encode_refuses_bad_input(value, match):
         codec.encode(value)
 
 
+@pytest.mark.parametrize(
+    ("value", "match"),
+    [
+        (None, r"no record for key b'k' to decode \(None\).*missing key"),
+        ("TKVR", "C-contiguous bytes .*got str"),
+        (7, "C-contiguous bytes .*got int"),
+        (np.zeros((4, 16), np.uint8).T, "strided ndarray"),
+    ],
+    ids=["none", "str", "int", "strided"],
+)
+def test_decode_refuses_what_is_not_a_record(value, match):
+    with pytest.raises(CodecError, match=match):
+        codec.decode(value, key=b"k")
+    with pytest.raises(CodecError, match=match):
+        codec.read_header(value, key=b"k")
+
+
+def test_decode_reads_any_contiguous_byte_buffer():
+    rec = codec.encode(np.arange(6.0).reshape(2, 3))
+    assert len(rec) % 8 == 0  # so it can also be seen as float64 items
+    for buf in (bytearray(rec), np.frombuffer(rec, np.uint8), memoryview(rec).cast("c"),
+                np.frombuffer(rec, np.float64)):
+        np.testing.assert_array_equal(codec.decode(buf), np.arange(6.0).reshape(2, 3))
+
+
 def test_dtype_codes_are_stable():
     # codes are part of the on-disk format
     assert codec.dtype_code(np.float32) == 11

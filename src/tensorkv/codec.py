@@ -132,9 +132,29 @@ def _where(key: bytes | str | None) -> str:
     return f" for key {key!r}" if key is not None else ""
 
 
+def _record_view(buf: object, key: bytes | str | None) -> memoryview:
+    """``buf`` as a memoryview of bytes; anything else is refused with a CodecError."""
+    if buf is None:
+        raise CodecError(
+            f"there is no record{_where(key)} to decode (None): a store's get() returns None "
+            "for a missing key; check the key before decoding"
+        )
+    try:
+        mv = memoryview(buf)  # type: ignore[arg-type]
+    except (TypeError, BufferError) as exc:
+        raise CodecError(
+            f"a record{_where(key)} is C-contiguous bytes (bytes, bytearray, memoryview), "
+            f"got {type(buf).__name__} ({exc})"
+        ) from None
+    if not mv.c_contiguous:
+        raise CodecError(f"a record{_where(key)} is C-contiguous bytes; got a strided "
+                         f"{type(buf).__name__}: copy it first (bytes(buf))")
+    return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
+
+
 def read_header(buf: bytes | memoryview, key: bytes | str | None = None) -> RecordHeader:
     """Parse and validate a record header without touching the payload."""
-    mv = memoryview(buf)
+    mv = _record_view(buf, key)
     if mv.nbytes < FIXED_HEADER_BYTES:
         raise CorruptRecordError(
             f"record{_where(key)} is truncated: {mv.nbytes} bytes, "
@@ -179,7 +199,7 @@ def decode(
     CorruptRecordError
         The record is truncated, has trailing bytes, or fails its checksum.
     """
-    mv = memoryview(buf)
+    mv = _record_view(buf, key)
     head = read_header(mv, key)
     end = head.header_bytes + head.payload_bytes
     if mv.nbytes != end:

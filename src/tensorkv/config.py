@@ -82,6 +82,9 @@ ENV_SSDHASH_ASYNC_COMPACTION = "TENSORKV_SSDHASH_ASYNC_COMPACTION"
 # --- checkpoints -------------------------------------------------------------------------------
 CHECKPOINT_CHUNK_BYTES = 4 * 1024 * 1024  # bytes per dense tensor chunk
 CHECKPOINT_GC_GRACE_SECONDS = 3600.0  # gc leaves data of saves started less than this ago
+# seconds a shard of a sharded save waits for its turn on a LevelDB/RocksDB store that
+# another process has open (docs/backends.md)
+CHECKPOINT_TURN_WAIT_SECONDS = 600.0
 
 # --- command line and progress bars ------------------------------------------------------------
 PROGRESS_MIN_SECONDS = 2.0  # show a progress bar only for work longer than this

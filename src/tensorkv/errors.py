@@ -185,6 +185,15 @@ class TagExistsError(CheckpointError, FileExistsError):
     """A tag of that name exists already, or another process is saving it right now."""
 
 
+class ShardRunError(CheckpointError):
+    """A shard does not belong to the sharded save of its tag, or that save cannot finish.
+
+    Raised when a shard (or a merge) meets a sharded save of the same tag made by another run
+    (another run id, ``num_shards``, step or parent), a run one of whose savers died, or
+    shards left by an earlier save. The message names both runs and what to do.
+    """
+
+
 class TagNotFoundError(CheckpointError, KeyError):
     """No checkpoint tag of that name exists in the store."""
 

@@ -68,3 +68,31 @@ def test_gc_reports_the_bytes_it_removes(mem_url):
     rep = tensorkv.checkpoint.gc(mem_url)
     assert rep.removed_keys == 2 and rep.removed_bytes == 1500
     assert tensorkv.checkpoint.check(mem_url).ok
+
+
+def test_gc_counts_the_records_of_the_expired_tags_it_removes(url, monkeypatch):
+    import time
+
+    from click.testing import CliRunner
+
+    from tensorkv.cli.main import main as cli
+
+    tensorkv.save(_model(), url, "keep", block_rows=256)
+    old = {"w": np.arange(7, dtype=np.float32), "emb": make_table(1000, 8, seed=5)}
+    tensorkv.save(old, url, "old", block_rows=256, ttl=60)
+    with tensorkv.open_store(url) as s:
+        shared = set(refs.record_keys(manifest.read(s, "keep")))
+        doc = manifest.read(s, "old")
+        owned = [layout.manifest_key("old")] + [k for k in refs.record_keys(doc)
+                                                if k not in shared]
+        sizes = s.value_sizes(owned)
+    assert (sizes > 0).all() and len(owned) > 10
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + 3600)  # "old" has expired
+    r = CliRunner().invoke(cli, ["gc", url])
+    assert r.exit_code == 0, r.output
+    want = f"removed: {len(owned)} records ({int(sizes.sum()) / 1e6:.1f} MB), tags ['old']"
+    assert want in r.output, r.output
+    with tensorkv.open_store(url) as s:
+        assert (s.value_sizes(owned) < 0).all()
+    assert tensorkv.checkpoint.check(url).ok

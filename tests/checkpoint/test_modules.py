@@ -17,9 +17,9 @@ TESTS = pathlib.Path(__file__).parents[1]
 # Each module imports only modules listed before it (as the package docstring says).
 ORDER = [
     "layout", "gather", "progress", "access", "claims",
-    "manifest", "dense", "keylists",
+    "manifest", "dense", "keylists", "staging", "runs",
     "objects", "shards", "tables",
-    "refs", "bulk",
+    "refs", "bulk", "sweep",
     "save", "load",
     "tags", "check",
     "__init__",

@@ -18,7 +18,7 @@ from .helpers import make_table, rows_of
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shard_worker.py")
 
 
-@pytest.fixture(params=["lmdb", "redis"])
+@pytest.fixture(params=["lmdb", "redis", "leveldb", "rocksdb"])
 def proc_url(request, tmp_path):
     from .conftest import make_url
 
@@ -27,19 +27,29 @@ def proc_url(request, tmp_path):
 
 @pytest.mark.timeout(300)
 def test_parallel_sharded_save_and_reshard(proc_url):
+    # LevelDB and RocksDB too: each process writes a stage and takes turns on the store
     n = 3
     procs = [subprocess.Popen([sys.executable, WORKER, proc_url, "sh", str(i), str(n)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for i in range(n)]
     for p in procs:
         out, err = p.communicate(timeout=240)
-        assert p.returncode == 0, err
+        assert p.returncode == 0 and out.strip() == "done", out + err
     assert tensorkv.list_tags(proc_url) == ["sh"]
     info = tensorkv.checkpoint.tag_info(proc_url, "sh")
     assert info["num_shards"] == 3 and info["shards"] == [0, 1, 2]
-    ref = rows_of(make_table(30000, 8, "adagrad", seed=7))
-    whole = rows_of(tensorkv.load(None, proc_url, "sh")["emb"])
-    assert all(a.tobytes() == b.tobytes() for a, b in zip(ref, whole, strict=True))
+    assert info["run"]["id"] is None and info["run"]["token"]
+    tensorkv.save({"emb": make_table(30000, 8, "adagrad", seed=7),
+                   "w": np.arange(1000, dtype=np.float32) + 7}, proc_url, "whole")
+    whole = tensorkv.load(None, proc_url, "whole")
+    got = tensorkv.load(None, proc_url, "sh")
+    ref = rows_of(whole["emb"])
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(ref, rows_of(got["emb"]), strict=True))
+    assert got["w"].tobytes() == whole["w"].tobytes()
+    rep = tensorkv.checkpoint.check(proc_url, verify=True)
+    assert rep.ok and not rep.runs and not rep.pending and not rep.stages, rep.as_dict()
+    if "://" in proc_url and proc_url.split("://")[0] in ("leveldb", "rocksdb"):
+        assert not os.path.exists(proc_url.split("://", 1)[1] + ".stage")
     for m in (1, 2, 5):
         parts = [rows_of(tensorkv.load(None, proc_url, "sh", shard=j, num_shards=m)["emb"])
                  for j in range(m)]
@@ -49,7 +59,7 @@ def test_parallel_sharded_save_and_reshard(proc_url):
         order = np.argsort(cat[0])
         assert all(a.tobytes() == b[order].tobytes() for a, b in zip(ref, cat, strict=True))
     w = tensorkv.load(None, proc_url, "sh", variables=["w"], shard=1, num_shards=2)["w"]
-    assert np.array_equal(w, np.arange(1000, dtype=np.float32))
+    assert np.array_equal(w, np.arange(1000, dtype=np.float32) + 7)
 
 
 def test_tag_invisible_until_last_shard_and_explicit_merge(mem_url):

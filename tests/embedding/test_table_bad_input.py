@@ -258,3 +258,13 @@ def test_upsert_bad_values(table):
 def test_bad_step(table):
     with pytest.raises(ConfigError, match="step='3'"):
         table.apply_gradients([1], np.ones((1, 4)), step="3")
+
+
+@pytest.mark.parametrize("kwargs, what", [
+    ({"dim": 2**40}, r"dim=1099511627776 with room for \d+ rows"),
+    ({"dim": 8, "capacity": 2**50}, r"dim=8 with room for 1125899906842624 rows"),
+], ids=["dim", "capacity"])
+def test_a_table_larger_than_memory_is_refused_with_the_fix(kwargs, what):
+    """Sizes past any address space: never a raw numpy MemoryError."""
+    with pytest.raises(CapacityError, match=f"{what} needs .* GiB .*storage_size"):
+        EmbeddingTable(**kwargs)

@@ -8,6 +8,7 @@ winner's model, and ``check`` finds nothing wrong (the losers wrote nothing).
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -137,3 +138,66 @@ def test_a_live_savers_claim_is_respected(tmp_path):
         with pytest.raises(TagExistsError, match="already exists"):
             tensorkv.save(model(2), s, "busy")
         assert_model_equal(tensorkv.load(None, s, "busy"), model(1))
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_processes_racing_for_one_stale_claim_take_it_over_once(shared_url):
+    """Racers that all read the same dead owner's claim: exactly one takes it over."""
+    import multiprocessing
+    import socket
+
+    from claim_worker import race
+
+    from tensorkv.checkpoint import claims, layout
+
+    key = layout.pending_key("same", 0)
+    dead = {**claims.owner_record("tag 'same'"), "pid": _dead_pid(), "host": socket.gethostname()}
+    with tensorkv.open_store(shared_url) as s:
+        s.put(key, json.dumps(dead).encode())
+        s.flush()
+    ctx = multiprocessing.get_context("spawn")
+    read, done, results = ctx.Barrier(SAVERS), ctx.Barrier(SAVERS), ctx.Queue()
+    procs = [ctx.Process(target=race, args=(shared_url, key, read, done, results))
+             for _ in range(SAVERS)]
+    for p in procs:
+        p.start()
+    outs = [results.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    assert sorted(o[0] for o in outs) == ["exists"] * (SAVERS - 1) + ["won"], outs
+    assert [o[1] for o in outs if o[0] == "won"] == [True]  # it took the dead owner's claim
+    assert all("being saved by pid" in o[1] for o in outs if o[0] == "exists"), outs
+    with tensorkv.open_store(shared_url) as s:
+        assert s.get(key) is None  # the winner released it
+
+
+def test_release_removes_only_its_own_claim(shared_url):
+    """A claim taken over by another process survives the release of the claim it replaced."""
+    from tensorkv.checkpoint import claims, layout
+
+    key = layout.pending_key("r", 0)
+    with tensorkv.open_store(shared_url) as s:
+        mine = claims.claim(s, key, "tag 'r'")
+        other = json.dumps({**claims.owner_record("tag 'r'"), "token": "other"}).encode()
+        code = ("import sys, tensorkv\n"
+                "s = tensorkv.open_store(sys.argv[1])\n"
+                "ok = s.compare_and_set(sys.argv[2].encode(), sys.argv[3].encode(),"
+                " sys.argv[4].encode())\n"
+                "s.flush()\n"
+                "print(ok)\n")
+        r = subprocess.run([sys.executable, "-c", code, shared_url, key.decode(),
+                            mine.value.decode(), other.decode()],
+                           capture_output=True, text=True, timeout=120)
+        assert r.stdout.strip() == "True", r.stderr
+        claims.release(mine)
+        assert s.get(key) == other
+        assert s.compare_and_set(key, other, None)
+        again = claims.claim(s, key, "tag 'r'")
+        claims.release(again)
+        assert s.get(key) is None  # its own claim is removed

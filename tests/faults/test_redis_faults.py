@@ -41,29 +41,47 @@ def _on_spawner(fn: Any) -> Any:
 
 
 class FaultAt(KVStore):
-    """Forwards to a real store; runs ``fault()`` before the ``at``-th write (or flush)."""
+    """Forwards to a real store; runs ``fault()`` before the ``at``-th write (or flush).
 
-    def __init__(self, inner: KVStore, at: int, fault: Any, on_flush: bool = False) -> None:
+    With ``after_key`` the fault is chosen by key instead: ``fault(key)`` runs right after the
+    first write that stores a key starting with ``after_key`` has landed, whichever of the
+    save's writer threads sends it and whatever it sent before.
+    """
+
+    def __init__(self, inner: KVStore, at: int, fault: Any, on_flush: bool = False,
+                 after_key: bytes | None = None) -> None:
         super().__init__(inner.url)
         self.inner, self.at, self.fault, self.on_flush = inner, at, fault, on_flush
+        self.after_key = after_key
         self.capabilities = inner.capabilities
         self.max_value_size = inner.max_value_size
         self.writes = 0
         self.fired = False
+        self._lock = threading.Lock()
 
-    def _fire(self) -> None:
-        if not self.fired:
+    def _fire(self, *args: Any) -> None:
+        with self._lock:
+            if self.fired:
+                return
             self.fired = True
-            self.fault()
+        self.fault(*args)
 
     def _get_many(self, keys):
         return self.inner._get_many(keys)
 
     def _write(self, ops, *, atomic):
-        self.writes += 1
-        if not self.on_flush and self.writes == self.at:
+        with self._lock:
+            self.writes += 1
+            now = self.after_key is None and not self.on_flush and self.writes == self.at
+        if now:
             self._fire()
-        return self.inner._write(ops, atomic=atomic)
+        out = self.inner._write(ops, atomic=atomic)
+        if self.after_key is not None:
+            hit = next((bytes(k) for k, v in ops
+                        if v is not None and bytes(k).startswith(self.after_key)), None)
+            if hit is not None:
+                self._fire(hit)
+        return out
 
     def _flush(self):
         if self.on_flush:
@@ -149,19 +167,20 @@ def test_records_lost_without_a_restart_are_detected(own_redis):
         with pytest.raises(StoreRestartedError, match="pending marker .* is gone"):
             tensorkv.save(model(2), store, "lost", block_rows=256, bucket_bits=2)
         c = own_redis.client()
-        try:  # a record of the tag vanishes, the marker stays: still refused
-            store = FaultAt(real, 2, lambda: _drop_first_chunk(c))
-            with pytest.raises(StoreRestartedError, match="records it wrote are missing"):
+        try:  # a record of the tag vanishes once written, the marker stays: still refused
+            dropped: list[bytes] = []
+
+            def drop(key: bytes) -> None:
+                assert c.delete(key) == 1
+                dropped.append(key)
+
+            store = FaultAt(real, 0, drop, after_key=b"ckpt/c/")  # a dense chunk, by key
+            with pytest.raises(StoreRestartedError, match="records it wrote are missing") as e:
                 tensorkv.save(model(3), store, "lost2", block_rows=256, bucket_bits=2)
+            assert len(dropped) == 1 and repr(dropped[0]) in str(e.value)
         finally:
             c.close()
     assert tensorkv.list_tags(url) == []
-
-
-def _drop_first_chunk(client: Any) -> None:
-    keys = sorted(client.keys(b"ckpt/c/*"))
-    assert keys
-    client.delete(keys[0])
 
 
 def test_restart_without_persistence_never_publishes_a_tag_without_data(own_redis):

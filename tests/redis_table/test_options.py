@@ -256,6 +256,10 @@ def test_config_file_priority(redis_server, tag, tmp_path, monkeypatch):
     ({"model_tag_runtime": "a:b"}, "model_tag_runtime='a:b'"),
     ({"no_such_option": 1}, "unknown Redis table option no_such_option"),
     ({"lock_ttl_seconds": 0}, "lock_ttl_seconds=0"),
+    ({"lock_ttl_seconds": float("inf")}, "lock_ttl_seconds=inf must be a finite number"),
+    ({"lock_wait_seconds": float("nan")}, "lock_wait_seconds=nan must be a finite number"),
+    ({"read_cache_seconds": float("inf")}, "read_cache_seconds=inf must be a finite"),
+    ({"lock_ttl_seconds": 0.0004}, "under the 1 ms"),
 ])
 def test_bad_options(options, match, redis_server):
     url = f"redis://127.0.0.1:{redis_server.port}/0"

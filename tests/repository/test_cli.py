@@ -43,7 +43,7 @@ def test_repo_commands(tmp_path):
     assert "2 tensors retired" in run(main, ["repo", "rm", url, mid]).output
     assert "counts_fixed: 0" in run(main, ["repo", "gc", url, "--grace", "0"]).output
     out = run(main, ["repo", "show", url, mid])
-    assert out.exit_code == 1 and f"no model '{mid}'" in out.output
+    assert out.exit_code == 3 and f"no model '{mid}'" in out.output
     out = run(main, ["repo", "put", url, str(tmp_path / "g.json"), str(tmp_path / "s.npz"),
                      "--metric", "acc"])
     assert out.exit_code == 2 and "NAME=NUMBER" in out.output

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import torch
 
 from tensorkv import Repository
 
 from .conftest import make_url
+from .models import mlp
 from .worker import run
 
 
@@ -36,3 +39,59 @@ def test_threads_and_processes_keep_counts_exact(backend, tmp_path, request):
             repo.delete(row["id"])
         s = repo.stats()
         assert (s["models"], s["tensors"], s["bytes_stored"]) == (0, 0, 0)
+
+
+@pytest.mark.parametrize("backend", ["lmdb", "redis"])
+def test_a_put_racing_a_delete_of_the_same_content_keeps_its_data(backend, tmp_path, request):
+    """A put writes tensors whose counts are live tombstones; the delete then removes them.
+
+    The deleter stops once its counts are tombstones. The put writes its data meanwhile; the
+    deleter goes on deleting only when the put either waits for the tombstones (it reads the
+    counts a second time) or has finished writing what it found missing after counting: in
+    both orders the put's model must stay whole.
+    """
+    url = make_url(backend, tmp_path, request)
+    model = mlp((4, 8, 2))
+    with Repository(url) as deleter, Repository(url) as putter:
+        old = deleter.put(model)
+        tombstoned, written, go = threading.Event(), threading.Event(), threading.Event()
+        delete_data, write_new = deleter.delete_data, putter._write_new
+        get_many, count_reads = putter.meta.get_many, []
+
+        def delete_when_told(tids, chunks=None):
+            tombstoned.set()
+            assert go.wait(60)
+            delete_data(tids, chunks)
+
+        def write_and_tell(*args, **kwargs):
+            write_new(*args, **kwargs)
+            if written.is_set():  # the rewrite after counting
+                go.set()
+            written.set()
+
+        def read_counts(keys):
+            if written.is_set() and keys and keys[0].startswith(b"repo/r/"):
+                count_reads.append(len(keys))
+                if len(count_reads) == 2:  # the put is waiting for the tombstones
+                    go.set()
+            return get_many(keys)
+
+        deleter.delete_data = delete_when_told  # type: ignore[method-assign]
+        putter._write_new = write_and_tell  # type: ignore[method-assign]
+        putter.meta.get_many = read_counts  # type: ignore[method-assign]
+        retired: list[int] = []
+        t = threading.Thread(target=lambda: retired.append(deleter.delete(old)))
+        t.start()
+        try:
+            assert tombstoned.wait(60)  # every count of the model is a live tombstone now
+            new = putter.put(model)
+        finally:
+            go.set()
+            t.join(120)
+        assert retired == [4]
+        got = putter.get(new)
+        for k, v in model.state_dict().items():
+            assert torch.equal(got[k], v), k
+        report = putter.check(deep=True)
+        assert report["ok"], report["problems"]
+        assert putter.stats()["tensors"] == 4

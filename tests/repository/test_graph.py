@@ -111,3 +111,85 @@ def test_graph_round_trips_through_its_dict():
 def test_bad_graphs_are_refused(doc, match):
     with pytest.raises(GraphError, match=match):
         Graph.from_dict(doc)
+
+
+class One(nn.Module):
+    """A model of one layer (fx traces it: the layer is one module node)."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x):
+        return self.layer(x)
+
+
+MHA, ENC = nn.MultiheadAttention, nn.TransformerEncoderLayer
+CONFIG_CHANGES = {
+    "dropout p": (lambda: nn.Dropout(0.1), lambda: nn.Dropout(0.2)),
+    "attention heads": (lambda: MHA(16, 2), lambda: MHA(16, 4)),
+    "attention dropout": (lambda: MHA(16, 2, dropout=0.1), lambda: MHA(16, 2, dropout=0.2)),
+    "attention batch_first": (lambda: MHA(16, 2), lambda: MHA(16, 2, batch_first=True)),
+    "encoder feed-forward": (lambda: ENC(16, 2, 32), lambda: ENC(16, 2, 64)),
+    "encoder dropout": (lambda: ENC(16, 2, 32, 0.1), lambda: ENC(16, 2, 32, 0.3)),
+    "encoder activation": (lambda: ENC(16, 2, 32), lambda: ENC(16, 2, 32, activation="gelu")),
+    "encoder norm_first": (lambda: ENC(16, 2, 32), lambda: ENC(16, 2, 32, norm_first=True)),
+    "encoder eps": (lambda: ENC(16, 2, 32), lambda: ENC(16, 2, 32, layer_norm_eps=1e-6)),
+    "lstm dropout": (lambda: nn.LSTM(4, 4, 2, dropout=0.1), lambda: nn.LSTM(4, 4, 2, dropout=0.2)),
+    "gelu approximate": (lambda: nn.GELU(), lambda: nn.GELU("tanh")),
+    "conv padding": (lambda: nn.Conv2d(2, 2, 3), lambda: nn.Conv2d(2, 2, 3, padding=1)),
+    "embedding max_norm": (lambda: nn.Embedding(4, 2), lambda: nn.Embedding(4, 2, max_norm=1.0)),
+}
+
+
+@pytest.mark.parametrize("change", sorted(CONFIG_CHANGES))
+def test_a_layers_hash_changes_when_any_field_of_its_config_changes(change):
+    make_a, make_b = CONFIG_CHANGES[change]
+    a = capture(One(make_a())).hashes()
+    assert capture(One(make_a())).hashes() == a  # the same configuration: the same hashes
+    b = capture(One(make_b())).hashes()
+    assert a[0] == b[0] and a[1] != b[1]  # the input is the same, the layer is not
+
+
+def test_a_layer_traced_whole_owns_its_submodules_tensors():
+    g = capture(One(ENC(16, 2, 32)))
+    assert set(g.tensor_names()) == {f"layer.{k}" for k in ENC(16, 2, 32).state_dict()}
+
+
+def test_the_tree_capture_covers_a_custom_layers_attributes():
+    class Scale(nn.Module):
+        def __init__(self, k: float) -> None:
+            super().__init__()
+            self.k = k
+
+        def forward(self, x):
+            return x * self.k
+
+    def model(k):
+        m = Untraceable()
+        m.b = nn.Sequential(Scale(k))
+        return m
+
+    a, b = capture(model(2.0), trace="tree"), capture(model(3.0), trace="tree")
+    assert capture(model(2.0), trace="tree").hashes() == a.hashes()
+    assert a.hashes()[:2] == b.hashes()[:2] and a.hashes()[2] != b.hashes()[2]
+
+
+def test_a_dynamic_embeddings_hash_depends_on_its_configuration_not_its_rows():
+    from tensorkv.torch import DynamicEmbedding, Optimizer
+
+    class Rec(nn.Module):
+        def __init__(self, dim: int) -> None:
+            super().__init__()
+            self.emb = DynamicEmbedding(dim, optimizer="adagrad")
+            self.head = nn.Linear(dim, 1)
+
+        def forward(self, ids):
+            return self.head(self.emb(ids))
+
+    m = Rec(4)
+    before = capture(m).hashes()
+    m(torch.tensor([1, 2, 3])).sum().backward()  # rows and a gradient
+    Optimizer(m, fused=True).step()  # a training setting
+    assert capture(m).hashes() == before
+    assert capture(Rec(8)).hashes()[1] != before[1]

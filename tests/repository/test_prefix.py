@@ -129,3 +129,39 @@ def test_list_where(where, n):
     repo.put({"nodes": g}, {}, name="m0", metrics={"val_acc": 0.3})
     repo.put({"nodes": g}, {}, name="m1", metrics={"val_acc": 0.7})
     assert len(repo.list(where)) == n
+
+
+def graph(edges: dict[str, list[str]]) -> dict:
+    """A graph dict from ``name -> inputs`` (in topological order); ``x`` is the input."""
+    return {"nodes": [{"name": "x", "op": "input", "type": "input"}]
+            + [{"name": k, "type": k, "inputs": v} for k, v in edges.items()]}
+
+
+def test_the_maximal_prefix_wins_when_found_after_a_smaller_one():
+    """The query's sinks t1..t4 are held by small models; the model holding the most
+    layers (x, p1..p4) holds no sink and is only reached once the sinks are peeled off."""
+    repo = Repository(f"memory://prefix-late-{os.getpid()}-{next(_n)}")
+    small = [repo.put(graph({f"p{i}": ["x"], f"t{i}": [f"p{i}"]}), {},
+                      metrics={"val_acc": 1.0}) for i in range(1, 5)]
+    wide = repo.put(graph({f"p{i}": ["x"] for i in range(1, 5)}), {}, metrics={"val_acc": 0.0})
+    query = graph({**{f"p{i}": ["x"] for i in range(1, 5)},
+                   **{f"t{i}": [f"p{i}"] for i in range(1, 5)}})
+    assert repo.longest_prefix(query) == (wide, ["x", "p1", "p2", "p3", "p4"])
+    assert repo.longest_prefix(graph({"p2": ["x"], "t2": ["p2"]}))[0] == small[1]
+    repo.close()
+
+
+def test_a_tie_found_late_goes_to_the_higher_metric_then_the_older_model():
+    """Two models share 4 layers with the query; the better one holds no sink of the query
+    (a3, b2), so it is reached only in a later round, after the first has been ranked."""
+    repo = Repository(f"memory://prefix-late-tie-{os.getpid()}-{next(_n)}")
+    first = repo.put(graph({"a1": ["x"], "a2": ["a1"], "a3": ["a2"]}), {},
+                     metrics={"val_acc": 0.1})
+    repo.put(graph({"b1": ["x"], "b2": ["b1"]}), {}, metrics={"val_acc": 1.0})
+    late = repo.put(graph({"a1": ["x"], "a2": ["a1"], "b1": ["x"]}), {},
+                    metrics={"val_acc": 0.9})
+    query = graph({"a1": ["x"], "a2": ["a1"], "a3": ["a2"], "b1": ["x"], "b2": ["b1"]})
+    assert repo.longest_prefix(query) == (late, ["x", "a1", "a2", "b1"])
+    assert repo.longest_prefix(query, metric=None)[0] == first  # no metric: the older model
+    assert repo.longest_prefix(query, metric="loss")[0] == first  # absent metric: -inf
+    repo.close()

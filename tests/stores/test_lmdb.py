@@ -415,3 +415,65 @@ def test_get_many_buffers_fallback_copies(tmp_path):
         assert not s.zero_copy_reads
         with s.get_many_buffers([b"a", b"b"]) as vals:
             assert vals == [b"1", None]
+
+
+@pytest.mark.parametrize("how", [{"create": False}, {"readonly": True}])
+def test_an_empty_data_file_is_refused_by_opens_that_need_a_store(tmp_path, how):
+    from tensorkv.errors import CorruptStoreError
+
+    (tmp_path / "data.mdb").touch()
+    with pytest.raises(CorruptStoreError, match=r"data.mdb is empty \(0 bytes\)"):
+        tensorkv.open_store(f"lmdb://{tmp_path}", **how)
+    assert os.path.getsize(tmp_path / "data.mdb") == 0
+    with tensorkv.open_store(f"lmdb://{tmp_path}") as s:  # a writer may start a store there
+        s.put(b"k", b"v")
+    with tensorkv.open_store(f"lmdb://{tmp_path}", **how) as s:
+        assert s.get(b"k") == b"v"
+
+
+def test_a_reader_waits_for_a_store_being_created_instead_of_refusing_it(tmp_path):
+    """An empty data.mdb while another process holds LMDB's creation lock is a store being
+    made: a create=False open waits for the lock, then reads the finished store."""
+    template = tmp_path / "template"
+    with tensorkv.open_store(f"lmdb://{template}") as s:
+        s.put(b"k", b"v")
+    db = tmp_path / "db"
+    db.mkdir()
+    (db / "data.mdb").touch()
+    (db / "lock.mdb").touch()
+    creator = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import fcntl, os, shutil, sys
+        fd = os.open({str(db / "lock.mdb")!r}, os.O_RDWR)
+        fcntl.lockf(fd, fcntl.LOCK_EX, 1, 0, os.SEEK_SET)  # as LMDB's first opener does
+        print("locked", flush=True)
+        sys.stdin.readline()
+        shutil.copyfile({str(template / "data.mdb")!r}, {str(db / "data.mdb")!r})
+        """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    result: list = []
+
+    def read() -> None:
+        try:
+            with tensorkv.open_store(f"lmdb://{db}", create=False) as s:
+                result.append(s.get(b"k"))
+        except Exception as exc:  # reported below
+            result.append(exc)
+
+    try:
+        assert creator.stdout.readline().strip() == "locked"
+        reader = threading.Thread(target=read)
+        reader.start()
+        me = f" {os.getpid()} "
+
+        def waiting() -> bool:  # the kernel lists a blocked lock request with "->"
+            with open("/proc/locks") as f:
+                return any("->" in line and me in line for line in f)
+
+        while reader.is_alive() and not waiting():
+            reader.join(0.01)  # until the reader waits for the creator's lock (or has failed)
+        creator.stdin.write("go\n")
+        creator.stdin.flush()
+        assert creator.wait(60) == 0
+        reader.join(60)
+    finally:
+        creator.kill()
+    assert result == [b"v"]

@@ -217,3 +217,19 @@ def test_use_after_fork_is_refused(tmp_path):
     s.close()
     with tensorkv.open_store(f"rocksdb://{tmp_path}/db") as again:
         assert again.get(b"k2") == b"parent"
+
+
+def test_sst_files_are_ingested_in_key_order(tmp_path):
+    from tensorkv.stores.rocksdb import write_sst_files
+
+    items = [(b"k%06d" % i, np.full(100, i % 251, np.uint8).tobytes()) for i in range(1000)]
+    (tmp_path / "sst").mkdir()
+    files = write_sst_files(iter(items), str(tmp_path / "sst"), file_bytes=30_000)
+    assert len(files) == 4  # a new file after each 30 kB of records
+    with tensorkv.open_store(f"rocksdb://{tmp_path}/db") as s:
+        s.put(b"k000001", b"older")  # ingested keys are newer than every earlier write
+        s.ingest_files(files)
+        assert s.get_many([k for k, _ in items]) == [v for _, v in items]
+        assert not any(os.path.exists(f) for f in files)  # moved into the database
+    with pytest.raises(StoreError, match="writing SST files failed.*ascending"):
+        write_sst_files(iter([(b"b", b"1"), (b"a", b"2")]), str(tmp_path / "sst"))

@@ -360,3 +360,13 @@ def test_arena_pack_rows_moves_live_rows_down():
         assert a.freq[r] == f and a.row_key[r] == k
     new, fresh = a.insert(np.array([7], np.int64))  # allocation continues after the packed rows
     assert fresh.all() and new[0] == 4
+
+
+@pytest.mark.parametrize("sizes", [[0], [10], [None, 0], ["1KiB", 5]],
+                         ids=["dram-0", "dram-10B", "ssd-0", "ssd-5B"])
+def test_a_tier_size_under_one_row_is_refused_before_anything_opens(tmp_path, sizes):
+    """A tier that could hold no row is an error, not a tier of one row."""
+    with pytest.raises(ConfigError, match=r"tier size \d+ bytes holds no row: .* give at least"):
+        EmbeddingTable(DIM, storage="DRAM_SSDHASH", storage_path=tmp_path / "spill",
+                       storage_size=sizes)
+    assert not (tmp_path / "spill").exists()

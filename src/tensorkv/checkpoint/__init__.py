@@ -6,10 +6,13 @@ imports only modules listed before it):
 
 - ``layout``, ``gather``, ``progress``, ``access``: key names and the stable hash, numba
   kernels, progress bars, opening stores;
-- ``manifest``, ``dense``, ``keylists``: manifests, dense chunks, table key lists;
-- ``objects``, ``shards``, ``tables``: what can be saved, sharded-save manifests, table
-  blocks and the record writer;
-- ``refs``, ``bulk``: what a tag references and owns, the restore pipeline;
+- ``manifest``, ``dense``, ``keylists``, ``staging``, ``runs``: manifests, dense chunks,
+  table key lists, shards written into LevelDB/RocksDB through a stage in turns, the run
+  record of a sharded save;
+- ``objects``, ``shards``, ``tables``: what can be saved, combining a run's shard
+  manifests, table blocks and the record writer;
+- ``refs``, ``bulk``, ``sweep``: what a tag references and owns, the restore pipeline,
+  sharded saves left behind (listed, removed, verified);
 - ``save``, ``load``;
 - ``tags`` (list, delete, copy, compact, dump), then ``check`` (check, gc).
 

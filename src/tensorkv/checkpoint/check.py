@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from tensorkv.checkpoint import dense, keylists, layout, manifest, refs
+from tensorkv.checkpoint import dense, keylists, layout, manifest, refs, staging, sweep
 from tensorkv.checkpoint.access import using_store
 from tensorkv.checkpoint.load import stage_table
 from tensorkv.checkpoint.tags import compact
@@ -27,7 +27,9 @@ class CheckReport:
     tags: list[str] = field(default_factory=list)
     expired: list[str] = field(default_factory=list)
     incomplete: list[str] = field(default_factory=list)  # sharded saves without a manifest
+    runs: list[dict[str, Any]] = field(default_factory=list)  # those saves: saving/waiting/stale
     pending: list[dict[str, Any]] = field(default_factory=list)  # saves in progress or dead
+    stages: list[dict[str, Any]] = field(default_factory=list)  # LevelDB/RocksDB shard stages
     orphan_keys: list[bytes] = field(default_factory=list)
     orphan_bytes: int = 0
     corrupt: list[str] = field(default_factory=list)
@@ -35,11 +37,18 @@ class CheckReport:
     removed_keys: int = 0
     removed_bytes: int = 0
     removed_tags: list[str] = field(default_factory=list)
+    removed_runs: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def stale_runs(self) -> list[dict[str, Any]]:
+        """The sharded saves that can never publish their tag (gc removes them)."""
+        return [r for r in self.runs if r["state"] == sweep.STALE]
 
     @property
     def ok(self) -> bool:
-        """No corruption, no missing records and no orphaned data."""
-        return not self.corrupt and not self.missing and not self.orphan_keys
+        """No corruption, no missing records, no orphaned data and no stale sharded saves."""
+        return (not self.corrupt and not self.missing and not self.orphan_keys
+                and not self.stale_runs)
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-friendly form."""
@@ -48,7 +57,9 @@ class CheckReport:
             "tags": self.tags,
             "expired": self.expired,
             "incomplete": self.incomplete,
+            "runs": self.runs,
             "pending": self.pending,
+            "stages": self.stages,
             "orphan_keys": len(self.orphan_keys),
             "orphan_bytes": self.orphan_bytes,
             "corrupt": self.corrupt,
@@ -56,6 +67,7 @@ class CheckReport:
             "removed_keys": self.removed_keys,
             "removed_bytes": self.removed_bytes,
             "removed_tags": self.removed_tags,
+            "removed_runs": self.removed_runs,
         }
 
 
@@ -67,11 +79,10 @@ def _scan_orphans(store: KVStore, grace: float | None) -> tuple[CheckReport, lis
                                       if not manifest.is_expired(d, now)})
     rep.expired = sorted(t for t, d in docs.items() if manifest.is_expired(d, now))
     all_docs = refs.all_docs(store)
-    shard_tags = {
-        bytes(k[len(layout.SHARD_MANIFEST) :]).rpartition(b"/")[0].decode()
-        for k in store.keys(layout.SHARD_MANIFEST)
-    }
-    rep.incomplete = sorted(shard_tags - set(docs))
+    rep.runs = [st.public() for st in sweep.list_runs(store, grace)
+                if st.state != sweep.PUBLISHED]
+    rep.incomplete = sorted({r["tag"] for r in rep.runs})
+    rep.stages = staging.stage_dirs(store, grace)
     marks = refs.pending_markers(store, grace)
     rep.pending = [_public(m) for m in marks]
     live_tags = {m["tag"] for m in marks if not m["stale"]}
@@ -125,7 +136,11 @@ def _still_orphaned(store: KVStore, candidates: list[bytes], grace: float | None
 
 
 def _public(marker: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in marker.items() if k not in ("key", "raw")}
+    out = {k: v for k, v in marker.items() if k not in ("key", "raw")}
+    tag, token = layout.split_data_tag(out["tag"])
+    if token is not None:  # a shard of a sharded save: its tag, and its run's token
+        out["tag"], out["run"] = tag, layout.RUN_MARK + token
+    return out
 
 
 def _bytes_of(store: KVStore, keys: list[bytes]) -> int:
@@ -177,6 +192,8 @@ def check(url: str | KVStore, *, verify: bool = False, grace: float | None = Non
         if verify:
             for t in rep.tags:
                 doc = manifest.read(store, t)
+                rep.corrupt += [f"{t}: its shards disagree: {p}; delete the tag and save it "
+                                "again" for p in sweep.shard_disagreements(store, doc)]
                 try:
                     for n, e in doc["dense"].items():
                         dense.read_full(store, n, e)
@@ -198,34 +215,49 @@ def gc(url: str | KVStore, *, grace: float | None = None, dry_run: bool = False)
     Candidates are checked twice (before and after the data scan), and unreferenced dense
     chunks are kept while any save is in progress, since a new save may reuse them.
     """
-    with using_store(url, create=not dry_run) as store:
+    with using_store(url, create=False) as store:
         rep, _ = _scan_orphans(store, grace)
         if dry_run:
             return rep
+        for st in sweep.list_runs(store, grace):  # their data goes with the orphans below
+            if st.state not in (sweep.STALE, sweep.PUBLISHED):
+                continue
+            gone = sweep.remove(store, st, grace)
+            if gone is not None and st.state == sweep.STALE:
+                rep.removed_runs.append(st.public())
+                rep.removed_keys += gone[0]
+                rep.removed_bytes += gone[1]
+        staging.remove_stale_stages(store, grace)
         docs = manifest.read_all(store, include_expired=True)
         for t in rep.expired:
             for child, d in docs.items():  # keep live children loadable
                 if d.get("parent") == t and d.get("incremental") and child not in rep.expired:
                     compact(store, child)
-            refs.delete_doc(store, docs[t])
+            n, nbytes = refs.delete_doc(store, docs[t], measure=True)
+            rep.removed_keys += n
+            rep.removed_bytes += nbytes
             rep.removed_tags.append(t)
         rep2, _ = _scan_orphans(store, grace)
         keys = _still_orphaned(store, rep2.orphan_keys, grace)
-        removed = 0
+        orphan_bytes = 0
         for i in range(0, len(keys), 4096):
             batch = keys[i : i + 4096]
             if refs.live_pending(store, grace):  # a save started meanwhile: it may reuse chunks
                 batch = [k for k in batch if not k.startswith(layout.CHUNK)]
-            rep.removed_bytes += _bytes_of(store, batch)
+            orphan_bytes += _bytes_of(store, batch)
             store.delete_many(batch)
-            removed += len(batch)
-        rep.removed_keys = removed
+            rep.removed_keys += len(batch)
+        rep.removed_bytes += orphan_bytes
         for m in refs.pending_markers(store, grace):
             if m["stale"]:  # only if unchanged: a new save may have claimed the tag since
                 store.compare_and_set(m["key"], m["raw"], None)
         rep.orphan_keys = keys
-        rep.orphan_bytes = rep.removed_bytes
+        rep.orphan_bytes = orphan_bytes
         rep.pending = [
             _public(m) for m in refs.pending_markers(store, grace)
         ]
+        rep.runs = [st.public() for st in sweep.list_runs(store, grace)
+                    if st.state != sweep.PUBLISHED]
+        rep.incomplete = sorted({r["tag"] for r in rep.runs})
+        rep.stages = staging.stage_dirs(store, grace)
         return rep

@@ -4,13 +4,18 @@ Every key a checkpoint writes starts with ``ckpt/`` (see the "Checkpoint layout"
 ``docs/format.md``)::
 
     ckpt/m/<tag>                            manifest of a complete tag (written last)
-    ckpt/s/<tag>/<shard>                    manifest of one finished shard of a sharded save
+    ckpt/r/<tag>                            run record of a sharded save in progress (JSON)
+    ckpt/s/<tag>/<token>/<shard>            manifest of one finished shard of run <token>
     ckpt/p/<tag>/<shard>                    pending-save marker (JSON: start time, pid, host)
     ckpt/c/<xxh3-128 hex>                   one dense chunk, content-addressed (shared by tags)
     ckpt/t/<tag>/<table>/<shard>/b/<n>      one block of table rows
     ckpt/t/<tag>/<table>/<shard>/k/<n>      the table's sorted key list (full saves), in pieces
     ckpt/t/<tag>/<table>/<shard>/a/<n>      keys added since the parent (incremental saves)
     ckpt/t/<tag>/<table>/<shard>/r/<n>      keys removed since the parent (incremental saves)
+
+A sharded save writes its table records under the data tag ``<tag>~r<token>`` and its
+markers under ``ckpt/p/<tag>~r<token>/<shard>``, so two runs of one tag never share a key.
+Manifests of shards written before run ids existed sit at ``ckpt/s/<tag>/<shard>``.
 
 With ``hash_tag`` set, table keys carry a Redis Cluster hash tag ``{...}`` so that all keys of
 a table (``hash_tag="table"``), of one bucket (``"bucket"``) or of the whole checkpoint (any
@@ -26,6 +31,8 @@ from tensorkv.errors import CheckpointError
 PREFIX = b"ckpt/"
 MANIFEST = PREFIX + b"m/"
 SHARD_MANIFEST = PREFIX + b"s/"
+RUN = PREFIX + b"r/"
+RUN_MARK = "~r"  # data tag of a sharded run: <tag>~r<token>
 PENDING = PREFIX + b"p/"
 CHUNK = PREFIX + b"c/"
 TABLE = PREFIX + b"t/"
@@ -64,8 +71,44 @@ def manifest_key(tag: str) -> bytes:
 
 
 def shard_manifest_key(tag: str, shard: int) -> bytes:
-    """Key of the manifest of one finished shard."""
+    """Key of the manifest of one finished shard as written before run ids (read only)."""
     return SHARD_MANIFEST + tag.encode() + b"/%06d" % shard
+
+
+def run_key(tag: str) -> bytes:
+    """Key of the run record of a sharded save of ``tag`` in progress."""
+    return RUN + tag.encode()
+
+
+def run_parts_prefix(tag: str, token: str) -> bytes:
+    """Prefix of the manifests of the finished shards of run ``token`` of ``tag``."""
+    return SHARD_MANIFEST + tag.encode() + b"/" + token.encode() + b"/"
+
+
+def run_part_key(tag: str, token: str, shard: int) -> bytes:
+    """Key of the manifest of shard ``shard`` of run ``token`` of ``tag``."""
+    return run_parts_prefix(tag, token) + b"%06d" % shard
+
+
+def run_data_tag(tag: str, token: str) -> str:
+    """The data tag a sharded run writes its table records (and markers) under."""
+    return f"{tag}{RUN_MARK}{token}"
+
+
+def split_data_tag(data_tag: str) -> tuple[str, str | None]:
+    """``(tag, run token)`` of a sharded run's data tag; ``(data_tag, None)`` for others."""
+    tag, mark, token = data_tag.rpartition(RUN_MARK)
+    if not mark or not tag or "~" in tag:
+        return data_tag, None
+    return tag, token
+
+
+def parse_part_key(key: bytes) -> tuple[str, str | None, int]:
+    """``(tag, run token or None for the old layout, shard)`` of a shard manifest key."""
+    parts = bytes(key[len(SHARD_MANIFEST) :]).decode().split("/")
+    if len(parts) == 2:
+        return parts[0], None, int(parts[1])
+    return parts[0], parts[1], int(parts[2])
 
 
 def pending_key(tag: str, shard: int) -> bytes:

@@ -175,6 +175,8 @@ def read(store: KVStore, tag: str, *, include_expired: bool = False) -> dict[str
             bytes(k).decode().split("/")[2]
             for k in store.keys(layout.PENDING + tag.encode() + b"/")
         ]
+        if store.get(layout.run_key(tag)) is not None:  # a sharded save of it
+            pend.append("run")
         extra = " (a save of it is in progress or was interrupted)" if pend else ""
         raise TagNotFoundError(
             f"tag {tag!r} {why} in store {store.url!r}{extra}; available tags: {avail}"

@@ -119,7 +119,8 @@ def key_tag(key: bytes) -> str:
 
 
 # ----------------------------------------------------------------------------- deletion
-def delete_doc(store: KVStore, doc: dict[str, Any]) -> None:
+def delete_doc(store: KVStore, doc: dict[str, Any], *,
+               measure: bool = False) -> tuple[int, int]:
     """Delete a tag: manifest first (invisible at once), then its data.
 
     Its table records go at once; its dense chunks only where no other manifest references
@@ -132,13 +133,38 @@ def delete_doc(store: KVStore, doc: dict[str, Any]) -> None:
         The store holding the tag.
     doc
         The tag's manifest.
+    measure
+        Count what is deleted (one more batched size query per batch of records).
+
+    Returns
+    -------
+    (records, bytes)
+        With ``measure``, the records deleted (manifests included) and their bytes; else
+        ``(0, 0)``.
     """
     tag = doc["tag"]
-    store.delete(layout.manifest_key(tag))
-    store.delete_prefix(layout.SHARD_MANIFEST + tag.encode() + b"/")
+    counted = [0, 0]
+
+    def delete(keys: list[bytes]) -> None:
+        if measure and keys:
+            sizes = store.value_sizes(keys)
+            counted[0] += int((sizes >= 0).sum())
+            counted[1] += int(sizes[sizes > 0].sum())
+        store.delete_many(keys)
+
+    delete([layout.manifest_key(tag)])
+    token = (doc.get("run") or {}).get("token")
+    if token is not None:  # the kept shard manifests of its run (another run's are not its)
+        prefix = layout.run_parts_prefix(tag, token)
+        if measure:
+            delete([bytes(k) for k in store.keys(prefix)])
+        else:
+            store.delete_prefix(prefix)
+    else:  # a tag merged before run ids existed
+        delete([layout.shard_manifest_key(tag, i) for i in doc.get("shards") or []])
     keys = table_data_keys(doc)
     for i in range(0, len(keys), 4096):
-        store.delete_many(keys[i : i + 4096])
+        delete(keys[i : i + 4096])
     if not live_pending(store):
         referenced = referenced_chunks_all(store)
         mine = {d for e in doc["dense"].values() for d in e["chunks"]}
@@ -146,4 +172,5 @@ def delete_doc(store: KVStore, doc: dict[str, Any]) -> None:
         for i in range(0, len(doomed), 4096):
             if live_pending(store):  # a save started: it may write these chunks again
                 break  # gc removes what is left once no save runs
-            store.delete_many(doomed[i : i + 4096])
+            delete(doomed[i : i + 4096])
+    return counted[0], counted[1]

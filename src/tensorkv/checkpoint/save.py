@@ -19,11 +19,12 @@ from typing import Any
 import numpy as np
 
 from tensorkv import config
-from tensorkv.checkpoint import claims, dense, keylists, layout, manifest, refs, tables
-from tensorkv.checkpoint.access import using_store, writeback_starter
+from tensorkv.checkpoint import claims, dense, keylists, layout, manifest, refs, runs, tables
+from tensorkv.checkpoint.access import writeback_starter
 from tensorkv.checkpoint.objects import collect
 from tensorkv.checkpoint.progress import OnBytes, bar
 from tensorkv.checkpoint.shards import merge_if_complete
+from tensorkv.checkpoint.staging import shard_store
 from tensorkv.errors import CheckpointError, TagExistsError
 from tensorkv.stores.base import KVStore
 
@@ -149,7 +150,8 @@ def save_table(
                     else "this table object did not write or load the parent tag"
                 )
                 warnings.warn(
-                    f"incremental save of table {name!r} to tag {tag!r}: {why} "
+                    f"incremental save of table {name!r} to tag "
+                    f"{layout.split_data_tag(tag)[0]!r}: {why} "
                     f"({parent_doc['tag']!r}); saving it in full",
                     stacklevel=4,
                 )
@@ -231,6 +233,7 @@ def save(
     incremental: bool = False,
     shard: int | None = None,
     num_shards: int | None = None,
+    run: str | None = None,
     metadata: dict[str, Any] | None = None,
     progress: bool | None = None,
     ttl: float | None = None,
@@ -264,7 +267,16 @@ def save(
         warning. Dense chunks identical to stored ones are never written twice either way.
     shard, num_shards
         Save shard ``shard`` of ``num_shards``; the tag becomes visible when the last shard
-        finishes (or on :func:`tensorkv.checkpoint.merge`).
+        finishes (or on :func:`tensorkv.checkpoint.merge`). Every shard must give the same
+        ``num_shards``, ``step``, ``incremental`` and ``parent`` (the first shard fixes the
+        parent of an incremental save); a shard that differs, or meets shards of another
+        run of the tag, raises :class:`~tensorkv.errors.ShardRunError`. Into a LevelDB or
+        RocksDB URL each shard writes a stage of its own and takes turns on the store.
+    run
+        Identity of one sharded save, the same for its every shard and new for each attempt
+        (e.g. ``f"{job_id}-{restart_count}"``): a shard of another run is refused. Without
+        it the run is known by a token its first shard records (see docs/format.md for what
+        that can and cannot tell apart).
     metadata
         JSON-serialisable user data kept in the manifest.
     progress
@@ -297,6 +309,12 @@ def save(
         return str(sharded(url, _default_tag(step) if tag is None else tag, step=step,
                            incremental=incremental, parent=parent, metadata=metadata, ttl=ttl))
     shard_i, nshards = _check_shards(shard, num_shards)
+    run = runs.check_run_id(run)
+    if nshards > 1 and tag is None and step is None:
+        raise CheckpointError(
+            f"shard={shard_i} of num_shards={nshards}: give tag= or step=, the same for every "
+            "shard (a default tag from the clock would differ between shards)"
+        )
     tag = layout.check_tag(_default_tag(step) if tag is None else tag)
     if ttl is not None and (not isinstance(ttl, (int, float)) or ttl <= 0):
         raise CheckpointError(f"ttl={ttl!r} must be a positive number of seconds")
@@ -321,18 +339,27 @@ def save(
         "hash_tag": hash_tag, "bucket_bits": bucket_bits, "block_rows": block_rows
     }
 
-    with using_store(url) as store:
+    with shard_store(url, nshards > 1) as store:
         opts["after_write"] = writeback_starter(store)
         what = f"tag {tag!r}" + (f" (shard {shard_i} of {nshards})" if nshards > 1 else "")
+        # A shard joins the run saving its tag (or begins one) and writes under the run's
+        # data tag, so two runs never share a key (runs.py).
+        r = None
+        data_tag, mkey = tag, layout.manifest_key(tag)
+        if nshards > 1:
+            r = runs.join(store, tag, run=run, shard=shard_i, num_shards=nshards, step=step,
+                          incremental=incremental, parent=parent)
+            data_tag, mkey = r.data_tag, layout.run_part_key(tag, r.token, shard_i)
         # The pending marker goes first, created atomically: of two processes saving this
         # tag one goes on, the other fails here. The chunks referenced now (read below) are
         # then safe from a concurrent delete_tag or gc, which keep unreferenced chunks while
         # a save runs.
-        pkey = layout.pending_key(tag, shard_i)
-        mkey = layout.manifest_key(tag) if nshards == 1 else layout.shard_manifest_key(
-            tag, shard_i
-        )
+        pkey = layout.pending_key(data_tag, shard_i)
         with claims.holding(store, pkey, what) as c:
+            if r is not None:
+                r = runs.confirm(store, r, shard_i, c)
+            else:
+                runs.refuse_running(store, tag)
             if store.get(layout.manifest_key(tag)) is not None or store.get(mkey) is not None:
                 raise TagExistsError(
                     f"{what} {'is already saved' if nshards > 1 else 'already exists'} in "
@@ -341,13 +368,15 @@ def save(
 
             def drop_tables() -> None:  # the table data of this save (shared chunks are gc's)
                 for name in tables_in:
-                    store.delete_prefix(layout.table_prefix(tag, name, shard_i, hash_tag))
+                    store.delete_prefix(layout.table_prefix(data_tag, name, shard_i, hash_tag))
 
             if c.took_over is not None:  # a dead process's save of this tag: drop its data
                 drop_tables()
             parent_doc = None
             docs = manifest.read_all(store, include_expired=True)  # once: parent and chunks
-            if incremental:
+            if incremental and r is not None:  # the parent the run's first shard fixed
+                parent_doc = None if r.parent is None else manifest.read(store, r.parent)
+            elif incremental:
                 if parent is not None:
                     parent_doc = manifest.read(store, parent)
                 else:
@@ -366,6 +395,8 @@ def save(
             doc["kind"] = kind
             doc["incremental"] = False
             doc["shards"] = [shard_i]
+            if r is not None or run is not None:
+                doc["run"] = r.identity() if r is not None else {"id": run, "token": None}
             total = sum(a.nbytes for a in arrays.values()) + sum(
                 len(t) * _row_bytes(t) for t in tables_in.values()
             )
@@ -379,18 +410,22 @@ def save(
             c.on_failure = drop_tables
             try:
                 known = refs.referenced_chunks(store, docs)
-                _write_records(store, tag, doc, arrays, torch_dtypes, chunk_bytes, tables_in,
+                _write_records(store, data_tag, doc, arrays, torch_dtypes, chunk_bytes, tables_in,
                                (shard_i, nshards), parent_doc, opts, known, on_bytes)
+                if data_tag != tag:
+                    for ent in doc["tables"].values():
+                        ent["data_tag"] = data_tag
                 doc["dense"] = {name: doc["dense"][name] for name in arrays}  # the caller's order
                 store.flush()
                 doc["created"] = time.time()  # the tag's life starts when it becomes visible
                 if ttl is not None:
                     doc["expires"] = doc["created"] + float(ttl)
                 claims.publish(c, what, mkey, manifest.encode_manifest(doc), refs.record_keys(doc))
+                if r is not None:  # while the claim is held: gc and delete_tag leave the run
+                    c.on_failure = None  # the shard is saved: its records stay with its manifest
+                    merge_if_complete(store, r)
             finally:
                 pbar.close()
-        if nshards > 1:
-            merge_if_complete(store, tag, nshards)
     return tag
 
 

@@ -14,7 +14,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any, Literal, overload
 
-from tensorkv.checkpoint import claims, layout, manifest, refs, tables
+from tensorkv.checkpoint import claims, layout, manifest, refs, runs, sweep, tables
 from tensorkv.checkpoint.access import using_store
 from tensorkv.checkpoint.load import build_table, stage_table
 from tensorkv.checkpoint.save import save_table
@@ -108,11 +108,31 @@ def delete_tag(url: str | KVStore, tag: str, *, force: bool = False) -> None:
     """Delete a tag and the data no other tag uses.
 
     A tag that incremental tags build on is refused unless ``force=True`` (which compacts
-    those children first, so they stay loadable).
+    those children first, so they stay loadable). Unpublished sharded saves of the tag (the
+    shards a crashed or abandoned run left) are removed too, at once; one whose saver still
+    runs is refused.
     """
     layout.check_tag(tag)
     with using_store(url, create=False) as store:
+        left = [st for st in sweep.list_runs(store) if st.tag == tag]
+        if store.get(layout.manifest_key(tag)) is None and left:
+            busy = [st for st in left if st.state == sweep.SAVING]
+            if busy:
+                rec = busy[0].record
+                what = runs.describe(store, rec) if rec is not None else "a sharded save"
+                raise CheckpointError(
+                    f"tag {tag!r} is being saved in {store.url!r}: {what}. Wait for its "
+                    "shards to finish (or stop them), then delete the tag"
+                )
+            for st in left:
+                if sweep.remove(store, st) is None:
+                    raise CheckpointError(f"tag {tag!r}: a shard joined its sharded save "
+                                          "while it was deleted; retry")
+            return
         doc = manifest.read(store, tag, include_expired=True)  # or TagNotFoundError
+        for st in left:  # shards another run left beside the published tag
+            if st.state != sweep.SAVING:
+                sweep.remove(store, st)
         docs = manifest.read_all(store, include_expired=True)
         kids = _children(docs, tag)
         if kids and not force:
@@ -262,6 +282,7 @@ def _write_new_tag(
     with claims.holding(store, layout.pending_key(tag, 0), what) as c:
         if store.get(layout.manifest_key(tag)) is not None:
             raise TagExistsError(f"{what} already exists in {store.url!r}; delete it first")
+        runs.refuse_running(store, tag)
         c.on_failure = lambda: store.delete_prefix(layout.tag_table_prefix(tag))
         new = write()
         store.flush()

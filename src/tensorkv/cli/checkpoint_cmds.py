@@ -56,6 +56,18 @@ def _print_report(rep: dict, removed: bool) -> None:
         state = "stale: gc collects it" if p["stale"] else "presumed running"
         click.echo(f"pending save: tag {p['tag']!r} shard {p['shard']} started "
                    f"{p['age']:.0f} s ago by pid {p['pid']} on {p['host']} ({owner}; {state})")
+    for r in rep.get("runs", []):
+        who = f"run {r['run']!r}" if r["run"] is not None else f"run ~r{r['token']} (no run id)"
+        if r["token"] is None:
+            who = "shards saved before run ids existed"
+        what = {"saving": "saving", "waiting": "waiting for shards (presumed alive)",
+                "stale": "stale: gc removes it",
+                "complete": "complete but not published"}.get(r["state"], r["state"])
+        click.echo(f"sharded save: tag {r['tag']!r} {who}, {r['num_shards']} shards; finished "
+                   f"{r['finished']}, missing {r['missing']}; {what}"
+                   + (f" ({r['reason']})" if r["reason"] else ""))
+    if removed and rep.get("removed_runs"):
+        click.echo(f"removed sharded saves: {[r['tag'] for r in rep['removed_runs']]}")
     if removed:
         click.echo(f"removed: {rep['removed_keys']} records ({rep['removed_bytes'] / 1e6:.1f} "
                    f"MB), tags {rep['removed_tags']}")
@@ -79,7 +91,8 @@ def check_cmd(url: str, verify: bool, grace: float | None, as_json: bool) -> Non
 
     With --verify, every tag is read in full and every checksum verified.
 
-    Exits with status 1 when records are missing or corrupt, or orphaned data is found.
+    Exits with status 1 when records are missing or corrupt, or orphaned data or stale
+    sharded saves (shards of a run that can never publish its tag) are found.
     """
     from tensorkv.checkpoint import check
 

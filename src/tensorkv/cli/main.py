@@ -13,6 +13,7 @@ import click
 from tensorkv import __version__
 from tensorkv.cli.bench_cmd import bench
 from tensorkv.cli.demo import demo
+from tensorkv.cli.exits import BACKEND_MODULES, EPILOG, exit_code_of
 from tensorkv.cli.ps_cmd import ps
 from tensorkv.cli.repo_cmds import repo as repo_group
 from tensorkv.cli.view_cmd import view
@@ -32,9 +33,6 @@ _FLAGS = (
 #: Set to 1 to see the full traceback of an error instead of a one-line message.
 DEBUG_ENV = "TENSORKV_DEBUG"
 
-#: Modules whose exceptions are the storage libraries' own (errors tensorkv did not wrap).
-_BACKEND_MODULES = ("lmdb", "plyvel", "rocksdict", "redis")
-
 
 def error_message(exc: BaseException) -> str:
     """The one line ``tensorkv: error: ...`` that stands for ``exc``."""
@@ -47,7 +45,7 @@ def error_message(exc: BaseException) -> str:
     if isinstance(exc, (TensorKVError, click.ClickException)):
         return f"tensorkv: error: {text}"
     origin = type(exc).__module__.split(".")[0]
-    if origin in _BACKEND_MODULES or isinstance(exc, (OSError, MemoryError)):
+    if origin in BACKEND_MODULES or isinstance(exc, (OSError, MemoryError)):
         return f"tensorkv: error: {type(exc).__name__}: {text}"
     return (
         f"tensorkv: error: unexpected {type(exc).__name__}: {text} (run again with "
@@ -56,7 +54,10 @@ def error_message(exc: BaseException) -> str:
 
 
 class _Group(click.Group):
-    """The command group; an error of a subcommand is one line on stderr, not a traceback."""
+    """The command group; an error of a subcommand is one line on stderr, not a traceback.
+
+    The exit status of every error is :func:`tensorkv.cli.exits.exit_code_of`'s.
+    """
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
@@ -67,12 +68,12 @@ class _Group(click.Group):
             if _debug() and isinstance(exc.__cause__, Exception):
                 raise exc.__cause__ from None
             click.echo(error_message(exc), err=True)
-            ctx.exit(exc.exit_code)
+            ctx.exit(exit_code_of(exc))
         except Exception as exc:
             if _debug():
                 raise
             click.echo(error_message(exc), err=True)
-            ctx.exit(1)
+            ctx.exit(exit_code_of(exc))
 
 
 def _debug() -> bool:
@@ -82,8 +83,7 @@ def _debug() -> bool:
 @click.group(
     cls=_Group,
     context_settings={"help_option_names": ["-h", "--help"]},
-    epilog=f"Errors print one line on stderr and exit with status 1; set {DEBUG_ENV}=1 to "
-    "see the full traceback instead.",
+    epilog=EPILOG,
 )
 @click.version_option(__version__, "-V", "--version", prog_name="tensorkv")
 def main() -> None:

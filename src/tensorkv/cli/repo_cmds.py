@@ -23,11 +23,12 @@ if TYPE_CHECKING:
 
 
 @contextmanager
-def _open(url: str, providers: tuple[str, ...]) -> Iterator[Repository]:
+def _open(url: str, providers: tuple[str, ...], create: bool = False) -> Iterator[Repository]:
+    """The repository at ``url``; only ``put`` may create it (a mistyped path is an error)."""
     from tensorkv.repository import Repository
 
     try:
-        repo = Repository([url, *providers])
+        repo = Repository([url, *providers], create=create)
     except TensorKVError as exc:
         raise click.ClickException(str(exc)) from exc
     try:
@@ -226,7 +227,7 @@ def put_cmd(url: str, providers: tuple[str, ...], graph: str, state: str, name: 
             metric: tuple[str, ...], parent: str | None) -> None:
     """Store a model from a graph JSON file and a state dict (.npz or torch.save file)."""
     g = json.loads(Path(graph).read_text())
-    with _open(url, providers) as r:
+    with _open(url, providers, create=True) as r:
         mid = r.put(g, _load_state(state), name=name, metrics=_metrics(metric), parent=parent)
     click.echo(mid)
 

@@ -27,8 +27,8 @@ def view(url: str, host: str, port: int | None, tag: str | None, allow_remote: b
     rows, a row's detail, a dense tensor's slice as a heat map, and the diff of two tags.
     Every asset ships in the package (no internet needed); stop with Ctrl-C.
 
-    Exit status: 0 after Ctrl-C, 1 when the store cannot be opened, the tag does not exist,
-    the address is refused or the port is in use.
+    Exit status: 0 after Ctrl-C; 3 when there is no store at URL or the tag does not exist,
+    4 when the store cannot be opened, 2 when the address is refused or the port is in use.
     """
     from tensorkv.viewer.web import server
     from tensorkv.viewer.web.app import LOOPBACK_HOSTS, create_app

@@ -2,7 +2,7 @@
 
 Every command reads (never writes) the store at a URL of any backend, at ``--tag`` (default:
 the newest tag); prints tables for people, or JSON with ``--json``; and exits with one of the
-statuses below (``docs/viewer.md``), the error itself as one line on stderr.
+statuses of ``cli/exits.py`` (``docs/viewer.md``), the error itself as one line on stderr.
 """
 
 from __future__ import annotations
@@ -16,29 +16,16 @@ import click
 import numpy as np
 
 from tensorkv.cli import viewer_fmt as fmt
-from tensorkv.errors import (
-    BadIndexError,
-    ConfigError,
-    InvalidURLError,
-    QueryError,
-    RowNotFoundError,
-    StoreNotFoundError,
-    TagNotFoundError,
-    TensorKVError,
-    VariableNotFoundError,
+from tensorkv.cli.exits import (  # the statuses of every command (cli/exits.py)
+    EXIT_INTERNAL,
+    EXIT_NO_MATCH,
+    EXIT_NOT_FOUND,
+    EXIT_OK,
+    EXIT_STORE,
+    EXIT_USAGE,
+    exit_code_of,
 )
-
-EXIT_OK = 0
-#: ``search`` matched no row; ``diff --exit-code`` found differences.
-EXIT_NO_MATCH = 1
-#: Bad option or argument: malformed predicate, slice, vector or key; unknown format.
-EXIT_USAGE = 2
-#: No such store, tag, variable, or row of the key asked for.
-EXIT_NOT_FOUND = 3
-#: The store failed: unreachable, refused, corrupt data; a missing optional dependency.
-EXIT_STORE = 4
-#: An unexpected error (a bug: the message asks to report it).
-EXIT_INTERNAL = 5
+from tensorkv.errors import QueryError, TensorKVError
 
 #: Most rows ``show`` and ``search`` print; a larger ``--head`` is capped (with a note).
 HEAD_CAP = 1000
@@ -54,18 +41,6 @@ class ViewerFailure(click.ClickException):
     def __init__(self, message: str, exit_code: int):
         super().__init__(message)
         setattr(self, "exit_code", exit_code)  # noqa: B010 (click declares it a ClassVar)
-
-
-def exit_code_of(exc: BaseException) -> int:
-    """The exit status that stands for an error (see the module's ``EXIT_*`` constants)."""
-    if isinstance(exc, (TagNotFoundError, VariableNotFoundError, StoreNotFoundError,
-                        RowNotFoundError)):
-        return EXIT_NOT_FOUND
-    if isinstance(exc, (QueryError, BadIndexError, InvalidURLError, ConfigError)):
-        return EXIT_USAGE
-    if isinstance(exc, (TensorKVError, OSError)):
-        return EXIT_STORE
-    return EXIT_INTERNAL
 
 
 def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -310,6 +285,9 @@ def _show_dense(cat: Any, info: Any, tag: str | None, index: str | None, head: i
               show_default=True, help="Similarity of --nearest / --vector.")
 @click.option("--head", type=int, default=20, show_default=True,
               help=f"Matching rows to print (at most {HEAD_CAP}).")
+@click.option("--offset", type=int, default=None, metavar="N",
+              help="--where / --range: scan from scan position N (the next page of matches "
+                   "starts where the previous one says).")
 @click.option("--no-count", is_flag=True,
               help="Stop at --head matches instead of counting them all.")
 @click.option("--full", is_flag=True, help="Print whole vectors.")
@@ -317,12 +295,14 @@ def _show_dense(cat: Any, info: Any, tag: str | None, index: str | None, head: i
 @_guarded
 def search_cmd(url: str, var: str, tag: str | None, keys: tuple[str, ...],
                key_range: str | None, where: str | None, nearest: str | None,
-               vector: str | None, k: int, metric: str, head: int, no_count: bool,
-               full: bool, as_json: bool) -> None:
+               vector: str | None, k: int, metric: str, head: int, offset: int | None,
+               no_count: bool, full: bool, as_json: bool) -> None:
     """Search the rows of table VAR: by keys, a key range, a predicate, or nearest neighbours.
 
     The table is streamed in chunks (never loaded whole); --where combines with every other
-    mode. Nearest neighbours are exact over every row. Exits 1 when nothing matched.
+    mode. Matches of --where and --range come a page at a time: --head of them from scan
+    position --offset, and the position of the next match for the next page. Nearest
+    neighbours are exact over every row. Exits 1 when nothing matched.
     """
     from tensorkv.viewer import search
     from tensorkv.viewer.where import parse_predicate
@@ -335,6 +315,12 @@ def search_cmd(url: str, var: str, tag: str | None, keys: tuple[str, ...],
     if not modes and where is None:
         raise QueryError("give --keys, --range, --where, --nearest or --vector")
     head, capped = _head(head)
+    if offset is not None and (keys or nearest is not None or vector is not None):
+        raise QueryError("--offset pages the matches of --where and --range; --keys, --nearest "
+                         "and --vector take none")
+    start = 0 if offset is None else offset
+    if start < 0:
+        raise QueryError(f"--offset {start} must be >= 0")
     pred = parse_predicate(where) if where is not None else None
     with _catalog(url) as cat:
         view = cat.table(var, tag)
@@ -380,22 +366,25 @@ def search_cmd(url: str, var: str, tag: str | None, keys: tuple[str, ...],
                 inside = (r.keys >= lo_v) & (r.keys <= hi_v)
                 return inside if pred is None else inside & pred(r)
 
-            m = search.scan(view, mask, limit=head, count=not no_count)
+            m = search.scan(view, mask, limit=head, count=not no_count, start=start)
             mode = "range"
         else:
             assert pred is not None
-            m = search.scan(view, pred, limit=head, count=not no_count)
+            m = search.scan(view, pred, limit=head, count=not no_count, start=start)
             mode = "where"
         rows = type(m.rows)(*(a[:head] for a in m.rows))
         offs = m.offsets[:head]
         if as_json:
+            paged = {} if mode == "keys" else {"offset": start, "next_offset": m.next_offset}
             _emit({"variable": var, "tag": view.tag, "mode": mode, "where": where,
                    "matched": m.matched, "complete": m.complete, "scanned": m.scanned,
-                   "capped": capped, "rows": fmt.rows_json(rows, offsets=offs),
+                   "capped": capped, **paged, "rows": fmt.rows_json(rows, offsets=offs),
                    "missing": [int(x) for x in m.missing]})
         else:
             more = "" if m.complete else "+"
             scanned = "" if m.scanned < 0 else f" of {m.scanned} rows scanned"
+            if start:
+                scanned += f" from scan position {start}"
             stop = "" if m.complete else " (stopped at --head; drop --no-count to count all)"
             noun = "row" if m.matched == 1 and m.complete else "rows"
             click.echo(f"{m.matched}{more} {noun} matched in table {var} of tag {view.tag}"
@@ -403,7 +392,10 @@ def search_cmd(url: str, var: str, tag: str | None, keys: tuple[str, ...],
             if len(rows.keys):
                 click.echo(fmt.rows_text(rows, full=full,
                                          offsets=None if mode == "keys" else offs))
-            if m.matched > len(rows.keys):
+            if m.next_offset is not None:
+                click.echo(f"showing {len(rows.keys)} (--head); --offset {m.next_offset} "
+                           "for the next ones")
+            elif m.matched > len(rows.keys):
                 click.echo(f"showing {len(rows.keys)} (--head)")
             if m.missing.size:
                 _note(f"not in table {var!r}: "
@@ -413,10 +405,11 @@ def search_cmd(url: str, var: str, tag: str | None, keys: tuple[str, ...],
 
 
 def _parse_range(text: str) -> tuple[int | None, int | None]:
+    from tensorkv.viewer.limits import shown
     from tensorkv.viewer.rows import as_keys
 
     if ":" not in text:
-        raise QueryError(f"--range {text!r} must be LO:HI (either end may be empty, e.g. "
+        raise QueryError(f"--range {shown(text)} must be LO:HI (either end may be empty, e.g. "
                          "'100:' or ':-1')", text, 0)
     lo_s, hi_s = text.split(":", 1)
     lo = int(as_keys([lo_s.strip()])[0]) if lo_s.strip() else None
@@ -611,3 +604,7 @@ def export_cmd(url: str, var: str, path: str, tag: str | None, format_: str | No
 
 
 COMMANDS = [ls_cmd, show_cmd, search_cmd, stats_cmd, diff_cmd, export_cmd]
+
+#: The statuses stay importable from here (``EXIT_*``, ``exit_code_of``: cli/exits.py).
+__all__ = ["COMMANDS", "EXIT_INTERNAL", "EXIT_NOT_FOUND", "EXIT_NO_MATCH", "EXIT_OK",
+           "EXIT_STORE", "EXIT_USAGE", "ViewerFailure", "exit_code_of"]

@@ -146,7 +146,16 @@ class RowArena:
         #: background writer holds while it reads detached rows.
         self.resize_guard: Any = contextlib.nullcontext()
         prefault_enabled()  # a malformed TENSORKV_PREFAULT raises here, not mid-growth
-        self._alloc(self._initial)
+        try:
+            self._alloc(self._initial)
+        except MemoryError as exc:
+            item = 2 if self.raw else 4
+            need = self._initial * (self.dim * item + self.slot_width * 4 + 33)
+            raise CapacityError(
+                f"a table of dim={self.dim} with room for {self._initial} rows needs "
+                f"{need / 2**30:,.1f} GiB of memory up front ({exc}); give a smaller dim or "
+                "capacity=, or a storage chain that keeps most rows on disk (storage="
+                "'DRAM_SSDHASH', storage_size=[...])") from None
 
     # --- allocation ---------------------------------------------------------------------------
     def _alloc_row_arrays(self, cap: int) -> None:

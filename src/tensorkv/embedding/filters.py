@@ -8,6 +8,7 @@ false-positive rate: docs/internals.md ("Admission filters and eviction rules").
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any
 
@@ -45,6 +46,14 @@ class AdmissionFilter:
     def clear(self) -> None:
         """Forget everything."""
         raise NotImplementedError
+
+    def copy(self) -> AdmissionFilter:
+        """Return an independent filter with the same settings and the sightings counted so far.
+
+        A table keeps a copy of the filter it is given, so one filter object may configure
+        many tables without one table's sightings admitting keys in another.
+        """
+        return copy.deepcopy(self)
 
     @property
     def nbytes(self) -> int:

@@ -8,6 +8,7 @@ slots and the global step: docs/internals.md ("Sparse optimizers").
 
 from __future__ import annotations
 
+import copy
 import inspect
 import math
 import numbers
@@ -161,6 +162,23 @@ class Optimizer:
     def state(self) -> dict:
         """Return the optimizer-global state (the global step), JSON-serialisable."""
         return {"name": self.name, "step": self._step}
+
+    def copy(self) -> Optimizer:
+        """Return an independent optimizer: same hyper-parameters, learning rate and state.
+
+        A table keeps a copy of the optimizer it is given (so one object may configure many
+        tables, each counting its own step); the copy's later steps leave this one as it is.
+        A learning-rate schedule is shared by reference (a schedule is a function of the step).
+
+        Examples
+        --------
+        >>> opt = Adam(lr=0.01)
+        >>> twin = opt.copy()
+        >>> twin.load_state({"step": 5})
+        >>> opt.step, twin.step
+        (0, 5)
+        """
+        return copy.copy(self)
 
     def load_state(self, state: Mapping) -> None:
         """Restore :meth:`state`'s dict; a bad dict raises and leaves the state unchanged."""

@@ -54,9 +54,12 @@ class EmbeddingTable(TableIO):
         (``seed``, key, column).
     optimizer
         A sparse optimizer from :mod:`tensorkv.embedding.optimizers`, a name or a config;
-        default SGD(lr=0.01).
+        default SGD(lr=0.01). The table keeps its own copy of an optimizer object (its global
+        step is the table's), so one object may configure several tables;
+        :attr:`optimizer` is the copy.
     admission
-        ``None`` (every key admitted), :class:`CounterFilter` or :class:`BloomFilter`.
+        ``None`` (every key admitted), :class:`CounterFilter` or :class:`BloomFilter`; the
+        table keeps its own copy of a filter object, as of an optimizer.
     eviction
         ``None`` or an :class:`Eviction` policy.
     capacity
@@ -153,8 +156,10 @@ class EmbeddingTable(TableIO):
             raise ConfigError("growth=False cannot be combined with storage tiers; the tier "
                               "sizes bound the rows (storage_size=[...])")
         self.initializer = get_initializer(initializer)
-        self.optimizer = get_optimizer(optimizer)
-        self.admission = admission_from_config(admission)
+        # copies the table owns: no step count or sighting is shared with another table
+        self.optimizer = get_optimizer(optimizer).copy()
+        adm = admission_from_config(admission)
+        self.admission = None if adm is None else adm.copy()
         self.eviction = Eviction.from_config(eviction)
         self.capacity_limit = None if capacity is None else int(capacity)
         self.growth = bool(growth)

@@ -8,6 +8,7 @@ order. Both fallbacks describe a chain, since hooks do not see the data flow.
 
 from __future__ import annotations
 
+import enum
 import math
 from typing import Any, Literal
 
@@ -47,9 +48,60 @@ def _jsonable(x: Any) -> Any:
     return str(x)
 
 
-def _own_params(module: Any, prefix: str, names: set[str]) -> tuple[Param, ...]:
+def _plain(x: Any) -> Any:
+    """A JSON value standing for a module attribute, the same in every process.
+
+    Numbers, strings and containers of them stand for themselves; tensors and arrays for
+    their shape and dtype; functions and classes for their qualified name; any other object
+    for the qualified name of its type (never its ``repr``, which may hold an address or
+    changing state).
+    """
+    if x is None or isinstance(x, (bool, int, str)):
+        return x
+    if isinstance(x, float):
+        return x if math.isfinite(x) else repr(x)
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    if isinstance(x, (set, frozenset)):
+        return sorted((_plain(v) for v in x), key=repr)
+    if isinstance(x, dict):
+        return {str(k): _plain(v) for k, v in sorted(x.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(x, enum.Enum):
+        return f"{_qualname(type(x))}.{x.name}"
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        return {"shape": [int(s) for s in x.shape], "dtype": str(x.dtype).replace("torch.", "")}
+    if type(x).__module__ == "torch" and type(x).__name__ in ("dtype", "device", "layout"):
+        return str(x)
+    if isinstance(x, type) or (callable(x) and hasattr(x, "__qualname__")):
+        return {"callable": _qualname(x)}
+    return {"object": _qualname(type(x))}
+
+
+def module_config(module: Any, children: bool) -> dict[str, Any]:
+    """The configuration of a module: what its layer hash covers besides its params.
+
+    ``attrs``: every public attribute of the module holding a value rather than a tensor it
+    owns (torch modules keep their constructor arguments there: ``Dropout.p``,
+    ``MultiheadAttention.num_heads``...), ``training`` excepted. With ``children``: the type
+    and configuration of every submodule, recursively (a module traced as one node, such as
+    ``nn.TransformerEncoderLayer``, is configured by its submodules too).
+    """
+    attrs = {k: _plain(v) for k, v in vars(module).items()
+             if not k.startswith("_") and k != "training"}
+    cfg: dict[str, Any] = {"attrs": attrs}
+    if children:
+        kids = {name: {"type": _qualname(type(m)), **module_config(m, True)}
+                for name, m in module.named_children()}
+        if kids:
+            cfg["children"] = kids
+    return cfg
+
+
+def _own_params(module: Any, prefix: str, names: set[str],
+                recurse: bool = False) -> tuple[Param, ...]:
     out = []
-    items = list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False))
+    items = (list(module.named_parameters(recurse=recurse))
+             + list(module.named_buffers(recurse=recurse)))
     for local, t in items:
         full = f"{prefix}.{local}" if prefix else local
         if t is None or full not in names:
@@ -60,9 +112,10 @@ def _own_params(module: Any, prefix: str, names: set[str]) -> tuple[Param, ...]:
 
 
 def _module_node(name: str, target: str, module: Any, names: set[str],
-                 inputs: tuple[str, ...]) -> Node:
-    return Node(name, "module", _qualname(type(module)), {"repr": module.extra_repr()},
-                _own_params(module, target, names), inputs)
+                 inputs: tuple[str, ...], whole: bool = False) -> Node:
+    """The node of ``module``; ``whole``: it stands for its submodules too (an fx leaf)."""
+    return Node(name, "module", _qualname(type(module)), module_config(module, whole),
+                _own_params(module, target, names, recurse=whole), inputs)
 
 
 def trace_fx(model: Any) -> Graph:
@@ -79,7 +132,7 @@ def trace_fx(model: Any) -> Graph:
             n_inputs += 1
         elif n.op == "call_module":
             nodes.append(_module_node(n.name, n.target, gm.get_submodule(n.target), names,
-                                      inputs))
+                                      inputs, whole=True))
         elif n.op == "get_attr":
             t = gm
             for part in n.target.split("."):

@@ -468,6 +468,12 @@ def claim_path(scheme: str, path: str) -> str:
     return key
 
 
+def open_in_this_process(path: str) -> bool:
+    """Whether a store object of this process holds the store at ``path`` open for writing."""
+    with _OPEN_LOCK:
+        return os.path.realpath(path) in _OPEN_PATHS
+
+
 def release_path(key: str) -> None:
     """Forget a path recorded by :func:`claim_path`."""
     with _OPEN_LOCK:

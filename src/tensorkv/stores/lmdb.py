@@ -153,7 +153,7 @@ def _open_env(
     max_readers: int,
 ) -> lmdb.Environment:
     """``lmdb.open`` after :func:`lmdb_file.check_data_file`, errors turned into ours."""
-    lmdb_file.check_data_file(path)
+    lmdb_file.check_data_file(path, empty_ok=create and not readonly)
     try:
         env = lmdb.open(
             path,

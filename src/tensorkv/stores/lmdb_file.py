@@ -171,17 +171,60 @@ def free_pages(fd: int, meta: Meta, size: int) -> set[int] | None:
     return out
 
 
-def check_data_file(store: str) -> None:
+def _settled_size(store: str) -> int | None:
+    """The size of ``data.mdb`` once no process is writing a new environment into it.
+
+    LMDB's first opener holds a write lock on byte 0 of ``lock.mdb`` while it creates
+    ``data.mdb`` and writes its meta pages; waiting for a read lock there tells a file being
+    created (it has its pages afterwards) from one left empty. Only called for an empty file,
+    which no environment of this process can have open, so closing the lock file here drops
+    no lock of this process's. None: no ``data.mdb``.
+    """
+    data = os.path.join(store, "data.mdb")
+    try:
+        size = os.stat(data).st_size
+    except OSError:
+        return None
+    if size:
+        return size
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no lock to wait for
+        return 0
+    try:
+        fd = os.open(os.path.join(store, "lock.mdb"), os.O_RDONLY)
+    except OSError:
+        return 0  # no lock file: no environment was ever being created here
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_SH, 1, 0, os.SEEK_SET)  # waits for a creator to finish
+        try:
+            return os.stat(data).st_size
+        except OSError:
+            return None
+    finally:
+        os.close(fd)  # releases the read lock
+
+
+def check_data_file(store: str, *, empty_ok: bool = True) -> None:
     """Refuse a ``data.mdb`` that LMDB would map past its end (CorruptStoreError).
 
-    Does nothing when the file is missing or empty (LMDB creates or initialises it) or on a
-    build whose layout this module does not know.
+    Does nothing when the file is missing (LMDB creates it, or its own open reports it) or on
+    a build whose layout this module does not know. An empty file is refused unless
+    ``empty_ok``: LMDB would write a new environment into it, so an open that must find an
+    existing store (``create=False``, read-only) would read, or make, an empty one.
 
     Parameters
     ----------
     store
         The environment directory.
+    empty_ok
+        Whether an empty ``data.mdb`` may be initialised (an open that may create a store).
     """
+    if not empty_ok and _settled_size(store) == 0:
+        raise corrupt_error(
+            "lmdb", store, "data.mdb is empty (0 bytes), so it holds no LMDB environment "
+            "(nothing was read or written; if no data was ever saved there, delete the "
+            "directory to start a new store)")
     if not SUPPORTED:
         return
     try:

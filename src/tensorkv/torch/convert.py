@@ -6,7 +6,6 @@ row excepted), so the converted model computes the same outputs. See docs/torch.
 
 from __future__ import annotations
 
-import copy
 import os
 from collections.abc import Iterable
 from typing import Any
@@ -53,7 +52,7 @@ def convert(model: nn.Module, *, storage: Any = None, optimizer: Any = None,
         Storage of the new tables (``None``: DRAM; ``"DRAM_SSDHASH"``...). With
         ``storage_path=`` each table gets its own subdirectory, named after the module.
     optimizer
-        The tables' sparse optimizer (an instance is copied for each table), e.g.
+        The tables' sparse optimizer (each table keeps its own copy of it), e.g.
         ``tensorkv.Adagrad(lr=0.05)``; default the table's SGD(lr=0.01).
     include
         Dotted names (as in ``model.named_modules()``) of the modules to convert; default
@@ -105,16 +104,15 @@ def _dynamic(name: str, old: nn.Embedding | nn.EmbeddingBag, storage: Any, optim
     kwargs = dict(table_kwargs)
     if kwargs.get("storage_path") is not None:
         kwargs["storage_path"] = os.path.join(os.fspath(kwargs["storage_path"]), name)
-    opt = copy.deepcopy(optimizer) if optimizer is not None else None
     pad = old.padding_idx
     new: DynamicModule
     if isinstance(old, nn.EmbeddingBag):
         new = DynamicEmbeddingBag(old.embedding_dim, old.mode,
                                   include_last_offset=old.include_last_offset, padding_idx=pad,
-                                  storage=storage, optimizer=opt, **kwargs)
+                                  storage=storage, optimizer=optimizer, **kwargs)
     else:
         new = DynamicEmbedding(old.embedding_dim, padding_idx=pad, storage=storage,
-                               optimizer=opt, **kwargs)
+                               optimizer=optimizer, **kwargs)
     ids, weight = weight_rows(old.weight, pad)
     if ids.size:
         new.table.upsert(ids, weight)

@@ -70,9 +70,20 @@ class DynamicModule(nn.Module):
         self._busy = threading.Lock()
         self._grad_lock = threading.Lock()
         self._pending: list[tuple[np.ndarray, np.ndarray]] = []
-        #: Apply each backward pass's gradients to the table at once, inside backward
-        #: (set by ``tensorkv.torch.Optimizer(..., fused=True)``).
-        self.fused = False
+        self._fused = False
+
+    @property
+    def fused(self) -> bool:
+        """Apply each backward pass's gradients to the table at once, inside backward.
+
+        Set by ``tensorkv.torch.Optimizer(..., fused=True)``: a way of training, not part of
+        the module's configuration (nor of its layer hash in a model repository).
+        """
+        return self._fused
+
+    @fused.setter
+    def fused(self, value: bool) -> None:
+        self._fused = bool(value)
 
     # --- state_dict ---------------------------------------------------------------------------
     def get_extra_state(self) -> dict[str, Any]:

@@ -36,19 +36,27 @@ class Optimizer:
         once per step; gradients do not accumulate over several backward passes (each pass
         is a table step), and a NaN/Inf gradient under ``nan_policy="raise"`` raises from
         ``backward()`` with the table unchanged.
+    nan_policy
+        What :meth:`step` does with a dense parameter whose gradient holds NaN or Inf:
+        ``"raise"`` refuses the step (:class:`~tensorkv.errors.NonFiniteGradientError`)
+        before any table or dense parameter changes; ``"skip"`` leaves those parameters out
+        of the dense step (the others step; :attr:`nonfinite_skipped` counts them). Default:
+        the tables' policy, ``"skip"`` when every table of the model has
+        ``nan_policy="skip"``, else ``"raise"``.
 
     Notes
     -----
     Backward passes add to the gradients waiting on each module; several before one
     :meth:`step` accumulate (summed), a :meth:`step` without any changes no table (nor its
     step count), and :meth:`zero_grad` drops them. The tables' learning rates and
-    hyper-parameters are their own (``EmbeddingTable(optimizer=...)``). Before any table
-    changes, the waiting gradients are checked for NaN/Inf under each table's ``nan_policy``,
-    so a refused step leaves every table as it was and the gradients waiting.
+    hyper-parameters are their own (``EmbeddingTable(optimizer=...)``). Before anything
+    changes, the dense gradients are checked for NaN/Inf under ``nan_policy`` and the waiting
+    table gradients under each table's ``nan_policy``, so a refused step leaves every table
+    and dense parameter as it was and the gradients waiting.
     """
 
     def __init__(self, model: nn.Module, dense: torch.optim.Optimizer | None = None, *,
-                 fused: bool = False) -> None:
+                 fused: bool = False, nan_policy: str | None = None) -> None:
         if not isinstance(model, nn.Module):
             raise ConfigError(f"model={type(model).__name__} must be a torch nn.Module")
         if dense is not None and not isinstance(dense, torch.optim.Optimizer):
@@ -63,6 +71,17 @@ class Optimizer:
         self.fused = bool(fused)
         for m in self.modules:
             m.fused = self.fused
+        if nan_policy is None:
+            skip = bool(self.modules) and all(
+                getattr(m.table, "nan_policy", "raise") == "skip" for m in self.modules)
+            nan_policy = "skip" if skip else "raise"
+        if nan_policy not in ("raise", "skip"):
+            raise ConfigError(f"nan_policy={nan_policy!r} must be 'raise', 'skip' or None (the "
+                              "tables' policy)")
+        #: What :meth:`step` does with a NaN/Inf dense gradient: ``"raise"`` or ``"skip"``.
+        self.nan_policy = nan_policy
+        #: Dense parameter gradients left out of a step for holding NaN/Inf (``"skip"``).
+        self.nonfinite_skipped = 0
 
     @property
     def tables(self) -> list[EmbeddingTable]:
@@ -84,6 +103,9 @@ class Optimizer:
         if closure is not None:
             raise ConfigError("closure= is not supported: compute the loss and call backward() "
                               "before step()")
+        bad = self._nonfinite_dense()
+        if bad and self.nan_policy == "raise":
+            raise self._dense_error(bad)
         taken = [(m, m.take_gradients()) for m in self.modules]
         try:
             batches = self._group(taken)
@@ -101,7 +123,47 @@ class Optimizer:
         for table, keys, grads, unique in batches:
             table.apply_gradients(keys, grads, unique=unique)
         if self.dense is not None:
+            self._dense_step(bad)
+
+    def _nonfinite_dense(self) -> list[torch.Tensor]:
+        """The dense optimizer's parameters whose gradient holds NaN or Inf (one sync)."""
+        if self.dense is None:
+            return []
+        params = [p for group in self.dense.param_groups for p in group["params"]
+                  if p.grad is not None]
+        if not params:
+            return []
+        flags = [torch.isfinite(p.grad.coalesce().values() if p.grad.is_sparse else p.grad)
+                 .all() for p in params]
+        finite = torch.stack([f.to("cpu") for f in flags]).tolist()
+        return [p for p, ok in zip(params, finite, strict=True) if not ok]
+
+    def _dense_error(self, bad: list[torch.Tensor]) -> NonFiniteGradientError:
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        shown = [names.get(id(p), f"<unnamed {tuple(p.shape)}>") for p in bad[:8]]
+        changed = ("the tables stepped in backward (fused=True); no dense parameter changed"
+                   if self.fused else "no table or dense parameter changed")
+        return NonFiniteGradientError(
+            f"the gradients of {len(bad)} dense parameters hold NaN or Inf ({shown}"
+            f"{' ...' if len(bad) > 8 else ''}); {changed} and the gradients still wait. Fix "
+            "the loss or clip gradients and call zero_grad(), or pass nan_policy='skip' to "
+            "step the other parameters")
+
+    def _dense_step(self, bad: list[torch.Tensor]) -> None:
+        """Step the dense optimizer, leaving the parameters in ``bad`` out (``"skip"``)."""
+        assert self.dense is not None
+        if not bad:
             self.dense.step()
+            return
+        held = [(p, p.grad) for p in bad]
+        for p in bad:
+            p.grad = None  # torch optimizers leave parameters without a gradient alone
+        try:
+            self.dense.step()
+        finally:
+            for p, g in held:
+                p.grad = g
+        self.nonfinite_skipped += len(bad)
 
     def _group(self, taken: list[tuple[DynamicModule, list]]) -> list[tuple[Any, Any, Any, bool]]:
         """One ``(table, keys, grads, unique)`` per table with gradients.

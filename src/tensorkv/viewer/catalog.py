@@ -18,6 +18,14 @@ import numpy as np
 from tensorkv.checkpoint import manifest, read_tensor
 from tensorkv.errors import QueryError, TagNotFoundError, VariableNotFoundError
 from tensorkv.stores.base import KVStore
+from tensorkv.viewer.limits import (
+    MAX_SLICE_CHARS,
+    SHOWN_CHARS,
+    check_length,
+    check_name,
+    check_tag,
+    shown,
+)
 from tensorkv.viewer.rows import TableView, row_bytes, slot_columns, table_rows_at
 
 #: Seconds a Catalog reuses the manifests it read.
@@ -139,7 +147,7 @@ def variable_info_of(doc: dict[str, Any], name: str) -> VariableInfo:
             slots=slot_columns(e),
         )
     raise VariableNotFoundError(
-        f"tag {doc['tag']!r} has no variable {name!r}; it has {_listing(doc)}"
+        f"tag {doc['tag']!r} has no variable {shown(name)}; it has {_listing(doc)}"
     )
 
 
@@ -229,7 +237,18 @@ class Catalog:
         return str(self.manifest(tag)["tag"])
 
     def manifest(self, tag: str | None = None) -> dict[str, Any]:
-        """The manifest of a tag (None or ``"latest"``: the newest)."""
+        """The manifest of a tag (None or ``"latest"``: the newest).
+
+        Raises
+        ------
+        TagNotFoundError
+            No such tag; the message lists the tags there are.
+        QueryError
+            A name no tag can have: too long (:data:`~tensorkv.viewer.limits.MAX_TAG_BYTES`)
+            or holding a character tags may not hold.
+        """
+        if tag is not None and tag != "latest":
+            check_tag(tag)
         docs = self._all()
         if tag is None or tag == "latest":
             if not docs:
@@ -256,6 +275,7 @@ class Catalog:
 
     def variable(self, name: str, tag: str | None = None) -> VariableInfo:
         """One variable's :class:`VariableInfo` (the error lists the tag's variables)."""
+        check_name(name)
         return variable_info_of(self.manifest(tag), name)
 
     def table(self, name: str, tag: str | None = None) -> TableView:
@@ -265,7 +285,10 @@ class Catalog:
         ------
         VariableNotFoundError
             The tag has no such variable, or it is a dense tensor (the message says which).
+        QueryError
+            The name is longer than :data:`~tensorkv.viewer.limits.MAX_NAME_BYTES`.
         """
+        check_name(name)
         doc = self.manifest(tag)
         if name not in doc["tables"]:
             if name in doc["dense"]:
@@ -282,6 +305,7 @@ class Catalog:
         ``index`` is a basic index (ints, slices, ``...``) or its text (``"0:10, :"``, see
         :func:`parse_index`).
         """
+        check_name(name)
         doc = self.manifest(tag)
         if name not in doc["dense"]:
             if name in doc["tables"]:
@@ -309,8 +333,10 @@ def parse_index(text: str) -> tuple[Any, ...]:
     Raises
     ------
     QueryError
-        A part is not an int, a slice or ``...``; ``position`` points at it.
+        A part is not an int, a slice or ``...``; ``position`` points at it. The text is
+        longer than :data:`~tensorkv.viewer.limits.MAX_SLICE_CHARS`.
     """
+    check_length("slice", text, MAX_SLICE_CHARS)
     out: list[Any] = []
     pos = 0
     for part in text.split(","):
@@ -318,8 +344,8 @@ def parse_index(text: str) -> tuple[Any, ...]:
         if m is None or not part.strip():
             at = pos + len(part) - len(part.lstrip())
             raise QueryError(
-                f"slice {text!r}: {part.strip()!r} at character {at} is not an int, a slice "
-                "such as 0:10 or ::2, or ...; write e.g. --slice '0:10, :'", text, at,
+                f"slice {shown(text)}: {shown(part.strip())} at character {at} is not an int, "
+                "a slice such as 0:10 or ::2, or ...; write e.g. --slice '0:10, :'", text, at,
             )
         if m["ellipsis"]:
             out.append(Ellipsis)
@@ -327,7 +353,7 @@ def parse_index(text: str) -> tuple[Any, ...]:
             out.append(int(m["int"]))
         else:
             if m["step"] is not None and int(m["step"]) == 0:
-                raise QueryError(f"slice {text!r}: a step of 0 is not allowed", text, pos)
+                raise QueryError(f"slice {shown(text)}: a step of 0 is not allowed", text, pos)
             start, stop, step = (None if m[g] is None else int(m[g])
                                  for g in ("start", "stop", "step"))
             out.append(slice(start, stop, step))
@@ -348,6 +374,8 @@ def index_shape(shape: tuple[int, ...], index: Any, text: str | None = None) -> 
     try:
         return tuple(probe[index].shape)
     except (IndexError, TypeError, ValueError) as exc:
-        shown = text if text is not None else index
-        raise QueryError(f"slice [{shown}] does not fit shape {list(shape)}: {exc}", text,
+        label = text if text is not None else index
+        if isinstance(label, str) and len(label) > SHOWN_CHARS:
+            label = f"{label[:SHOWN_CHARS]}..."
+        raise QueryError(f"slice [{label}] does not fit shape {list(shape)}: {exc}", text,
                          None) from None

@@ -25,6 +25,7 @@ from tensorkv.checkpoint.load import table_links
 from tensorkv.checkpoint.tables import Rows
 from tensorkv.errors import QueryError
 from tensorkv.stores.base import KVStore
+from tensorkv.viewer.limits import MAX_NUMBER_CHARS, check_length, shown
 
 #: Bytes of blocks fetched from the store per read (one LMDB transaction, one Redis round trip).
 READ_GROUP_BYTES = 128 * 1024 * 1024
@@ -394,18 +395,21 @@ def as_keys(keys: Any) -> np.ndarray:
     Raises
     ------
     QueryError
-        A key is not an integer in the int64 range.
+        A key is not an integer in the int64 range (or its text is longer than
+        :data:`~tensorkv.viewer.limits.MAX_NUMBER_CHARS`).
     """
     if isinstance(keys, np.ndarray) and keys.dtype == np.int64:
         return keys.reshape(-1)
     vals = [keys] if isinstance(keys, (int, str, np.integer)) else list(keys)
     out = np.empty(len(vals), np.int64)
     for i, v in enumerate(vals):  # user input: a handful of keys
+        if isinstance(v, str):
+            check_length("key", v.strip(), MAX_NUMBER_CHARS)
         try:
             iv = int(v, 0) if isinstance(v, str) else int(v)
         except (TypeError, ValueError):
-            raise QueryError(f"key {v!r} is not an integer; table keys are int64") from None
+            raise QueryError(f"key {shown(v)} is not an integer; table keys are int64") from None
         if not -(2**63) <= iv < 2**63:
-            raise QueryError(f"key {v!r} is outside the int64 range of table keys")
+            raise QueryError(f"key {shown(v)} is outside the int64 range of table keys")
         out[i] = iv
     return out

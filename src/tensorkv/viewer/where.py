@@ -9,7 +9,7 @@ Grammar (keywords are case-insensitive; ``&&``, ``||`` and ``!`` are accepted fo
     primary := "(" expr ")" | compare
     compare := operand (op operand)+          # chains: 0.1 < norm <= 1
              | FIELD "in" "[" NUMBER ("," NUMBER)* "]"
-    operand := FIELD | NUMBER                 # NUMBER: 10, -3, 0.5, 1e-3, inf, nan
+    operand := FIELD | NUMBER                 # NUMBER: 10, -3, 0.5, 1e-3, inf, -inf, nan
     op      := "==" | "=" | "!=" | "<" | "<=" | ">" | ">="
 
 Fields, per row: ``key``, ``freq`` (lookups counted), ``version`` (step of the last update),
@@ -17,7 +17,11 @@ Fields, per row: ``key``, ``freq`` (lookups counted), ``version`` (step of the l
 ``absmax`` (largest absolute value) and ``finite`` (1 when every value is finite, else 0).
 Integers compare exactly with the int64 fields. The text is never evaluated as Python: it is
 compiled into a tree of numpy operations, and a malformed text raises
-:class:`~tensorkv.errors.QueryError` whose ``position`` is the offending character.
+:class:`~tensorkv.errors.QueryError` whose ``position`` is the offending character. A text
+longer than :data:`~tensorkv.viewer.limits.MAX_PREDICATE_CHARS` characters, or whose brackets
+and ``not`` nest deeper than :data:`~tensorkv.viewer.limits.MAX_PREDICATE_DEPTH`, is refused
+the same way; ``and`` and ``or`` chains of any length build one flat node each, so nothing
+the parser accepts recurses deeper than that when it is evaluated.
 
 Examples
 --------
@@ -39,6 +43,7 @@ import numpy as np
 
 from tensorkv.checkpoint.tables import Rows
 from tensorkv.errors import QueryError
+from tensorkv.viewer.limits import MAX_PREDICATE_CHARS, MAX_PREDICATE_DEPTH, check_length, shown
 
 #: Field name -> what it is (for help texts and error messages).
 FIELDS = {
@@ -59,7 +64,8 @@ _OPS: dict[str, Callable[[Any, Any], Any]] = {
 _FLIP = {"==": "==", "=": "==", "!=": "!=", "<": ">", "<=": ">=", ">": "<", ">=": "<="}
 _TOKEN = re.compile(r"""
     (?P<ws>\s+)
-  | (?P<num>[+-]?(?:\d+\.?\d*(?:[eE][+-]?\d+)?|\.\d+(?:[eE][+-]?\d+)?)(?![A-Za-z_\d]))
+  | (?P<num>[+-]?(?:\d+\.?\d*(?:[eE][+-]?\d+)?|\.\d+(?:[eE][+-]?\d+)?)(?![A-Za-z_\d])
+          |[+-](?i:inf|nan)(?![A-Za-z_\d]))
   | (?P<name>[A-Za-z_][A-Za-z_0-9]*)
   | (?P<op>==|!=|<=|>=|&&|\|\||[<>=!()\[\],])
 """, re.VERBOSE)
@@ -81,7 +87,7 @@ class Token:
 def _fail(text: str, pos: int, why: str) -> QueryError:
     near = text[pos:pos + 12] or "the end"
     return QueryError(
-        f"predicate {text!r}: {why} at character {pos} (near {near!r}); fields are "
+        f"predicate {shown(text)}: {why} at character {pos} (near {near!r}); fields are "
         f"{', '.join(FIELDS)}, e.g. 'freq >= 10 and norm < 0.1'", text, pos,
     )
 
@@ -113,7 +119,7 @@ def tokenize(text: str) -> list[Token]:
             elif low in FIELDS:
                 out.append(Token("field", low, pos))
             else:
-                raise _fail(text, pos, f"unknown field {tok!r}")
+                raise _fail(text, pos, f"unknown field {shown(tok)}")
         elif kind == "op":
             if tok in _SYMBOLS:
                 out.append(Token(_SYMBOLS[tok], tok, pos))
@@ -132,7 +138,9 @@ def _number(tok: str) -> int | float:
 
 
 # ------------------------------------------------------------------ the tree
-Node = tuple  # ("or", a, b) | ("and", a, b) | ("not", a) | ("cmp", op, lhs, rhs) | ("in", f, vals)
+#: ("or", a, b, ...) | ("and", a, b, ...) | ("not", a) | ("cmp", op, lhs, rhs) | ("in", f, vals):
+#: "or" and "and" hold every operand of a chain (flat, whatever its length).
+Node = tuple
 
 
 class _Parser:
@@ -140,6 +148,14 @@ class _Parser:
         self.text = text
         self.toks = tokenize(text)
         self.i = 0
+        self.depth = 0  # brackets and 'not' open around the token being parsed
+
+    def nest(self, tok: Token) -> None:
+        """Enter a bracket or a 'not'; refuse nesting deeper than MAX_PREDICATE_DEPTH."""
+        self.depth += 1
+        if self.depth > MAX_PREDICATE_DEPTH:
+            raise _fail(self.text, tok.pos, f"brackets and 'not' nest more than "
+                        f"{MAX_PREDICATE_DEPTH} levels deep (the most the viewer accepts)")
 
     @property
     def tok(self) -> Token:
@@ -164,30 +180,35 @@ class _Parser:
         return node
 
     def expr(self) -> Node:
-        node = self.conj()
+        parts = [self.conj()]
         while self.tok.kind == "or":
             self.i += 1
-            node = ("or", node, self.conj())
-        return node
+            parts.append(self.conj())
+        return _chain("or", parts)
 
     def conj(self) -> Node:
-        node = self.neg()
+        parts = [self.neg()]
         while self.tok.kind == "and":
             self.i += 1
-            node = ("and", node, self.neg())
-        return node
+            parts.append(self.neg())
+        return _chain("and", parts)
 
     def neg(self) -> Node:
         if self.tok.kind == "not":
+            self.nest(self.tok)
             self.i += 1
-            return ("not", self.neg())
+            node = ("not", self.neg())
+            self.depth -= 1
+            return node
         return self.primary()
 
     def primary(self) -> Node:
         if self.tok.kind == "(":
+            self.nest(self.tok)
             self.i += 1
             node = self.expr()
             self.take(")")
+            self.depth -= 1
             return node
         return self.compare()
 
@@ -214,19 +235,23 @@ class _Parser:
             return ("in", first.text, tuple(vals))
         if self.tok.kind != "op":
             raise _fail(self.text, self.tok.pos, f"expected a comparison (==, !=, <, <=, >, >=) "
-                        f"after {first.text!r}, found {_describe(self.tok.kind, self.tok.text)}")
-        node: Node | None = None
+                        f"after {shown(first.text)}, found "
+                        f"{_describe(self.tok.kind, self.tok.text)}")
+        parts: list[Node] = []
         lhs = first
         while self.tok.kind == "op":
             op = self.take("op").text
             rhs = self.operand()
             if lhs.kind == "num" and rhs.kind == "num":
                 raise _fail(self.text, lhs.pos, "a comparison needs a field on one side")
-            cmp = ("cmp", op, _operand(lhs), _operand(rhs))
-            node = cmp if node is None else ("and", node, cmp)
+            parts.append(("cmp", op, _operand(lhs), _operand(rhs)))
             lhs = rhs
-        assert node is not None
-        return node
+        return _chain("and", parts)
+
+
+def _chain(kind: str, parts: list[Node]) -> Node:
+    """One node of ``kind`` ("and"/"or") over ``parts``; a single part stands alone."""
+    return parts[0] if len(parts) == 1 else (kind, *parts)
 
 
 def _operand(t: Token) -> tuple[str, Any]:
@@ -238,8 +263,8 @@ def _describe(kind: str, text: str = "") -> str:
         return "the end"
     if kind in ("num", "field", "op"):
         return {"num": "a number", "field": "a field", "op": "a comparison"}[kind] + (
-            f" {text!r}" if text else "")
-    return repr(text or kind)
+            f" {shown(text)}" if text else "")
+    return shown(text or kind)
 
 
 # ------------------------------------------------------------------ per-row fields
@@ -281,6 +306,7 @@ class Predicate:
     """
 
     def __init__(self, text: str):
+        check_length("predicate", text, MAX_PREDICATE_CHARS)
         self.text = text
         self.tree = _Parser(text).parse()
         self.fields = frozenset(_fields(self.tree))
@@ -307,7 +333,7 @@ class Predicate:
 def _fields(node: Node) -> set[str]:
     kind = node[0]
     if kind in ("or", "and"):
-        return _fields(node[1]) | _fields(node[2])
+        return set().union(*(_fields(n) for n in node[1:]))
     if kind == "not":
         return _fields(node[1])
     if kind == "in":
@@ -318,7 +344,7 @@ def _fields(node: Node) -> set[str]:
 def _compares(node: Node) -> list[Node]:
     kind = node[0]
     if kind in ("or", "and"):
-        return _compares(node[1]) + _compares(node[2])
+        return [c for n in node[1:] for c in _compares(n)]
     if kind == "not":
         return _compares(node[1])
     return [node]
@@ -329,20 +355,25 @@ def _check_literals(text: str, node: Node) -> None:
         field, vals = node[1], node[2]
         if field in _INT_FIELDS and any(isinstance(v, int) and not -(2**63) <= v < 2**63
                                         for v in vals):
-            raise QueryError(f"predicate {text!r}: a value of 'in' is outside int64", text, 0)
+            raise QueryError(f"predicate {shown(text)}: a value of 'in' is outside int64",
+                             text, 0)
         return
     for k, v in node[2:]:
         if k == "num" and isinstance(v, int) and not -(2**63) <= v < 2**63:
-            raise QueryError(f"predicate {text!r}: the number {v} is outside the int64 range",
-                             text, text.find(str(v)))
+            digits = str(v)
+            num = digits if len(digits) <= 40 else f"{digits[:40]}... ({len(digits)} digits)"
+            raise QueryError(f"predicate {shown(text)}: the number {num} is outside the int64 "
+                             "range", text, text.find(digits))
 
 
 def _eval(node: Node, get: Callable[[str], np.ndarray]) -> Any:
     kind = node[0]
-    if kind == "or":
-        return np.logical_or(_eval(node[1], get), _eval(node[2], get))
-    if kind == "and":
-        return np.logical_and(_eval(node[1], get), _eval(node[2], get))
+    if kind in ("or", "and"):
+        combine = np.logical_or if kind == "or" else np.logical_and
+        out = _eval(node[1], get)
+        for part in node[2:]:
+            out = combine(out, _eval(part, get))
+        return out
     if kind == "not":
         return np.logical_not(_eval(node[1], get))
     if kind == "in":
@@ -363,8 +394,10 @@ def parse_predicate(text: str) -> Predicate:
     Raises
     ------
     QueryError
-        The text is malformed; ``position`` is the offending character's offset.
+        The text is malformed; ``position`` is the offending character's offset. Or it is
+        longer than :data:`~tensorkv.viewer.limits.MAX_PREDICATE_CHARS` characters, or nests
+        deeper than :data:`~tensorkv.viewer.limits.MAX_PREDICATE_DEPTH`.
     """
     if not isinstance(text, str):
-        raise QueryError(f"predicate {text!r} must be a str such as 'freq >= 10'")
+        raise QueryError(f"predicate {shown(text)} must be a str such as 'freq >= 10'")
     return Predicate(text)

@@ -52,8 +52,17 @@ def resolve_storage(storage: Any, storage_path: Any = None, storage_size: Any = 
                       "'DRAM_SSDHASH' or a StorageOption")
 
 
-def _budget_rows(size: int | str | None, record_bytes: int) -> int | None:
-    return None if size is None else max(1, int(size) // record_bytes)
+def _budget_rows(spec: Any, record_bytes: int) -> int | None:
+    """The rows a tier's size holds (None: unbounded); a size under one row is refused."""
+    if spec.size is None:
+        return None
+    rows = int(spec.size) // record_bytes
+    if rows < 1:
+        raise ConfigError(
+            f"{spec.kind} tier size {spec.size} bytes holds no row: a row with its optimizer "
+            f"slots and metadata takes {record_bytes} bytes here; give at least "
+            f"{record_bytes} bytes (e.g. storage_size=['1GiB']), or None for no limit")
+    return rows
 
 
 def _open_lowers(specs: list[Any], layout: RecordLayout,
@@ -62,7 +71,7 @@ def _open_lowers(specs: list[Any], layout: RecordLayout,
     lowers: list[tuple[LowerTier, int | None]] = []
     try:
         for s in specs:
-            budget = _budget_rows(s.size, layout.record_bytes)
+            budget = _budget_rows(s, layout.record_bytes)
             if isinstance(s, DRAM):  # host memory below HBM
                 lowers.append((DRAMTier(layout), budget))
                 continue
@@ -140,6 +149,7 @@ def open_rows(
         raise ConfigError(f"max_pending_bytes={max_pending_bytes!r} must be at least 1 byte")
     layout = RecordLayout(dim, dtype, num_slots)
     specs = storage.tier_specs()
+    budget0 = [_budget_rows(s, layout.record_bytes) for s in specs][0]  # before opening any
     arena: RowArena
     if isinstance(specs[0], HBM):
         if dtype != "float32":
@@ -158,7 +168,7 @@ def open_rows(
     # thread, which takes a chunk whenever the writer leaves a core idle (the training
     # thread never waits for a chunk the helper has not started)
     helper = assist.run_split if config.assist_thread() else None
-    chain = TierChain(arena, layout, _budget_rows(specs[0].size, layout.record_bytes), lowers,
+    chain = TierChain(arena, layout, budget0, lowers,
                       storage.cache_strategy, name=f"table(dim={dim})",
                       max_pending_bytes=pending)
     chain.split = helper

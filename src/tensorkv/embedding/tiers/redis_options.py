@@ -9,6 +9,7 @@ explicit options. Config file priority: the environment variable named by ``conf
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import asdict, dataclass, fields
 from typing import Any
@@ -132,8 +133,13 @@ class RedisTableOptions:
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be true or false")
         for name in ("read_cache_seconds", "lock_ttl_seconds", "lock_wait_seconds"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-                raise ConfigError(f"{name}={v!r} must be a number of seconds > 0")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 \
+                    or not math.isfinite(v):
+                raise ConfigError(f"{name}={v!r} must be a finite number of seconds > 0, "
+                                  "e.g. 30")
+        if self.lock_ttl_seconds < 0.001:  # Redis expires keys in whole milliseconds
+            raise ConfigError(f"lock_ttl_seconds={self.lock_ttl_seconds!r} is under the "
+                              "1 ms that Redis can expire a lock after; give at least 0.001")
         if self.read_cache_rows and not self.read_only:
             raise ConfigError("read_cache_rows needs read_only=True: a cache of rows that "
                               "this process also writes would serve stale rows")

@@ -18,7 +18,7 @@ import numpy as np
 
 from tensorkv.errors import QueryError
 from tensorkv.stores.base import KVStore
-from tensorkv.viewer import Catalog
+from tensorkv.viewer import Catalog, limits
 
 #: Rows per page of the rows table (the most a page may ask for).
 MAX_PAGE = 500
@@ -37,6 +37,18 @@ MAX_CELLS = 512 * 512
 DEFAULT_WINDOW = 128
 #: Neighbours a nearest-neighbour query may ask for.
 MAX_K = 1000
+#: Characters of a request parameter without a limit of its own below.
+MAX_PARAM_CHARS = limits.MAX_NUMBER_CHARS
+#: Characters each parameter may hold (the query layer checks its own limits too: a tag's
+#: bytes, a predicate's nesting); longer ones are refused before anything reads them.
+PARAM_LIMITS = {
+    "tag": limits.MAX_TAG_BYTES, "a": limits.MAX_TAG_BYTES, "b": limits.MAX_TAG_BYTES,
+    "var": limits.MAX_NAME_BYTES,
+    "where": limits.MAX_PREDICATE_CHARS,
+    "slice": limits.MAX_SLICE_CHARS,
+    "keys": MAX_KEYS * 24,  # an int64 and its separator
+    "vector": 32 * 1024,  # dim numbers: 2,048 of 16 characters
+}
 
 
 class ViewerState:
@@ -92,6 +104,20 @@ class ViewerState:
 
 
 # --- parameters ----------------------------------------------------------------------------
+def check_params(params: dict[str, str]) -> dict[str, str]:
+    """``params`` when every value is within its limit (:data:`PARAM_LIMITS`).
+
+    Raises
+    ------
+    QueryError
+        A parameter is longer than its limit; the message names it and the limit.
+    """
+    for name, value in params.items():
+        limit = PARAM_LIMITS.get(name, MAX_PARAM_CHARS)
+        limits.check_length(f"parameter {limits.shown(name, 20)}:", value, limit)
+    return params
+
+
 def required(params: dict[str, str], name: str) -> str:
     """A parameter that must be given."""
     value = params.get(name, "")
@@ -105,10 +131,11 @@ def integer(params: dict[str, str], name: str, default: int, lo: int, hi: int) -
     text = params.get(name, "")
     if not text:
         return default
+    limits.check_length(name, text, limits.MAX_NUMBER_CHARS)
     try:
         value = int(text)
     except ValueError:
-        raise QueryError(f"{name}={text!r} is not an integer") from None
+        raise QueryError(f"{name}={limits.shown(text)} is not an integer") from None
     if not lo <= value <= hi:
         raise QueryError(f"{name}={value} is out of range; use {lo}..{hi}")
     return value
@@ -193,7 +220,8 @@ def rows(state: ViewerState, params: dict[str, str]) -> dict[str, Any]:
     """A page of a table's rows in scan order; with ``where``, the next rows that match.
 
     A filtered page scans from ``cursor`` (a scan position) until it has ``limit`` rows and
-    returns the position to go on from (``next_cursor``; None at the end of the table).
+    returns the scan position of the next match (``next_cursor``; None when no row after
+    the page matches): the pages from cursor 0 on hold every match once.
     """
     view = state.table(params)
     limit = integer(params, "limit", 50, 1, MAX_PAGE)
@@ -209,10 +237,8 @@ def rows(state: ViewerState, params: dict[str, str]) -> dict[str, Any]:
 
     start = integer(params, "cursor", 0, 0, max(len(view), 0))
     found = search.scan(view, parse_predicate(where), limit=limit, count=False, start=start)
-    more = not found.complete and len(found) > 0
     return {"tag": view.tag, "var": view.name, "total": len(view), "where": where,
-            "rows": columns(found.rows), "cursor": start,
-            "next_cursor": int(found.offsets[-1]) + 1 if more else None,
+            "rows": columns(found.rows), "cursor": start, "next_cursor": found.next_offset,
             "scanned": found.scanned}
 
 
@@ -242,7 +268,8 @@ def search_keys(state: ViewerState, params: dict[str, str]) -> dict[str, Any]:
     """Rows of given keys or of a key range.
 
     ``keys=12,7`` reads only the blocks that can hold them; ``keys=100..200`` (inclusive)
-    scans the table and keeps at most ``limit`` rows.
+    scans the table and keeps at most ``limit`` rows; ``complete`` says whether they are
+    every row of the range.
     """
     from tensorkv.viewer import search
 
@@ -259,7 +286,7 @@ def search_keys(state: ViewerState, params: dict[str, str]) -> dict[str, Any]:
         asked = None
     return {"tag": view.tag, "var": view.name, "keys": text, "asked": asked,
             "rows": columns(found.rows), "missing": found.missing.astype(str).tolist(),
-            "complete": found.complete}
+            "complete": found.next_offset is None}
 
 
 def nearest(state: ViewerState, params: dict[str, str]) -> dict[str, Any]:

@@ -7,11 +7,17 @@ no endpoint takes a URL or a file path, and the static files are served from the
 every text from the store with ``textContent`` and the Content-Security-Policy allows scripts
 from this server only. Requests whose ``Host`` is not the bound loopback name are refused
 (DNS rebinding) unless the app serves remote clients on purpose.
+
+Every request's parameters are bounded before an endpoint reads them
+(:func:`tensorkv.viewer.web.api.check_params`); a query's error is one line of JSON with the
+status :func:`status_of` gives it, and an unexpected exception (a bug) a 500 with one line,
+its traceback going to this module's logger (``TENSORKV_DEBUG=1`` lets it propagate).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from collections.abc import Awaitable, Callable
@@ -25,6 +31,7 @@ from tensorkv.errors import TensorKVError, import_optional
 from tensorkv.stores.base import KVStore
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
+_log = logging.getLogger(__name__)
 
 #: Hosts a loopback-bound viewer answers (the Host header, port excluded).
 LOOPBACK_HOSTS = ["127.0.0.1", "localhost", "::1"]
@@ -127,15 +134,24 @@ def create_app(url: str | KVStore, *, tag: str | None = None,
 
         store, owned = open_store(url, readonly=True, create=False), True
     state = api.ViewerState(store, default_tag=tag)
+    debug = bool(os.environ.get("TENSORKV_DEBUG"))
 
     def endpoint(fn: Callable[[api.ViewerState, dict[str, str]], Any]) -> Callable[..., Any]:
         def run(request: Request) -> Response:
-            params = dict(request.query_params)
             try:
-                body = fn(state, params)
+                body = fn(state, api.check_params(dict(request.query_params)))
             except TensorKVError as exc:
                 return JSONResponse({"error": " ".join(str(exc).split())},
                                     status_code=status_of(exc))
+            except Exception as exc:  # a bug: one line to the client, the traceback to the log
+                if debug:
+                    raise
+                _log.exception("viewer request %s failed", request.url.path)
+                text = " ".join(str(exc).split())[:200]
+                return JSONResponse({"error": f"unexpected {type(exc).__name__}: {text} (a bug "
+                                              "of the viewer: the server's log has the "
+                                              "traceback; please report it)"},
+                                    status_code=500)
             return Response(json.dumps(jsonable(body), separators=(",", ":")),
                             media_type="application/json")
 
@@ -202,7 +218,7 @@ def create_app(url: str | KVStore, *, tag: str | None = None,
             store.close()
 
     app = Starlette(
-        debug=bool(os.environ.get("TENSORKV_DEBUG")),
+        debug=debug,
         routes=routes,
         middleware=[Middleware(ReadOnly)],
         lifespan=lifespan,
