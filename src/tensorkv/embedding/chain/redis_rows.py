@@ -225,7 +225,7 @@ class RedisRows(ArenaRows):
                 raise RowLockError(f"{self.engine.where()}: intents of other operations kept "
                                    "appearing in buckets this operation holds; retry")
         else:
-            pos, recs = self.engine.get_found(want, read=self.options.read_only, bad_out=bad)
+            pos, recs = self._read(want, bad)
         if bad:  # written over or removed at the commit
             self._corrupt.append(np.concatenate(bad))
         got = want[pos]
@@ -237,6 +237,17 @@ class RedisRows(ArenaRows):
             self._loaded.append(got)
             if self._cache is not None:
                 self._to_cache(got, recs)
+
+    def _read(self, keys: np.ndarray, bad: list[np.ndarray] | None = None
+              ) -> tuple[np.ndarray, np.ndarray]:
+        """Rows of ``keys`` read without locks, with the intents of committed operations."""
+        marks: list[tuple[int, bytes]] = []
+        pos, recs = self.engine.get_found(keys, read=self.options.read_only, bad_out=bad,
+                                          marks=marks)
+        if marks:
+            pos, recs = redis_commit.overlay_found(self.engine, self.engine.runtime, keys, pos,
+                                                   recs, marks)
+        return pos, recs
 
     def _lock_buckets(self, need: np.ndarray) -> None:
         self._token = self._token or lua.new_op()
@@ -338,8 +349,12 @@ class RedisRows(ArenaRows):
 
     # --- rows below tier 0 ---------------------------------------------------------------------
     def read_lower(self, keys: np.ndarray) -> tuple[np.ndarray, Any]:  # noqa: D102
-        found, recs = self.engine.get(keys, read=self.options.read_only)
-        return found, self.layout.unpack(np.ascontiguousarray(recs[:, :self.layout.record_bytes]))
+        pos, got = self._read(keys)
+        found = np.zeros(keys.shape[0], bool)
+        found[pos] = True
+        recs = np.zeros((keys.shape[0], self.layout.record_bytes), np.uint8)
+        recs[pos] = got[:, :self.layout.record_bytes]
+        return found, self.layout.unpack(recs)
 
     def lower_len(self) -> int:  # noqa: D102
         return len(self.engine)

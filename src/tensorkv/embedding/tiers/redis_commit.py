@@ -420,6 +420,43 @@ def committed_intent(engine: RedisRowEngine, b: Buckets, mark: bytes) -> bool:
     return has(ring) or has(pend)
 
 
+def overlay_found(engine: RedisRowEngine, b: Buckets, keys: np.ndarray, pos: np.ndarray,
+                  recs: np.ndarray, marks: list[tuple[int, bytes]]
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """Lay the intents ``marks`` of committed operations over rows read (reads only).
+
+    ``(pos, recs)`` is :meth:`~RedisRowEngine.get_found`'s answer for ``keys``. A reader
+    that holds no lock sees a bucket whose writer committed an operation and died before
+    applying it there as that operation left it.
+    """
+    n = keys.shape[0]
+    full = np.zeros((n, engine.width), np.uint8)
+    have = np.zeros(n, bool)
+    full[pos], have[pos] = recs, True
+    changed = False
+    for k, mark in marks:
+        if not committed_intent(engine, b, mark):
+            continue
+        blob = engine.store.execute([(b.names[k], ("HGET", b.names[k], lua.INTENT))],
+                                    read=engine.rd)[0]
+        if blob is None:
+            continue  # applied meanwhile: read again
+        ikeys, irecs, dels, _ = lua.parse_blob(bytes(blob))
+        engine.verify(np.ones(ikeys.shape[0], bool), irecs, ikeys, "an intent record")
+        order = np.argsort(ikeys)
+        sk = ikeys[order]
+        j = np.minimum(np.searchsorted(sk, keys), max(sk.shape[0] - 1, 0))
+        match = (sk[j] == keys) if sk.shape[0] else np.zeros(n, bool)
+        full[match] = irecs[order][j[match]]
+        have[match] = True
+        have[np.isin(keys, dels)] = False
+        changed = True
+    if not changed:
+        return pos, recs
+    out = np.flatnonzero(have)
+    return out, full[out]
+
+
 # ----------------------------------------------------------------------------- whole buckets
 def scan(engine: RedisRowEngine, b: Buckets | None = None,
          chunk_rows: int = 65536) -> Iterator[tuple[np.ndarray, np.ndarray]]:
@@ -483,4 +520,4 @@ def clear(engine: RedisRowEngine, op: bytes, exact: bool) -> None:
 
 
 __all__ = ["OpState", "OutcomeUnknown", "bucket_rows", "clear", "commit", "committed_intent",
-           "finish", "finish_unfinished", "resolve", "scan", "settle"]
+           "finish", "finish_unfinished", "overlay_found", "resolve", "scan", "settle"]

@@ -291,6 +291,11 @@ class RedisRowEngine:
         k, what = problems[0]
         head = (f"{self.where(b)}: {len(problems)} of its {b.n} buckets lost their rows "
                 f"(bucket {b.names[k]!r} {what})")
+        if any("epoch moved:" in w for _, w in problems):
+            return TableLostError(
+                f"{self.where(b)} was rehashed into another bucket layout by another process "
+                "since this one opened it (or the rehash is under way); nothing was read or "
+                "written. Open the table again with the new layout's options")
         if meta is not None and meta.get("epoch") not in (None, b.epoch):
             return TableLostError(
                 f"{self.where(b)} was emptied (on_lost='start_empty'), re-created or rehashed "
