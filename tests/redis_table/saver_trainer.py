@@ -2,7 +2,8 @@
 
 ``python saver_trainer.py URL TAG``: SGD (lr 1) from zeros with gradient -1 on every key of
 :data:`KEYS` each step, so after step ``s`` every row holds ``s`` in each value and as its
-version; stops when the Redis key ``<TAG>:stop`` exists, then prints ``done <steps>``.
+version; sets the Redis key ``<TAG>:started`` after its first step and stops when the key
+``<TAG>:stop`` exists, then prints ``done <steps>``.
 """
 
 import sys
@@ -26,8 +27,10 @@ def main() -> None:
     url, tag = sys.argv[1:3]
     t = open_table(url, tag)
     grads = -np.ones((KEYS.size, 4), np.float32)
-    stop = f"{tag}:stop".encode()
+    stop, started = f"{tag}:stop".encode(), f"{tag}:started".encode()
     store = t._rows.engine.store
+    t.apply_gradients(KEYS, grads)
+    store.execute([(started, ("SET", started, b"1"))])
     while not store.execute([(stop, ("EXISTS", stop))])[0]:
         t.apply_gradients(KEYS, grads)
     print("done", t.step, flush=True)

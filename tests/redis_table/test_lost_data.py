@@ -224,3 +224,25 @@ def test_bad_on_lost_option(redis_server):
     with pytest.raises(ConfigError, match="must_exist=1 must be true or false"):
         tensorkv.StorageOption("REDIS", storage_path=f"redis://127.0.0.1:{redis_server.port}/0",
                                redis_options={"must_exist": 1})
+
+
+def test_flushall_then_another_process_creates_the_tag_again(own_server, tag):
+    """A serving table never reads rows of a table created again under its tag after a
+    FLUSHALL (another epoch), even in buckets whose versions look new enough."""
+    url = f"redis://127.0.0.1:{own_server.port}/0"
+    opts = {"model_tag_runtime": tag, "storage_slice": 4, "table_kwargs": ADAGRAD}
+    trainer = redis_table(url, 4, **opts)
+    trainer.upsert(np.array([0, 1, 4, 5]), np.ones((4, 4)))  # buckets 0 and 1 only
+    serving = redis_table(url, 4, read_only=True, **opts)
+    in_bucket_2 = np.array([2, 6, 10])
+    first = serving.lookup(in_bucket_2, insert=False)  # no rows there: initial values
+    own_server.flushall()
+    other = redis_table(url, 4, **opts)  # sees no trace: a new table, another epoch
+    other.upsert(in_bucket_2, np.full((3, 4), 9.0))
+    with pytest.raises(TableLostError, match="re-created"):
+        serving.lookup(in_bucket_2, insert=False)
+    with pytest.raises(TableLostError):
+        trainer.lookup(in_bucket_2)
+    assert np.array_equal(first, tensorkv.EmbeddingTable(4, **ADAGRAD).lookup(in_bucket_2,
+                                                                                insert=False))
+    trainer.close(), serving.close(), other.close()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -22,7 +23,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import saver_trainer  # noqa: E402
 
-SAVES = 4
+SAVES = 6
 
 
 @pytest.mark.slow
@@ -43,6 +44,13 @@ def test_save_while_another_process_trains(kind, request, tag, tmp_path):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     store = f"lmdb://{tmp_path}/ck"
     try:
+        c = client()
+        try:  # the saves start once the trainer trains (no timing assumed)
+            while not c.exists(f"{tag}:started"):
+                assert proc.poll() is None, proc.communicate()[1].decode()[-3000:]
+                time.sleep(0.05)
+        finally:
+            c.close()
         for i in range(SAVES):
             tensorkv.save({"emb": t}, store, tag=f"s{i}")
     finally:
