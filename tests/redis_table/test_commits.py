@@ -18,6 +18,7 @@ import sys
 
 import numpy as np
 import pytest
+import redis.exceptions as rex
 from tests.faults.conftest import rng_for
 from tests.redis_table.helpers import redis_table
 
@@ -25,8 +26,8 @@ import servers
 import tensorkv
 from tensorkv.embedding.tiers import redis_commit
 from tensorkv.errors import RowLockError, StoreUnavailableError
+from tensorkv.stores import redis_raw
 from tensorkv.stores.redis_keys import key_slots
-from tensorkv.stores.redis_raw import RawFallback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -127,8 +128,8 @@ def persisted_server():
 @pytest.mark.parametrize("when", ["before", "after"])
 @pytest.mark.parametrize("then", ["retry", "other call"])
 def test_commit_reply_lost_with_the_server(persisted_server, tag, monkeypatch, when, then):
-    """The server dies before or after running the commit script, so no reply comes: the
-    call fails with the step unchanged; once the server is back the next call settles it:
+    """The server dies before or after running the commit (its MULTI/EXEC), so no reply
+    comes: the call fails with the step unchanged; once the server is back the next call settles it:
     the same call retried is applied once in all, another call first counts it if it ran."""
     srv = persisted_server
     url = f"redis://127.0.0.1:{srv.port}/0"
@@ -144,21 +145,24 @@ def test_commit_reply_lost_with_the_server(persisted_server, tag, monkeypatch, w
     real = redis_commit.commit
 
     def lose_the_reply(engine, *args):
-        raw = engine.store.execute_raw
+        read = redis_raw.read_replies
+        calls = []
 
-        def commit_raw(*a, **kw):
-            if when == "before":
-                srv.kill()
-                return raw(*a, **kw)
-            raw(*a, **kw)  # the script ran; its reply does not make it back
-            srv.kill()
-            raise RawFallback("connection dropped by the test")
+        def reply(*a, **kw):  # the commit's first round trip, then its MULTI/EXEC
+            calls.append(1)
+            r = read(*a, **kw)
+            if when == "before" and len(calls) == 1:
+                srv.kill()  # the checks were read; EXEC is never sent
+            if when == "after" and len(calls) == 2:
+                srv.kill()  # EXEC ran; its reply does not make it back
+                raise rex.ConnectionError("connection dropped by the test")
+            return r
 
-        monkeypatch.setattr(engine.store, "execute_raw", commit_raw)
+        monkeypatch.setattr(redis_raw, "read_replies", reply)
         try:
             return real(engine, *args)
         finally:
-            monkeypatch.setattr(engine.store, "execute_raw", raw)
+            monkeypatch.setattr(redis_raw, "read_replies", read)
 
     monkeypatch.setattr(redis_commit, "commit", lose_the_reply)
     with pytest.raises(StoreUnavailableError, match="whether it was applied is not known"):
@@ -221,13 +225,17 @@ def test_writer_sigkilled_mid_operation(kind, case, request, tag):
     states.append(full_state(ref))
     ref.apply_gradients(keys, grads)
     states.append(full_state(ref))
+    def which(got) -> list[int]:
+        return [n for n, s in enumerate(states) if s["keys"].shape == got["keys"].shape
+                and all(np.array_equal(got[f], s[f]) for f in s)]
+
+    ro = crash_writer.open_table(url, tag, read_only=True)
+    seen = which(full_state(ro))  # without locks: committed intents laid over the rows
+    ro.close()
     t = crash_writer.open_table(url, tag, lock_wait_seconds=30)
     t.lookup(np.arange(60), insert=False)  # locks every bucket: resolves what was left
-    got = full_state(t)
-    done = [n for n, s in enumerate(states)
-            if s["keys"].shape == got["keys"].shape
-            and all(np.array_equal(got[f], s[f]) for f in s)]
-    assert done, "the interrupted step left part of an operation"
+    done = which(full_state(t))
+    assert done and seen == done, "the interrupted step left part of an operation"
     t.step = kill_step if done[0] < 2 else kill_step + 1
     if done[0] == 0:
         t.lookup(keys)

@@ -18,7 +18,7 @@ from tests.redis_table.helpers import redis_table
 
 import servers
 import tensorkv
-from tensorkv.embedding.tiers import redis_lua
+from tensorkv.embedding.tiers import redis_commit, redis_lua
 from tensorkv.errors import ConfigError, TableLostError
 
 ADAGRAD = {"optimizer": "adagrad", "seed": 7}
@@ -246,3 +246,36 @@ def test_flushall_then_another_process_creates_the_tag_again(own_server, tag):
     assert np.array_equal(first, tensorkv.EmbeddingTable(4, **ADAGRAD).lookup(in_bucket_2,
                                                                                 insert=False))
     trainer.close(), serving.close(), other.close()
+
+
+@pytest.mark.parametrize("bucket", [0, 1])
+def test_bucket_lost_between_the_read_and_the_commit(where, tag, monkeypatch, bucket):
+    """A bucket (the commit's first, or another) evicted while an operation computes: its
+    commit writes nothing (the bucket is not re-created) and raises ``TableLostError``; the
+    step does not move."""
+    url, client = where
+    t = redis_table(url, 4, model_tag_runtime=tag, storage_slice=3, table_kwargs=ADAGRAD)
+    train([t], 2)
+    step = t.step
+    name = t._rows.engine.runtime.names[bucket]
+    real = redis_commit.commit
+
+    def evict_then_commit(engine, *args):
+        c = client()
+        try:
+            c.delete(name)
+        finally:
+            c.close()
+        return real(engine, *args)
+
+    monkeypatch.setattr(redis_commit, "commit", evict_then_commit)
+    with pytest.raises(TableLostError, match="lost their rows"):
+        t.apply_gradients(KEYS, np.ones((KEYS.size, 4)))
+    monkeypatch.setattr(redis_commit, "commit", real)
+    assert t.step == step
+    c = client()
+    try:
+        assert not c.exists(name)
+    finally:
+        c.close()
+    t.close()

@@ -19,10 +19,10 @@ ADAGRAD = {"optimizer": "adagrad", "seed": 3}
 KEYS = np.arange(100)
 
 
-def dump_keyspace(client) -> dict[bytes, object]:
-    """Every key and its content (hashes field by field), to compare before/after."""
+def dump_keyspace(client, tag: str) -> dict[bytes, object]:
+    """Every key of the model tag and its content (hashes field by field)."""
     out: dict[bytes, object] = {}
-    for k in client.keys(b"*"):
+    for k in client.keys(f"{tag}:*"):
         kind = client.type(k)
         out[k] = client.hgetall(k) if kind == b"hash" else client.get(k)
     return out
@@ -57,13 +57,13 @@ def test_every_mutation_is_refused(redis_server, tag, tmp_path):
                           table_kwargs={**ADAGRAD, "eviction": {"max_rows": 10}})
     c = redis_server.client()
     try:
-        before = {k: v for k, v in dump_keyspace(c).items() if k.startswith(tag.encode())}
+        before = dump_keyspace(c, tag)
+        assert before
         for name, call in mutations(serving, tmp_path).items():
             with pytest.raises(ReadOnlyError, match="read_only=True"):
                 call()
             assert serving.step == 0, name
-            after = {k: v for k, v in dump_keyspace(c).items() if k.startswith(tag.encode())}
-            assert after == before, name
+            assert dump_keyspace(c, tag) == before, name
     finally:
         c.close()
     # reads still work, and the store itself refuses writes (no command can leave)

@@ -287,22 +287,37 @@ def test_generic_path_gives_the_same_rows(redis_server, monkeypatch):
     t.close()
 
 
+@pytest.fixture(params=["standalone", "cluster"])
+def where(request):
+    """``(url, admin client factory)``: the session's standalone server (MULTI/EXEC commits)
+    or Cluster (Lua commits, two-phase over several buckets)."""
+    if request.param == "standalone":
+        srv = request.getfixturevalue("redis_server")
+        return f"redis://127.0.0.1:{srv.port}/0", srv.client
+    cl = request.getfixturevalue("redis_cluster")
+    from redis.cluster import RedisCluster
+
+    return cl.url, lambda: RedisCluster(host="127.0.0.1", port=cl.ports[0])
+
+
+@pytest.mark.parametrize("which", [0, 1])
 @pytest.mark.parametrize("value", [None, b"someone-else"])
-def test_commit_refused_when_the_lock_changes(redis_server, monkeypatch, value):
-    """A lock that expires or changes hands before the commit script runs: nothing is
-    written, in any bucket, and the step stays."""
-    url = f"redis://127.0.0.1:{redis_server.port}/0"
-    t = _table(url, f"rawwatch{value is None}", storage_slice=2)
+def test_commit_refused_when_the_lock_changes(where, monkeypatch, value, which):
+    """A lock (of the first or the second bucket) that expires or changes hands before the
+    commit runs: nothing is written, in any bucket, and the step stays."""
+    url, client = where
+    kind = "cl" if "cluster" in url else "sa"
+    t = _table(url, f"rawwatch{value is None}{kind}{which}", storage_slice=2)
     keys = np.arange(10)
     t.upsert(keys, np.ones((10, 8), np.float32))
     before = t.lookup(keys, insert=False)
     real = redis_commit.commit
 
     def change_locks(engine, *args):
-        c = redis_server.client()
+        c = client()
         try:
-            for k in engine.runtime.locks[:1]:  # one bucket's lock: no bucket is written
-                c.delete(k) if value is None else c.set(k, value)
+            k = engine.runtime.locks[which]  # one bucket's lock: no bucket is written
+            c.delete(k) if value is None else c.set(k, value)
         finally:
             c.close()
         return real(engine, *args)
@@ -312,7 +327,7 @@ def test_commit_refused_when_the_lock_changes(redis_server, monkeypatch, value):
         t.apply_gradients(keys, np.full((10, 8), 5.0, np.float32))
     assert t.step == 0
     monkeypatch.undo()
-    c = redis_server.client()
+    c = client()
     try:
         c.delete(*t._rows.engine.runtime.locks)
     finally:
@@ -324,12 +339,12 @@ def test_commit_refused_when_the_lock_changes(redis_server, monkeypatch, value):
     t.close()
 
 
-def test_commit_script_error(redis_server):
-    """A bucket that is not a hash: the commit script's error is the store's; no lock stays."""
-    url = f"redis://127.0.0.1:{redis_server.port}/0"
-    t = _table(url, "rawexecerr", storage_slice=1)
+def test_commit_script_error(where):
+    """A bucket that is not a hash: the commit's error is the store's; no lock stays."""
+    url, client = where
+    t = _table(url, f"rawexecerr{'cl' if 'cluster' in url else 'sa'}", storage_slice=1)
     engine = t._rows.engine
-    c = redis_server.client()
+    c = client()
     try:
         c.delete(engine.runtime.names[0])
         c.set(engine.runtime.names[0], b"x")
@@ -342,19 +357,25 @@ def test_commit_script_error(redis_server):
                             engine.seal(np.zeros((2, engine.width), np.uint8)),
                             np.zeros(0, np.int64), np.arange(1), True)
     engine.unlock(np.arange(1), op)
+    c = client()
+    try:
+        assert not c.exists(engine.runtime.locks[0])
+    finally:
+        c.close()
     t.close()
 
 
 def test_reply_lost_after_the_commit_ran(redis_server, monkeypatch):
-    """The connection drops after the commit script ran: it is sent again through redis-py,
-    finds its receipt and writes nothing more (applied once)."""
+    """The connection drops after the commit's MULTI/EXEC ran: the commit is sent again as
+    the Lua script, finds its receipt and writes nothing more (applied once)."""
     real = redis_raw.read_replies
     dropped = []
 
     def drop_after(sock, n, *args, **kwargs):
         r = real(sock, n, *args, **kwargs)
-        if n == 1 and r.rtype[0] == resp.ARRAY and r.rval[0] == 3 and not dropped:
-            dropped.append(1)  # the commit of two buckets ran; its reply is "lost"
+        if (n >= 3 and r.rtype[1] == resp.SIMPLE and r.text(1) == "QUEUED"
+                and r.rtype[-1] == resp.ARRAY and not dropped):
+            dropped.append(1)  # EXEC ran; its reply is "lost"
             raise rex.ConnectionError("dropped by the test")
         return r
 

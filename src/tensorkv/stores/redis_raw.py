@@ -12,6 +12,8 @@ exception for the message.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -120,6 +122,40 @@ def check_errors(replies: Replies) -> None:
         raise exc
 
 
+@contextmanager
+def session(store: Any) -> Iterator[Callable[..., Replies]]:
+    """One connection to a standalone or Sentinel-managed primary, for several round trips.
+
+    Yields ``call(pieces, n_replies, elems=0, size=64)``: sends the RESP ``pieces`` and
+    reads ``n_replies`` replies (error replies are returned, not raised: inside MULTI they
+    belong to the caller). Any exception drops the connection (so no WATCH outlives the
+    session); a dropped connection raises :class:`RawFallback`. A Cluster raises
+    :class:`RawFallback` at once (a transaction spans one hash slot there).
+    """
+    if store.mode == "cluster":
+        raise RawFallback("a Cluster transaction spans one hash slot")
+    store._check_open()
+    store._check_writable()
+    store._unwaited = True  # flush() waits for the replicas (wait_replicas)
+    with store._errors():
+        pool = store._client.connection_pool
+        conn = pool.get_connection()
+        try:
+            def call(pieces: list[Any], n_replies: int, elems: int = 0,
+                     size: int = 64) -> Replies:
+                conn.send_packed_command(pieces)
+                return read_replies(conn._sock, n_replies, elems, size)
+
+            yield call
+        except BaseException as exc:
+            conn.disconnect()
+            if _dropped(exc):
+                raise RawFallback(f"connection failed: {exc}") from exc
+            raise
+        finally:
+            pool.release(conn)
+
+
 def _pools(store: Any, keys: list[bytes], read: bool) -> list[tuple[Any, list[int]]]:
     """``[(connection pool, command indices)]``: where each command goes."""
     if store.mode != "cluster":
@@ -187,4 +223,4 @@ def run(store: Any, keys: list[bytes], chunks: list[list[Any]], elems: list[int]
 
 
 __all__ = ["RECV_BYTES", "RawFallback", "Replies", "check_errors", "element_errors",
-           "read_replies", "run"]
+           "read_replies", "run", "session"]

@@ -356,11 +356,25 @@ class RedisRows(ArenaRows):
         recs[pos] = got[:, :self.layout.record_bytes]
         return found, self.layout.unpack(recs)
 
-    def lower_len(self) -> int:  # noqa: D102
-        return len(self.engine)
+    def lower_len(self) -> int:
+        """Rows in Redis (a bucket holding an intent counted as the intent leaves it)."""
+        marks: list[tuple[int, bytes]] = []
+        lens = self.engine.bucket_lengths(marks=marks)
+        for k, _ in marks:
+            lens[k] = redis_commit.bucket_rows(self.engine, self.engine.runtime, k)[0].size
+        return sum(lens)
 
-    def lower_keys(self) -> np.ndarray:  # noqa: D102
-        return self.engine.keys()
+    def lower_keys(self) -> np.ndarray:
+        """Keys in Redis (a bucket holding an intent read as the intent leaves it)."""
+        marks: list[tuple[int, bytes]] = []
+        keys = self.engine.keys(marks)
+        if not marks:
+            return keys
+        b = self.engine.runtime
+        marked = np.asarray([k for k, _ in marks], np.int64)
+        parts = [keys[~np.isin(b.of(keys), marked)]]
+        parts += [redis_commit.bucket_rows(self.engine, b, int(k))[0] for k in marked]
+        return np.concatenate(parts)
 
     def _chunks(self, chunk_rows: int, since: int) -> Iterator[ExportChunk]:
         rb = self.layout.record_bytes

@@ -251,12 +251,13 @@ if redis.call('HSETNX', KEYS[1], '~e', ARGV[1]) == 1 then redis.call('HSETNX', K
 return redis.call('HGET', KEYS[1], '~e')
 """
 
-# KEYS: bucket. Reply: {rows, epoch, version}: the bucket's rows (fields of 8 bytes).
+# KEYS: bucket. Reply: {rows, epoch, version, intent mark}: the bucket's rows (fields of 8
+# bytes) and its identity fields.
 COUNT = """
 local n = redis.call('HLEN', KEYS[1])
 local h = redis.call('HMGET', KEYS[1], '~e', '~v', '~m', '~i', '~o', '~a', '~c')
 for i = 1, 7 do if h[i] then n = n - 1 end end
-return {n, h[1] or false, h[2] or false}
+return {n, h[1] or false, h[2] or false, h[3] or false}
 """
 
 # KEYS: key. ARGV: expected value, new value. Compare-and-set of a string key.

@@ -614,12 +614,15 @@ class RedisRowEngine:
             self.scripts([(lua.RELEASE, [b.locks[k]], [token]) for k in buckets.tolist()])
 
     # ----------------------------------------------------------------- whole buckets
-    def bucket_lengths(self, b: Buckets | None = None) -> list[int]:
-        """Rows in each bucket (the buckets' identity checked)."""
+    def bucket_lengths(self, b: Buckets | None = None,
+                       marks: list[tuple[int, bytes]] | None = None) -> list[int]:
+        """Rows in each bucket (the buckets' identity checked; ``marks``: see :meth:`keys`)."""
         b = b or self.runtime
         res = self.scripts([(lua.COUNT, [k], []) for k in b.names], read=self.rd)
-        self.check_heads(b, [(i, [_text(r[1]), _text(r[2]), None])
-                             for i, r in enumerate(res)])
+        found = self.check_heads(b, [(i, [_text(x) for x in r[1:4]])
+                                     for i, r in enumerate(res)])
+        if marks is not None:
+            marks += found
         return [int(r[0]) for r in res]
 
     def __len__(self) -> int:
@@ -649,13 +652,19 @@ class RedisRowEngine:
         _, recs = self.decode(list(itertools.compress(values, is_row)), keys, repr(name))
         return keys, recs, meta
 
-    def keys(self) -> np.ndarray:
-        """Every stored key (the buckets' identity checked)."""
+    def keys(self, marks: list[tuple[int, bytes]] | None = None) -> np.ndarray:
+        """Every stored key (the buckets' identity checked).
+
+        ``marks`` receives the buckets holding an intent (their keys are as stored, without
+        it).
+        """
         b = self.runtime
         n = b.n
         res = self.store.execute([(k, ("HMGET", k, *lua.HEAD)) for k in b.names]
                                  + [(k, ("HKEYS", k)) for k in b.names], read=self.rd)
-        self.check_heads(b, [(i, [_text(x) for x in r]) for i, r in enumerate(res[:n])])
+        found = self.check_heads(b, [(i, [_text(x) for x in r]) for i, r in enumerate(res[:n])])
+        if marks is not None:
+            marks += found
         parts = []
         for r in res[n:]:
             lens = np.fromiter(map(len, r), np.int64, len(r))
