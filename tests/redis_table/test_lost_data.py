@@ -11,6 +11,7 @@ a checkpoint restores the rows bit for bit.
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -19,7 +20,7 @@ from tests.redis_table.helpers import redis_table
 import servers
 import tensorkv
 from tensorkv.embedding.tiers import redis_commit, redis_lua
-from tensorkv.errors import ConfigError, TableLostError
+from tensorkv.errors import ConfigError, StoreUnavailableError, TableLostError
 
 ADAGRAD = {"optimizer": "adagrad", "seed": 7}
 KEYS = np.arange(58)
@@ -279,3 +280,45 @@ def test_bucket_lost_between_the_read_and_the_commit(where, tag, monkeypatch, bu
     finally:
         c.close()
     t.close()
+
+
+@pytest.mark.slow
+def test_sentinel_failover_to_a_replica_without_the_rows(tag):
+    """Sentinel promotes a replica that lost the table (its dataset diverged): the trainer's
+    next operation raises ``TableLostError`` instead of training from initial values."""
+    if not servers.available():
+        pytest.skip("redis-server is not installed")
+    setup = servers.RedisSentinel()
+    setup.start()
+    try:
+        t = redis_table(setup.url, 4, model_tag_runtime=tag, storage_slice=4, retries=2,
+                        retry_backoff=0.05, table_kwargs=ADAGRAD)
+        train([t], 3)
+        step = t.step
+        setup.wait_replication()
+        replica = [p for p in setup.data_ports if p != setup.master_port()][0]
+        c = servers._client(replica)
+        try:  # the replica's data is gone (as if it had been resynced from nothing)
+            c.config_set("replica-read-only", "no")
+            c.flushall()
+        finally:
+            c.close()
+        setup.kill_master()
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                t.lookup(KEYS, insert=False)  # never read as initial values
+            except TableLostError as exc:
+                assert "lost their rows" in str(exc)
+                break
+            except StoreUnavailableError:  # the failover is still under way
+                assert time.monotonic() < deadline, "no master after 60 s"
+                time.sleep(0.2)
+            else:
+                pytest.fail("the table read rows of a replica that lacks them")
+        with pytest.raises(TableLostError):
+            t.apply_gradients(KEYS, np.ones((KEYS.size, 4)))
+        assert t.step == step
+        t.close()
+    finally:
+        setup.stop()
