@@ -387,17 +387,49 @@ class RedisCluster(_Base):
         Replicas per master (0 or 1).
     """
 
-    def __init__(self, *, replicas: int = 0) -> None:
+    def __init__(self, *, replicas: int = 0, extra_conf: str = "") -> None:
         super().__init__("redis-cluster")
         self.replicas = replicas
+        self.extra_conf = extra_conf
         self.ports: list[int] = []
 
-    @staticmethod
-    def _conf(port: int, workdir: Path) -> str:
+    def _conf(self, port: int, workdir: Path) -> str:
         return BASE_CONF.format(dir=workdir) + (
             f"port {port}\ncluster-enabled yes\ncluster-config-file nodes.conf\n"
             "cluster-node-timeout 3000\ncluster-replica-validity-factor 0\n"
-        )
+        ) + self.extra_conf
+
+    def _proc(self, port: int) -> _Process:
+        for p in self.procs:
+            if getattr(p, "port", None) == port:
+                return p
+        raise RuntimeError(f"no node of this cluster serves port {port}")
+
+    def kill(self, port: int) -> None:
+        """SIGKILL the node on ``port`` (as a crash would)."""
+        self._proc(port).stop(sig=signal.SIGKILL)
+
+    def restart(self, port: int) -> None:
+        """Start a stopped node again (same port, config and directory: its cluster config
+        and, with persistence in ``extra_conf``, its data); wait until the cluster is ok."""
+        old = self._proc(port)
+        old.stop()
+        new = _Process(old.dir, old.conf_path.read_text())
+        new.port = port  # type: ignore[attr-defined]
+        self.procs[self.procs.index(old)] = new
+        _wait(lambda: _ping(port), 15, f"restarted node on port {port}", new)
+
+        def ok() -> bool:
+            for p in self.ports:
+                c = _client(p)
+                try:
+                    if "cluster_state:ok" not in c.execute_command("CLUSTER", "INFO").decode():
+                        return False
+                finally:
+                    c.close()
+            return True
+
+        _wait(ok, 60, "cluster_state:ok on every node after a restart")
 
     def start(self) -> RedisCluster:
         """Start the nodes, create the cluster and wait until every node says it is ok."""

@@ -82,6 +82,26 @@ class StoreRestartedError(StoreUnavailableError):
     retryable = True
 
 
+class TableLostError(StoreRestartedError):
+    """Rows of a table that lives in a shared store were lost or replaced under it.
+
+    A Redis-resident table records an identity (an epoch) in every bucket and a version that
+    only grows; a restart without persistence, a flush, an eviction, a failover to a replica
+    that lacks the rows (or missed the last writes), or another process re-creating the table
+    is detected on the next operation, which reads and writes nothing. Retrying does not help:
+    the message says how to restore the rows (docs/redis_table.md, "Lost data").
+    """
+
+    retryable = False
+
+
+class MigrationUnfinishedError(ConfigError):
+    """A table's rows are being copied or rehashed into another layout and it has not finished.
+
+    The message says how to finish the migration (reopen with its import options) or abandon it.
+    """
+
+
 class RowLockError(StoreUnavailableError):
     """A Redis-resident table's row lock was busy too long, or lost before the commit; retry."""
 

@@ -15,7 +15,7 @@ from tests.redis_table.helpers import redis_table
 
 import servers
 import tensorkv
-from tensorkv.embedding.tiers import redis_rows
+from tensorkv.embedding.tiers import redis_commit, redis_rows
 from tensorkv.errors import CorruptRecordError, RowLockError, StoreUnavailableError
 
 ADAGRAD = {"optimizer": "adagrad", "seed": 2}
@@ -96,20 +96,22 @@ def test_lost_lock_fails_the_commit(redis_server, tag, monkeypatch):
     url = f"redis://127.0.0.1:{redis_server.port}/0"
     t = redis_table(url, 4, model_tag_runtime=tag, storage_slice=2, table_kwargs=ADAGRAD)
     t.lookup(np.arange(6))
-    real = redis_rows.RedisRowEngine.write
+    real = redis_commit.commit
 
-    def expire_locks_first(self, keys, sealed, deleted, token=None, **kw):
+    def expire_locks_first(engine, *args):
         c = redis_server.client()
         try:  # as if the locks expired (lock_ttl_seconds) while the step ran
-            c.delete(*self.runtime.locks)
+            c.delete(*engine.runtime.locks)
         finally:
             c.close()
-        return real(self, keys, sealed, deleted, token, **kw)
+        return real(engine, *args)
 
-    monkeypatch.setattr(redis_rows.RedisRowEngine, "write", expire_locks_first)
+    monkeypatch.setattr(redis_commit, "commit", expire_locks_first)
+    step_before = t.step
     with pytest.raises(RowLockError, match="expired"):
         t.apply_gradients(np.arange(6), np.ones((6, 4)))
-    monkeypatch.setattr(redis_rows.RedisRowEngine, "write", real)
+    assert t.step == step_before  # the step moves only with an applied commit
+    monkeypatch.setattr(redis_commit, "commit", real)
     before = t.lookup(np.arange(6), insert=False)
     assert t.apply_gradients(np.arange(6), np.ones((6, 4))) == 6  # locks free again
     assert not np.array_equal(before, t.lookup(np.arange(6), insert=False))
@@ -151,7 +153,8 @@ def test_sentinel_failover_is_survived_by_retrying(sentinel, tag):
     serving = redis_table(url, 4, model_tag_runtime=tag, read_only=True,
                           redis_read_access_slave=True, table_kwargs=ADAGRAD)
     keys = np.sort(ref.keys())
-    np.testing.assert_array_equal(serving.lookup(keys), ref.lookup(keys, insert=False))
+    np.testing.assert_array_equal(serving.lookup(keys, insert=False),
+                                  ref.lookup(keys, insert=False))
     replica = [p for p in sentinel.data_ports if p != sentinel.master_port()][0]
     c = servers._client(replica)
     try:  # the serving table read from the replica

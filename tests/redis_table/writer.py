@@ -15,7 +15,7 @@ import sys
 import numpy as np
 
 import tensorkv
-from tensorkv.embedding.tiers import redis_rows
+from tensorkv.embedding.tiers import redis_commit
 
 
 def open_table(url: str, tag: str, consistency: str, optimizer: str) -> tensorkv.EmbeddingTable:
@@ -34,15 +34,15 @@ def table_kwargs(optimizer: str) -> dict:
 def main() -> None:
     url, tag, consistency, seed, steps = sys.argv[1:6]
     current: list[str] = []
-    real_write = redis_rows.RedisRowEngine.write
+    real_commit = redis_commit.commit
 
-    def logged_write(self, keys, sealed, deleted, token=None, **kw):
-        if current and keys.size:  # under the bucket locks (the write releases them)
+    def logged_commit(engine, op, keys, sealed, deleted, locked, exact):
+        if current and keys.size:  # under the bucket locks (the commit releases them)
             key = f"{current[1]}:order".encode()
-            self.store.execute([(key, ("RPUSH", key, current[0].encode()))])
-        return real_write(self, keys, sealed, deleted, token, **kw)
+            engine.store.execute([(key, ("RPUSH", key, current[0].encode()))])
+        return real_commit(engine, op, keys, sealed, deleted, locked, exact)
 
-    redis_rows.RedisRowEngine.write = logged_write
+    redis_commit.commit = logged_commit
     for optimizer in ("sgd", "adagrad"):
         with open_table(url, tag + optimizer, consistency, optimizer) as table:
             for i, (keys, grads) in enumerate(batches(int(seed), int(steps), optimizer)):

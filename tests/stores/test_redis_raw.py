@@ -12,7 +12,7 @@ import pytest
 import redis.exceptions as rex
 
 import tensorkv
-from tensorkv.embedding.tiers import redis_rows as redis_rows_tier
+from tensorkv.embedding.tiers import redis_commit
 from tensorkv.errors import CorruptRecordError, RowLockError, StoreError
 from tensorkv.kernels import resp
 from tensorkv.stores import open_store, redis_raw
@@ -160,11 +160,9 @@ def _table(url: str, tag: str, **options) -> tensorkv.EmbeddingTable:
     return tensorkv.EmbeddingTable(8, optimizer="adagrad", seed=1, storage=opt)
 
 
-def test_table_falls_back_on_noscript_and_wrong_type(redis_server, monkeypatch):
-    def no_session(store):
-        raise RawFallback("as on a Cluster: the Lua fence")
-
-    monkeypatch.setattr(redis_raw, "session", no_session)
+def test_table_scripts_and_wrong_type(redis_server):
+    """The commit script goes as text (a flushed script cache changes nothing); a bucket
+    that is not a hash raises the store's error."""
     url = f"redis://127.0.0.1:{redis_server.port}/0"
     ref = tensorkv.EmbeddingTable(8, optimizer="adagrad", seed=1)
     t = _table(url, "rawfb", storage_slice=2)
@@ -180,10 +178,10 @@ def test_table_falls_back_on_noscript_and_wrong_type(redis_server, monkeypatch):
     for tab in (t, ref):
         tab.apply_gradients(keys, grads)
     engine = t._rows.engine
-    assert engine.counters["raw_fallbacks"] >= 1
+    assert engine.counters["raw_fallbacks"] == 0
     np.testing.assert_array_equal(t.lookup(keys, insert=False), ref.lookup(keys, insert=False))
     c = redis_server.client()
-    try:  # a bucket that is not a hash: the generic path raises the store's error
+    try:  # a bucket that is not a hash: the store's error
         c.delete(engine.runtime.names[0])
         c.set(engine.runtime.names[0], b"x")
     finally:
@@ -213,32 +211,6 @@ def test_table_on_tls_and_acl(server, request):
     t.close()
 
 
-def test_fenced_write_with_only_the_release_script_cached(redis_server, monkeypatch):
-    """The Lua fence (as on a Cluster) on a server that caches the release script only.
-
-    The batch's fenced writes and lock releases go in one pipeline: the writes must not
-    answer NOSCRIPT while the releases run, or the writes sent again find no lock.
-    """
-    def no_session(store):
-        raise RawFallback("as on a Cluster: the Lua fence")
-
-    c = redis_server.client()
-    try:
-        c.script_flush()
-        c.script_load(redis_rows_tier._RELEASE)
-    finally:
-        c.close()
-    monkeypatch.setattr(redis_raw, "session", no_session)
-    ref = tensorkv.EmbeddingTable(8, optimizer="adagrad", seed=1)
-    t = _table(f"redis://127.0.0.1:{redis_server.port}/0", "rawrel", storage_slice=3)
-    keys = np.arange(60)
-    for tab in (t, ref):
-        tab.lookup(keys)
-        tab.apply_gradients(keys, np.full((60, 8), 0.5, np.float32))
-    np.testing.assert_array_equal(t.lookup(keys, insert=False), ref.lookup(keys, insert=False))
-    t.close()
-
-
 def test_busy_lock_taken_with_the_read(redis_server):
     """A busy lock fails the folded SET NX: the locks after it are released, then retried."""
     url = f"redis://127.0.0.1:{redis_server.port}/0"
@@ -251,7 +223,8 @@ def test_busy_lock_taken_with_the_read(redis_server):
         c.set(engine.runtime.locks[1], b"other", px=300)  # expires while we wait
     finally:
         c.close()
-    token, pos, recs = engine.lock_get(np.arange(3), keys, None)
+    token = b"0123456789abcdef"
+    pos, recs = engine.lock_get(np.arange(3), keys, token)
     assert engine.counters["lock_waits"] >= 1
     assert pos.size == 30 and recs.shape == (30, engine.width)
     c = redis_server.client()
@@ -314,39 +287,47 @@ def test_generic_path_gives_the_same_rows(redis_server, monkeypatch):
     t.close()
 
 
-def _set_lock_when_watched(monkeypatch, server, value):
-    """After the WATCH/MGET round trip, set every lock to ``value`` (None: delete them)."""
-    real = redis_raw.read_replies
-    calls = []
+@pytest.fixture(params=["standalone", "cluster"])
+def where(request):
+    """``(url, admin client factory)``: the session's standalone server (MULTI/EXEC commits)
+    or Cluster (Lua commits, two-phase over several buckets)."""
+    if request.param == "standalone":
+        srv = request.getfixturevalue("redis_server")
+        return f"redis://127.0.0.1:{srv.port}/0", srv.client
+    cl = request.getfixturevalue("redis_cluster")
+    from redis.cluster import RedisCluster
 
-    def read(sock, n, *args, **kwargs):
-        r = real(sock, n, *args, **kwargs)
-        if n == 2 and not calls and r.rtype[1] == resp.ARRAY:  # the WATCH + MGET replies
-            calls.append(1)
-            c = server.client()
-            try:
-                for k in c.keys(b"*rawwatch*:lock"):
-                    c.delete(k) if value is None else c.set(k, value)
-            finally:
-                c.close()
-        return r
-
-    monkeypatch.setattr(redis_raw, "read_replies", read)
+    return cl.url, lambda: RedisCluster(host="127.0.0.1", port=cl.ports[0])
 
 
+@pytest.mark.parametrize("which", [0, 1])
 @pytest.mark.parametrize("value", [None, b"someone-else"])
-def test_watched_write_aborts_when_the_lock_changes(redis_server, monkeypatch, value):
-    """A lock that expires or changes hands between the WATCH and EXEC: nothing is written."""
-    url = f"redis://127.0.0.1:{redis_server.port}/0"
-    t = _table(url, f"rawwatch{value is None}", storage_slice=2)
+def test_commit_refused_when_the_lock_changes(where, monkeypatch, value, which):
+    """A lock (of the first or the second bucket) that expires or changes hands before the
+    commit runs: nothing is written, in any bucket, and the step stays."""
+    url, client = where
+    kind = "cl" if "cluster" in url else "sa"
+    t = _table(url, f"rawwatch{value is None}{kind}{which}", storage_slice=2)
     keys = np.arange(10)
     t.upsert(keys, np.ones((10, 8), np.float32))
     before = t.lookup(keys, insert=False)
-    _set_lock_when_watched(monkeypatch, redis_server, value)
+    real = redis_commit.commit
+
+    def change_locks(engine, *args):
+        c = client()
+        try:
+            k = engine.runtime.locks[which]  # one bucket's lock: no bucket is written
+            c.delete(k) if value is None else c.set(k, value)
+        finally:
+            c.close()
+        return real(engine, *args)
+
+    monkeypatch.setattr(redis_commit, "commit", change_locks)
     with pytest.raises(RowLockError, match="nothing was written"):
-        t.upsert(keys, np.full((10, 8), 5.0, np.float32))
+        t.apply_gradients(keys, np.full((10, 8), 5.0, np.float32))
+    assert t.step == 0
     monkeypatch.undo()
-    c = redis_server.client()
+    c = client()
     try:
         c.delete(*t._rows.engine.runtime.locks)
     finally:
@@ -358,43 +339,58 @@ def test_watched_write_aborts_when_the_lock_changes(redis_server, monkeypatch, v
     t.close()
 
 
-def test_watched_write_error_inside_exec(redis_server):
-    """A bucket that is not a hash: the error of the command inside EXEC is the store's."""
-    url = f"redis://127.0.0.1:{redis_server.port}/0"
-    t = _table(url, "rawexecerr", storage_slice=1)
+def test_commit_script_error(where):
+    """A bucket that is not a hash: the commit's error is the store's; no lock stays."""
+    url, client = where
+    t = _table(url, f"rawexecerr{'cl' if 'cluster' in url else 'sa'}", storage_slice=1)
     engine = t._rows.engine
-    c = redis_server.client()
+    c = client()
     try:
+        c.delete(engine.runtime.names[0])
         c.set(engine.runtime.names[0], b"x")
     finally:
         c.close()
-    token = engine.lock(np.arange(1))
+    op = b"0123456789abcdef"
+    engine.lock(np.arange(1), op)
     with pytest.raises(StoreError, match="WRONGTYPE"):
-        engine.write(np.arange(2), engine.seal(np.zeros((2, engine.width), np.uint8)),
-                     np.zeros(0, np.int64), token)
-    engine.unlock(np.arange(1), token)
+        redis_commit.commit(engine, op, np.arange(2),
+                            engine.seal(np.zeros((2, engine.width), np.uint8)),
+                            np.zeros(0, np.int64), np.arange(1), True)
+    engine.unlock(np.arange(1), op)
+    c = client()
+    try:
+        assert not c.exists(engine.runtime.locks[0])
+    finally:
+        c.close()
     t.close()
 
 
-def test_dropped_connection_in_the_watched_write_falls_back(redis_server, monkeypatch):
-    """A connection lost before EXEC: the write runs again through the Lua fence."""
+def test_reply_lost_after_the_commit_ran(redis_server, monkeypatch):
+    """The connection drops after the commit's MULTI/EXEC ran: the commit is sent again as
+    the Lua script, finds its receipt and writes nothing more (applied once)."""
     real = redis_raw.read_replies
     dropped = []
 
-    def drop_once(sock, n, *args, **kwargs):
-        if n == 2 and not dropped:
-            dropped.append(1)
+    def drop_after(sock, n, *args, **kwargs):
+        r = real(sock, n, *args, **kwargs)
+        if (n >= 3 and r.rtype[1] == resp.SIMPLE and r.text(1) == "QUEUED"
+                and r.rtype[-1] == resp.ARRAY and not dropped):
+            dropped.append(1)  # EXEC ran; its reply is "lost"
             raise rex.ConnectionError("dropped by the test")
-        return real(sock, n, *args, **kwargs)
+        return r
 
     url = f"redis://127.0.0.1:{redis_server.port}/0"
     ref = tensorkv.EmbeddingTable(8, optimizer="adagrad", seed=1)
     t = _table(url, "rawdrop", storage_slice=2)
     keys = np.arange(20)
-    ref.lookup(keys)
-    monkeypatch.setattr(redis_raw, "read_replies", drop_once)
-    t.lookup(keys)
+    for tab in (t, ref):
+        tab.lookup(keys)
+    monkeypatch.setattr(redis_raw, "read_replies", drop_after)
+    for tab in (t, ref):
+        tab.apply_gradients(keys, np.ones((20, 8), np.float32))
+    monkeypatch.undo()
     assert dropped and t._rows.engine.counters["raw_fallbacks"] >= 1
     np.testing.assert_array_equal(t.lookup(keys, insert=False), ref.lookup(keys, insert=False))
     np.testing.assert_array_equal(t.frequency(keys), ref.frequency(keys))
+    assert t.step == ref.step == 1
     t.close()

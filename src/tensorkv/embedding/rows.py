@@ -79,6 +79,15 @@ class ArenaRows:
         self._last: tuple[np.ndarray, np.ndarray, int] | None = None
 
     # --- around one batch operation ------------------------------------------------------------
+    def begin_write(self, table: Any, what: str, *args: Any) -> None:
+        """The table starts ``what``, a call that may change rows, with its checked ``args``.
+
+        Called inside :attr:`op`, before anything changes. A backend that must not write
+        (a read-only Redis table) raises here; one whose writes can fail after the table's
+        logic ran puts ``table``'s step back then (:mod:`tensorkv.embedding.chain.redis_rows`).
+        Nothing to do here.
+        """
+
     def promote_lookup(self, keys: np.ndarray) -> np.ndarray | None:
         """Make a lookup's keys resident; returns every key's tier-0 row if known (else None)."""
         return None

@@ -263,6 +263,8 @@ class EmbeddingTable(TableIO):
         raw = self._lookup_buffer(k.shape[0], out)  # a bad ``out`` fails before anything moves
         rows_ = self._rows
         with rows_.op:
+            if insert:
+                rows_.begin_write(self, "lookup(insert=True)", k)
             rows = rows_.promote_lookup(k)
             with rows_.holding_meta():
                 res = self._lookup(k, insert, out, raw, rows)
@@ -283,6 +285,8 @@ class EmbeddingTable(TableIO):
         a, rows_ = self.arena, self._rows
         buf = self._lookup_buffer(k.shape[0], None)
         with rows_.op:
+            if insert:
+                rows_.begin_write(self, "lookup_torch(insert=True)", k)
             rows = rows_.promote_lookup(k)
             # a device arena gathers the rows itself (``gathered``: _lookup then writes only
             # the rows of keys it inserts or leaves out); a host arena's are gathered here
@@ -508,8 +512,10 @@ class EmbeddingTable(TableIO):
         """Set the step, e.g. when restoring a checkpoint into an existing table."""
         if not is_int(value) or value < 0:
             raise ConfigError(f"step={value!r} must be a non-negative integer")
-        with self._lock.write():
-            self._step = int(value)
+        with self._rows.op:
+            self._rows.begin_write(self, "step", int(value))
+            with self._lock.write():
+                self._step = int(value)
 
     def reserve(self, n_keys: int) -> None:
         """Allocate room for ``n_keys`` rows in total now, so inserting them does not regrow.
@@ -561,6 +567,7 @@ class EmbeddingTable(TableIO):
             raise ConfigError(f"step={step!r} must be an integer or None")
         rows_ = self._rows
         with rows_.op:
+            rows_.begin_write(self, "apply_gradients", k, g, step, bool(unique))
             rows = rows_.promote_update(k)
             with rows_.holding_meta():
                 n = self._apply(k, g, step, rows, unique=bool(unique))
@@ -646,6 +653,7 @@ class EmbeddingTable(TableIO):
                 self._stats["nonfinite_skipped"] += n_skip
             return 0
         with self._rows.op:
+            self._rows.begin_write(self, "upsert", k, v)
             self._rows.promote(k)
             a = self.arena
             with self._lock.write():
@@ -665,6 +673,7 @@ class EmbeddingTable(TableIO):
         """Remove keys (absent ones ignored); returns how many rows were removed."""
         k = self.as_keys(keys)
         with self._rows.op:
+            self._rows.begin_write(self, "remove", k)
             self._rows.promote(k)
             with self._lock.write():
                 rows = self.arena.remove(k)
@@ -677,6 +686,7 @@ class EmbeddingTable(TableIO):
     def clear(self) -> None:
         """Remove every row (and the admission filter's counts)."""
         with self._rows.op:
+            self._rows.begin_write(self, "clear")
             self._rows.sync()  # the writer reads held tier-0 rows until its batches land
             with self._lock.write():
                 self.arena.clear()
@@ -687,8 +697,10 @@ class EmbeddingTable(TableIO):
 
     def evict(self) -> int:
         """Apply the eviction policy now; returns how many rows were evicted."""
-        with self._rows.op, self._lock.write():
-            return self._evict_locked()
+        with self._rows.op:
+            self._rows.begin_write(self, "evict")
+            with self._lock.write():
+                return self._evict_locked()
 
     def _evict_locked(self) -> int:
         self._rows.run_held_meta()  # the eviction rules read the batch's new versions

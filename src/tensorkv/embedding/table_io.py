@@ -186,6 +186,7 @@ class TableIO:
                 keys, values, slots = keys[keep], values[keep], slots[keep]
                 freq, version = freq[keep], version[keep]
             with self._rows.op:
+                self._rows.begin_write(self, "import_", keys, values, slots, freq, version)
                 self._rows.promote(keys)
                 a = self.arena
                 with self._lock.write():

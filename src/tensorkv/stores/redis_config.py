@@ -99,6 +99,7 @@ TABLE_FILE_KEYS = frozenset({
     "redis_hash_tags_import", "expire_model_tag_in_seconds", "table_store_mode",
     "model_lib_abs_dir", "redis_read_access_slave", "consistency", "read_only",
     "read_cache_rows", "read_cache_seconds", "lock_ttl_seconds", "lock_wait_seconds",
+    "on_lost", "must_exist",
 })
 
 _STR_OPTIONS = {"ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs", "username",

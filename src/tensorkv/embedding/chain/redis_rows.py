@@ -2,18 +2,25 @@
 
 Tier 0 is a working set: each operation reads its keys' rows from Redis into it (in exact
 mode after locking their buckets), the table runs its own logic there, and the operation's
-end writes the rows it changed (and deletes the rows it removed) back, then empties it. So
-the table computes exactly as the DRAM table does, and nothing stays in memory between
-operations (but an optional read cache of a read-only table). See docs/redis_table.md.
+end commits the rows it changed (and deletes the rows it removed), all or nothing
+(:mod:`~tensorkv.embedding.tiers.redis_commit`), then empties it. So the table computes
+exactly as the DRAM table does, and nothing stays in memory between operations (but an
+optional read cache of a read-only table).
+
+Every call that may write announces itself first (:meth:`RedisRows.begin_write`): a read-only
+table refuses it before anything changes; a commit that fails puts the table's step back; and
+a commit whose reply never came is settled by the next call, which is not applied again if it
+is the same call retried. See docs/redis_table.md.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import threading
 import time
-import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -22,13 +29,17 @@ from tensorkv.embedding.arena import RowArena
 from tensorkv.embedding.chunks import ExportChunk
 from tensorkv.embedding.filters import Eviction
 from tensorkv.embedding.rows import ArenaRows, Place, place_chunks
-from tensorkv.embedding.tiers import redis_migrate
+from tensorkv.embedding.tiers import redis_commit, redis_migrate
+from tensorkv.embedding.tiers import redis_lua as lua
 from tensorkv.embedding.tiers.base import RecordLayout, RowSink, RowSource
 from tensorkv.embedding.tiers.redis_options import RedisTableOptions
 from tensorkv.embedding.tiers.redis_rows import RedisRowEngine
+from tensorkv.errors import ReadOnlyError, RowLockError, StoreUnavailableError
 
 _NO_KEYS = np.empty(0, np.int64)
 _LOADED = -1  # the change sequence of a row read from Redis and not changed since
+#: Times a read is repeated after it met other operations' intents and resolved them.
+_INTENT_ROUNDS = 8
 
 
 class _Operation:
@@ -50,6 +61,40 @@ class _Operation:
         finally:
             self._depth -= 1
             self._lock.release()
+
+
+@dataclass
+class _Call:
+    """A call that may write, as :meth:`RedisRows.begin_write` saw it."""
+
+    table: Any
+    what: str
+    args: tuple[Any, ...]
+    step: int
+    mseq: int
+
+
+@dataclass
+class _Pending:
+    """A call whose commit reply never came: what settles it, and what it would have set."""
+
+    state: redis_commit.OpState
+    fingerprint: bytes
+    step: int
+    mseq: int
+
+
+def fingerprint(what: str, args: tuple[Any, ...], step: int) -> bytes:
+    """A digest of a call (its name, arguments and the table's step before it)."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(f"{what}|{step}".encode())
+    for a in args:
+        if isinstance(a, np.ndarray):
+            h.update(f"|{a.dtype.str}{a.shape}|".encode())
+            h.update(np.ascontiguousarray(a).view(np.uint8).data)
+        else:
+            h.update(f"|{a!r}".encode())
+    return h.digest()
 
 
 class RedisRows(ArenaRows):
@@ -81,13 +126,55 @@ class RedisRows(ArenaRows):
         self._locked = _NO_KEYS
         self._loaded: list[np.ndarray] = []
         self._corrupt: list[np.ndarray] = []
+        self._removed: list[np.ndarray] = []
+        self._call: _Call | None = None
+        self._pending: _Pending | None = None
+        self._replay = False
         self._cache: RowArena | None = None
         self._cache_at = 0.0
         if self.options.read_cache_rows:
             self._cache = RowArena(arena.dim, arena.slot_width, dtype=arena.dtype)
-        self._counts = {"cache_hits": 0, "rows_read": 0, "rows_written": 0}
+        self._counts = {"cache_hits": 0, "rows_read": 0, "rows_written": 0, "replayed": 0}
 
     # --- around one batch operation ------------------------------------------------------------
+    def begin_write(self, table: Any, what: str, *args: Any) -> None:
+        """The table starts ``what``, a call that may write (inside :attr:`op`).
+
+        A read-only table refuses it with :class:`~tensorkv.errors.ReadOnlyError` (nothing
+        has changed). Otherwise the table's step and mutation sequence are kept, to be put
+        back if the commit fails, and an earlier call whose commit reply never came is
+        settled first: if it was applied and this is the same call (same arguments, same
+        step), this one runs without writing, as the retry of an applied operation.
+        """
+        if self.options.read_only:
+            o = self.options
+            raise ReadOnlyError(
+                f"{what}: table {o.table_name!r} under {o.model_tag_runtime!r} at {o.url!r} "
+                "was opened with read_only=True (serving) and never writes to Redis; nothing "
+                "was changed. Use lookup(keys, insert=False) to read, or open the table "
+                "without read_only to train")
+        if self._call is not None:
+            return
+        self._call = _Call(table, what, args, int(table._step), int(table._mseq))
+        if self.engine.unfinished:
+            redis_commit.finish_unfinished(self.engine)
+        if self._pending is not None:
+            self._settle(self._call)
+
+    def _settle(self, call: _Call) -> None:
+        p = self._pending
+        assert p is not None
+        applied = redis_commit.settle(self.engine, p.state)
+        self._pending = None
+        if not applied:
+            return
+        if fingerprint(call.what, call.args, call.step) == p.fingerprint:
+            self._replay = True  # the retry of an applied call: run it, write nothing
+            self._counts["replayed"] += 1
+        else:  # the earlier call was applied: its step counts
+            call.table._step, call.table._mseq = p.step, p.mseq
+            call.step, call.mseq = p.step, p.mseq
+
     def promote_lookup(self, keys: np.ndarray) -> np.ndarray:
         """Read the lookup's rows into the working set; returns every key's row (-1: none)."""
         self._load(keys)
@@ -119,11 +206,26 @@ class RedisRows(ArenaRows):
             want = self._from_cache(want, sink)
         bad: list[np.ndarray] | None = [] if replace else None
         if need.size:  # take the locks and read the rows in one round trip
-            self._token = self._token or uuid.uuid4().hex.encode()
+            self._token = self._token or lua.new_op()
             self._locked = np.union1d(self._locked, need)
-            _, pos, recs = self.engine.lock_get(need, want, self._token, bad)
+            marks: list[tuple[int, bytes]] = []
+            pos, recs = self.engine.lock_get(need, want, self._token, bad, marks)
+            for _ in range(_INTENT_ROUNDS):
+                if not marks:
+                    break
+                # another operation's intent in a bucket this one holds: finish or roll it
+                # back, then read again
+                redis_commit.resolve(self.engine, self.engine.runtime,
+                                     [m for m in marks if not m[1].startswith(self._token)])
+                marks = []
+                if bad is not None:
+                    bad.clear()
+                pos, recs = self.engine.get_found(want, read=False, bad_out=bad, marks=marks)
+            else:
+                raise RowLockError(f"{self.engine.where()}: intents of other operations kept "
+                                   "appearing in buckets this operation holds; retry")
         else:
-            pos, recs = self.engine.get_found(want, read=self.options.read_only, bad_out=bad)
+            pos, recs = self._read(want, bad)
         if bad:  # written over or removed at the commit
             self._corrupt.append(np.concatenate(bad))
         got = want[pos]
@@ -136,8 +238,20 @@ class RedisRows(ArenaRows):
             if self._cache is not None:
                 self._to_cache(got, recs)
 
+    def _read(self, keys: np.ndarray, bad: list[np.ndarray] | None = None
+              ) -> tuple[np.ndarray, np.ndarray]:
+        """Rows of ``keys`` read without locks, with the intents of committed operations."""
+        marks: list[tuple[int, bytes]] = []
+        pos, recs = self.engine.get_found(keys, read=self.options.read_only, bad_out=bad,
+                                          marks=marks)
+        if marks:
+            pos, recs = redis_commit.overlay_found(self.engine, self.engine.runtime, keys, pos,
+                                                   recs, marks)
+        return pos, recs
+
     def _lock_buckets(self, need: np.ndarray) -> None:
-        self._token = self.engine.lock(need, self._token)
+        self._token = self._token or lua.new_op()
+        self.engine.lock(need, self._token)
         self._locked = np.union1d(self._locked, need)
 
     def _from_cache(self, want: np.ndarray, sink: RowSink) -> np.ndarray:
@@ -169,27 +283,50 @@ class RedisRows(ArenaRows):
         RowSink(c, self.layout).write(np.ascontiguousarray(recs), None, rows)
 
     def finish(self, ok: bool) -> None:
-        """End of an operation: write back what changed (if ``ok``), empty the working set."""
-        released = False
+        """End of an operation: commit what changed (if ``ok``), empty the working set.
+
+        A failed commit (or a failed operation) puts the table's step and mutation sequence
+        back; a commit whose reply never came is remembered for the next call to settle.
+        """
+        call, self._call = self._call, None
+        replay, self._replay = self._replay, False
         try:
-            if ok and not self.options.read_only:
-                released = self._commit()
+            if ok and not self.options.read_only and not replay:
+                self._commit()
+            elif not ok:
+                self._restore(call)
+        except redis_commit.OutcomeUnknown as exc:
+            after = (0, 0) if call is None else (int(call.table._step), int(call.table._mseq))
+            self._restore(call)
+            if call is not None:
+                self._pending = _Pending(exc.state, fingerprint(call.what, call.args,
+                                                                call.step), *after)
+            raise StoreUnavailableError(
+                f"{self.engine.where()}: the connection failed while the operation's commit "
+                f"was on its way ({exc.cause}); whether it was applied is not known yet. The "
+                "table's step is unchanged; the next call settles it first: retry the same "
+                "call (it is never applied twice)") from exc.cause
+        except BaseException:
+            self._restore(call)
+            raise
         finally:
             a = self.arena
             if len(a):
                 a.remove(a.keys())
-            self._loaded, self._corrupt = [], []
+            self._loaded, self._corrupt, self._removed = [], [], []
             token, locked = self._token, self._locked
             self._token, self._locked = None, _NO_KEYS
-            if token is not None and locked.size and not released:
-                if ok:
+            if token is not None and locked.size:
+                with contextlib.suppress(Exception):  # the first error is the one to see
                     self.engine.unlock(locked, token)
-                else:
-                    with contextlib.suppress(Exception):  # the first error is the one to see
-                        self.engine.unlock(locked, token)
 
-    def _commit(self) -> bool:
-        """Write back what changed; returns whether the write released the bucket locks."""
+    @staticmethod
+    def _restore(call: _Call | None) -> None:
+        if call is not None:
+            call.table._step, call.table._mseq = call.step, call.mseq
+
+    def _commit(self) -> None:
+        """Commit what changed, all or nothing (releases the bucket locks)."""
         a = self.arena
         hw = a.high_water
         live = np.flatnonzero(a.live[:hw].view(np.bool_))
@@ -199,30 +336,49 @@ class RedisRows(ArenaRows):
         if self._corrupt:  # rows that failed their checks go, unless written over
             loaded = np.concatenate([loaded, *self._corrupt])
         deleted = loaded[a.find(loaded) < 0] if loaded.size else _NO_KEYS
-        if keys.size == 0 and deleted.size == 0:
-            return False
+        if self._removed:
+            deleted = np.union1d(deleted, np.concatenate(self._removed))
         buf = np.zeros((keys.size, self.engine.width), np.uint8)
         if keys.size:
             RowSource(a, self.layout, keys, changed).pack(buf)
             self.engine.seal(buf)
-        self.engine.write(keys, buf, deleted, self._token, release=self._locked)
+        op = self._token or lua.new_op()
+        redis_commit.commit(self.engine, op, keys, buf, deleted, self._locked, self._exact)
+        self._locked = _NO_KEYS
         self._counts["rows_written"] += int(keys.size)
-        return True
 
     # --- rows below tier 0 ---------------------------------------------------------------------
     def read_lower(self, keys: np.ndarray) -> tuple[np.ndarray, Any]:  # noqa: D102
-        found, recs = self.engine.get(keys, read=self.options.read_only)
-        return found, self.layout.unpack(np.ascontiguousarray(recs[:, :self.layout.record_bytes]))
+        pos, got = self._read(keys)
+        found = np.zeros(keys.shape[0], bool)
+        found[pos] = True
+        recs = np.zeros((keys.shape[0], self.layout.record_bytes), np.uint8)
+        recs[pos] = got[:, :self.layout.record_bytes]
+        return found, self.layout.unpack(recs)
 
-    def lower_len(self) -> int:  # noqa: D102
-        return len(self.engine)
+    def lower_len(self) -> int:
+        """Rows in Redis (a bucket holding an intent counted as the intent leaves it)."""
+        marks: list[tuple[int, bytes]] = []
+        lens = self.engine.bucket_lengths(marks=marks)
+        for k, _ in marks:
+            lens[k] = redis_commit.bucket_rows(self.engine, self.engine.runtime, k)[0].size
+        return sum(lens)
 
-    def lower_keys(self) -> np.ndarray:  # noqa: D102
-        return self.engine.keys()
+    def lower_keys(self) -> np.ndarray:
+        """Keys in Redis (a bucket holding an intent read as the intent leaves it)."""
+        marks: list[tuple[int, bytes]] = []
+        keys = self.engine.keys(marks)
+        if not marks:
+            return keys
+        b = self.engine.runtime
+        marked = np.asarray([k for k, _ in marks], np.int64)
+        parts = [keys[~np.isin(b.of(keys), marked)]]
+        parts += [redis_commit.bucket_rows(self.engine, b, int(k))[0] for k in marked]
+        return np.concatenate(parts)
 
     def _chunks(self, chunk_rows: int, since: int) -> Iterator[ExportChunk]:
         rb = self.layout.record_bytes
-        for keys, recs in self.engine.scan(chunk_rows):
+        for keys, recs in redis_commit.scan(self.engine, chunk_rows=chunk_rows):
             f = self.layout.unpack(np.ascontiguousarray(recs[:, :rb]))
             keep = f.change_seq > since
             if not keep.all():
@@ -254,7 +410,7 @@ class RedisRows(ArenaRows):
         a = self.arena
         whole = RowArena(a.dim, a.slot_width, dtype=a.dtype)
         sink = RowSink(whole, self.layout)
-        for keys, recs in self.engine.scan():
+        for keys, recs in redis_commit.scan(self.engine):
             out = a.find(keys) >= 0  # rows of the working set are newer
             if out.any():
                 keys, recs = keys[~out], np.ascontiguousarray(recs[~out])
@@ -266,11 +422,19 @@ class RedisRows(ArenaRows):
             sink.write(RowSource(a, self.layout, held, a.find(held)).pack(), None, rows)
         return whole.row_key[eviction.select(whole, step)].copy()
 
-    def remove_lower(self, keys: np.ndarray) -> int:  # noqa: D102
-        return self.engine.delete(keys) if keys.size else 0
+    def remove_lower(self, keys: np.ndarray) -> int:
+        """Delete ``keys`` (rows not in the working set) with the operation's commit."""
+        if keys.size:
+            if self._exact:
+                need = np.setdiff1d(np.unique(self.engine.runtime.of(keys)), self._locked)
+                if need.size:
+                    self._lock_buckets(need)
+            self._removed.append(keys)
+        return int(keys.size)
 
-    def clear_lower(self) -> None:  # noqa: D102
-        self.engine.clear()
+    def clear_lower(self) -> None:
+        """Empty every bucket (in exact mode under the locks of every bucket)."""
+        redis_commit.clear(self.engine, lua.new_op(), self._exact)
 
     @property
     def rows_in_checkpoint(self) -> bool:

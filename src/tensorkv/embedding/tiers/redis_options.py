@@ -20,6 +20,7 @@ from tensorkv.stores.redis_config import OPTION_NAMES as STORE_OPTION_NAMES
 from tensorkv.stores.redis_config import find_config_file, read_json_object
 
 CONSISTENCY_MODES = ("exact", "last_writer_wins")
+ON_LOST = ("raise", "start_empty")
 _TAG_CHARS = frozenset("{}")
 
 
@@ -72,6 +73,16 @@ class RedisTableOptions:
     lock_ttl_seconds, lock_wait_seconds
         Exact mode: a bucket lock expires after ``lock_ttl_seconds`` (a crashed holder
         frees it); a writer waits at most ``lock_wait_seconds`` for a lock.
+    on_lost
+        What opening a table whose rows were lost does (a restart without persistence, a
+        flush, an eviction, a failover to a replica that lacks them): ``"raise"``
+        (:class:`~tensorkv.errors.TableLostError`) or ``"start_empty"``: empty what is left
+        under a new epoch (every other process must reopen), e.g. before loading a
+        checkpoint into it. Also abandons an unfinished copy from another model tag.
+    must_exist
+        Refuse to open a tag that holds no table at all instead of creating it (a server
+        that lost everything leaves no trace: resuming trainers can say so). Read-only
+        tables always refuse.
     store_options
         Connection options of the Redis store (``password``, ``ssl_ca_certs``, ...).
     """
@@ -96,6 +107,8 @@ class RedisTableOptions:
     read_cache_seconds: float = config.REDIS_TABLE_READ_CACHE_SECONDS
     lock_ttl_seconds: float = config.REDIS_TABLE_LOCK_TTL
     lock_wait_seconds: float = config.REDIS_TABLE_LOCK_WAIT
+    on_lost: str = "raise"
+    must_exist: bool = False
     store_options: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
@@ -128,7 +141,10 @@ class RedisTableOptions:
         if self.consistency not in CONSISTENCY_MODES:
             raise ConfigError(f"consistency={self.consistency!r} must be one of "
                               f"{', '.join(CONSISTENCY_MODES)}")
-        for name in ("using_hash_storage_slice", "redis_read_access_slave", "read_only"):
+        if self.on_lost not in ON_LOST:
+            raise ConfigError(f"on_lost={self.on_lost!r} must be one of {', '.join(ON_LOST)}")
+        for name in ("using_hash_storage_slice", "redis_read_access_slave", "read_only",
+                     "must_exist"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be true or false")
         for name in ("read_cache_seconds", "lock_ttl_seconds", "lock_wait_seconds"):
@@ -241,5 +257,5 @@ def resolve_table_options(storage_path: str | os.PathLike[str] | None,
     return RedisTableOptions(**merged, store_options=tuple(sorted(store.items())))
 
 
-__all__ = ["CONSISTENCY_MODES", "TABLE_OPTION_NAMES", "RedisTableOptions",
+__all__ = ["CONSISTENCY_MODES", "ON_LOST", "TABLE_OPTION_NAMES", "RedisTableOptions",
            "resolve_table_options"]

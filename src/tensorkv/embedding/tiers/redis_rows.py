@@ -3,10 +3,13 @@
 Every row is one field of a Redis hash (a *bucket*) named ``<model_tag>:<table>{<tag>}``:
 the field is the key's 8 little-endian bytes, the value the row's record
 (:class:`~tensorkv.embedding.tiers.base.RecordLayout`: key, freq, version, change sequence,
-values, slots) followed by the XXH64 checksum of the record. A batch goes out as HMGET /
-HSET / HDEL commands of at most ``keys_sending_size`` fields, pipelined per node, and replies
-are decoded whole with numpy. Exact mode adds bucket locks (``<bucket>:lock``, same slot)
-and fenced writes. Layout, locks and migration: docs/redis_table.md.
+values, slots) followed by the XXH64 checksum of the record. A batch goes out as HMGET
+commands of at most ``keys_sending_size`` fields, pipelined per node, and replies are decoded
+whole with numpy. Each read also reads its buckets' identity fields (epoch, version, intent:
+:mod:`~tensorkv.embedding.tiers.redis_lua`) in the same round trip and refuses rows of a bucket
+that was lost. Exact mode adds bucket locks (``<bucket>:lock``, same slot). Commits:
+:mod:`~tensorkv.embedding.tiers.redis_commit`. Layout, locks and migration:
+docs/redis_table.md.
 """
 
 from __future__ import annotations
@@ -18,47 +21,34 @@ import operator
 import os
 import random
 import time
-import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any, NoReturn
 
 import numpy as np
 
+from tensorkv.embedding.tiers import redis_lua as lua
 from tensorkv.embedding.tiers.base import RecordLayout
 from tensorkv.embedding.tiers.redis_options import RedisTableOptions
-from tensorkv.errors import ConfigError, CorruptRecordError, RowLockError, ShapeError
+from tensorkv.errors import (
+    ConfigError,
+    CorruptRecordError,
+    RowLockError,
+    ShapeError,
+    TableLostError,
+)
 from tensorkv.kernels import resp
 from tensorkv.kernels.checksums import record_checksums
-from tensorkv.stores import open_store, redis_raw
+from tensorkv.stores import open_store
 from tensorkv.stores.redis_keys import bounds, key_slots
 from tensorkv.stores.redis_raw import RawFallback
 
-#: Fields per Lua script call (Lua's unpack() limit is ~8000 values).
+#: Fields per HMGET / HSET command at most (Lua's unpack() limit is ~8000 values).
 SCRIPT_FIELDS = 2000
 #: Redis Cluster hash slots.
 SLOTS = 16384
-
-# KEYS: bucket, lock. ARGV: token, n (fields to set), n field/value pairs, fields to delete.
-_FENCED_WRITE = """
-if redis.call('GET', KEYS[2]) ~= ARGV[1] then return -1 end
-local n = tonumber(ARGV[2])
-if n > 0 then redis.call('HSET', KEYS[1], unpack(ARGV, 3, 2 + 2 * n)) end
-if #ARGV > 2 + 2 * n then return redis.call('HDEL', KEYS[1], unpack(ARGV, 3 + 2 * n, #ARGV)) end
-return 0
-"""
-_RELEASE = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-"""
-# The raw path sends the scripts' text (EVAL), never EVALSHA: a batch whose fenced writes
-# answered NOSCRIPT while its lock releases ran could not be sent again.
-_FENCED_BODY, _RELEASE_BODY = _FENCED_WRITE.encode(), _RELEASE.encode()
 _NO_BUCKETS = np.zeros(0, np.int64)
-_SET_ABSENT = """
-local n = 0
-for i = 1, #ARGV, 2 do n = n + redis.call('HSETNX', KEYS[1], ARGV[i], ARGV[i + 1]) end
-return n
-"""
+#: A bucket's identity fields, as one HMGET reply: ``[epoch, version, intent mark]``.
+Head = list
 
 
 @functools.lru_cache(maxsize=1)
@@ -119,6 +109,10 @@ class Buckets:
         self.locks = [b + b":lock" for b in self.names]
         self.meta_key = base + b":layout"
         self.marker_key = base + b":migration"
+        #: The table's epoch every bucket must hold (None: not checked).
+        self.epoch: str | None = None
+        #: The highest version seen of each bucket (-1: none yet).
+        self.seen = np.full(n, -1, np.int64)
 
     def of(self, keys: np.ndarray) -> np.ndarray:
         """Bucket of each key (int64)."""
@@ -132,7 +126,7 @@ class Buckets:
                 "using_hash_storage_slice": self.by_hash}
 
 
-def _key_bytes(keys: np.ndarray) -> np.ndarray:
+def key_bytes(keys: np.ndarray) -> np.ndarray:
     """Hash fields of int64 keys as ``uint8[n, 8]`` (little-endian)."""
     return np.ascontiguousarray(keys, "<i8").view(np.uint8).reshape(-1, 8)
 
@@ -142,15 +136,20 @@ def encode_fields(keys: np.ndarray) -> list[bytes]:
     return keys.astype("<i8").view("V8").tolist()
 
 
-def _interleave(a: list[Any], b: list[Any]) -> list[Any]:
+def interleave(a: list[Any], b: list[Any]) -> list[Any]:
+    """``[a0, b0, a1, b1, ...]``."""
     out: list[Any] = [None] * (2 * len(a))
     out[0::2] = a
     out[1::2] = b
     return out
 
 
+def _text(x: Any) -> bytes | None:
+    return None if x is None else bytes(x)
+
+
 class RedisRowEngine:
-    """Rows of one table in Redis: batched reads, writes, locks, scans and migration.
+    """Rows of one table in Redis: batched reads with identity checks, locks and scans.
 
     Parameters
     ----------
@@ -167,11 +166,19 @@ class RedisRowEngine:
         self.layout = layout
         self.record_bytes = layout.record_bytes
         self.width = layout.record_bytes + 8  # record, then its checksum
-        store = open_store(options.url, **dict(options.store_options))
+        store_options = dict(options.store_options)
+        if options.read_only:  # no write command can leave this process
+            store_options["readonly"] = True
+        store = open_store(options.url, **store_options)
         if not isinstance(store, RedisStore):  # pragma: no cover - the URL check forbids it
             store.close()
             raise ConfigError(f"{options.url!r} is not a Redis URL")
         self.store = store
+        #: Reads go where a read-only table may read (replicas, if asked); writers read the
+        #: primaries, the only copies their locks cover.
+        self.rd = options.read_only
+        #: Versions are checked to grow only on the primaries (replicas lag behind each other).
+        self.strict_versions = not (options.read_only and options.redis_read_access_slave)
         o = options
         prefix = store.options.prefix
         self.runtime = Buckets(prefix, o.model_tag_runtime, o.table_name, o.storage_slice,
@@ -180,23 +187,46 @@ class RedisRowEngine:
                               int(o.storage_slice_import or o.storage_slice),
                               o.redis_hash_tags_import, o.using_hash_storage_slice)
         self._ks = max(1, min(o.keys_sending_size, SCRIPT_FIELDS))
+        #: The servers' run ids when the table was opened (for the messages of lost data).
+        self.run_ids: str | None = None
+        #: Committed two-phase operations whose intents are not all applied yet (see
+        #: :func:`~tensorkv.embedding.tiers.redis_commit.finish`).
+        self.unfinished: list[Any] = []
         self.counters = {"reads": 0, "writes": 0, "deletes": 0, "round_trips": 0,
-                         "lock_waits": 0, "migrated": 0,
-                         "raw_fallbacks": 0}
+                         "lock_waits": 0, "migrated": 0, "raw_fallbacks": 0,
+                         "resolved_intents": 0, "two_phase_commits": 0, "settled": 0}
 
     def close(self) -> None:
         """Close the connection."""
         self.store.close()
 
+    def where(self, b: Buckets | None = None) -> str:
+        """The table, for messages."""
+        b = b or self.runtime
+        return (f"table {self.options.table_name!r} under model tag {b.model_tag!r} at "
+                f"{self.options.url!r}")
+
+    def script(self, body: str, key: bytes, keys: Sequence[bytes], args: Sequence[Any],
+               read: bool = False) -> Any:
+        """Run one Lua script (routed by ``key``); returns its reply."""
+        return self.store.execute([(key, ("EVAL", body, len(keys), *keys, *args))],
+                                  read=read)[0]
+
+    def scripts(self, calls: Sequence[tuple[str, Sequence[bytes], Sequence[Any]]],
+                read: bool = False) -> list[Any]:
+        """Run Lua scripts ``(body, keys, args)`` pipelined (routed by their first key)."""
+        return self.store.execute([(keys[0], ("EVAL", body, len(keys), *keys, *args))
+                                   for body, keys, args in calls], read=read)
+
     # ----------------------------------------------------------------- layout metadata
     def layout_meta(self, b: Buckets) -> dict[str, Any]:
         """The JSON kept at ``<model_tag>:<table>:layout``."""
-        return {"format": "tensorkv-redis-table", "version": 1,
+        return {"format": "tensorkv-redis-table", "version": 2,
                 "layout": self.layout.to_dict(), **b.describe()}
 
     def read_meta(self, b: Buckets) -> dict[str, Any] | None:
         """The layout record of ``b``'s tag, or None."""
-        raw = self.store.execute([(b.meta_key, ("GET", b.meta_key))], read=False)[0]
+        raw = self.store.execute([(b.meta_key, ("GET", b.meta_key))], read=self.rd)[0]
         return None if raw is None else json.loads(raw)
 
     def check_meta(self, b: Buckets, meta: dict[str, Any] | None, what: str) -> None:
@@ -220,9 +250,75 @@ class RedisRowEngine:
                 "rehash them, give the stored values as storage_slice_import / "
                 "redis_hash_tags_import")
 
-    def write_meta(self, b: Buckets) -> None:
-        """Record ``b``'s layout (overwriting)."""
-        self.store.execute([(b.meta_key, ("SET", b.meta_key, json.dumps(self.layout_meta(b))))])
+    def write_meta(self, b: Buckets, **extra: Any) -> None:
+        """Record ``b``'s layout (overwriting), with ``extra`` fields (epoch, state)."""
+        self.store.execute([(b.meta_key, ("SET", b.meta_key,
+                                          json.dumps({**self.layout_meta(b), **extra})))])
+
+    # ----------------------------------------------------------------- identity
+    def check_heads(self, b: Buckets, heads: Sequence[tuple[int, Head]]) -> list[tuple[int, bytes]]:
+        """Check the identity fields ``[epoch, version, mark]`` read of buckets of ``b``.
+
+        Raises :class:`~tensorkv.errors.TableLostError` when a bucket lost its epoch (or holds
+        another one) or went back to an older version; returns ``[(bucket, intent mark)]`` of
+        the buckets holding an intent.
+        """
+        lost: list[tuple[int, str]] = []
+        marks: list[tuple[int, bytes]] = []
+        for k, (e, v, m) in heads:
+            if b.epoch is not None and (e is None or e.decode() != b.epoch):
+                lost.append((k, "holds no epoch" if e is None else f"holds epoch {e.decode()}"))
+                continue
+            ver = -1 if v is None else int(v)
+            if ver < b.seen[k] and self.strict_versions:
+                lost.append((k, f"went back from version {int(b.seen[k])} to {ver}"))
+                continue
+            b.seen[k] = max(int(b.seen[k]), ver)
+            if m is not None:
+                marks.append((k, bytes(m)))
+        if lost:
+            raise self.lost(b, lost)
+        return marks
+
+    def lost(self, b: Buckets, problems: Sequence[tuple[int, str]]) -> TableLostError:
+        """The error for buckets of ``b`` that lost their rows (``[(bucket, what)]``)."""
+        meta = None
+        try:
+            meta = self.read_meta(b)
+            now = self.store.identity()
+        except Exception:  # noqa: BLE001 - the message is best effort; the error stands
+            now = None
+        k, what = problems[0]
+        head = (f"{self.where(b)}: {len(problems)} of its {b.n} buckets lost their rows "
+                f"(bucket {b.names[k]!r} {what})")
+        if any("epoch moved:" in w for _, w in problems):
+            return TableLostError(
+                f"{self.where(b)} was rehashed into another bucket layout by another process "
+                "since this one opened it (or the rehash is under way); nothing was read or "
+                "written. Open the table again with the new layout's options")
+        if meta is not None and meta.get("epoch") not in (None, b.epoch):
+            return TableLostError(
+                f"{self.where(b)} was emptied (on_lost='start_empty'), re-created or rehashed "
+                f"by another process since this one opened it (epoch {b.epoch} -> "
+                f"{meta.get('epoch')}); nothing was read or written. Open the table again")
+        server = ""
+        if self.run_ids is not None and now is not None and now != self.run_ids:
+            server = f"; the server's run id changed from {self.run_ids} to {now} (a restart " \
+                     "or a failover)"
+        return TableLostError(
+            f"{head}{server}: the server restarted without persistence, was flushed, evicted "
+            "the keys or failed over to a replica that lacks them. Nothing was read or "
+            "written, and no row is re-created from its initial value. Restore the rows: open "
+            "the table with on_lost='start_empty' (it empties what is left under a new epoch; "
+            "every other process must reopen) and load a checkpoint into it (tensorkv.load), "
+            "or restore the server's data. Run Redis with persistence (appendonly yes) and "
+            "replicas to avoid this")
+
+    def heads(self, b: Buckets, buckets: Sequence[int]) -> list[tuple[int, Head]]:
+        """``[(bucket, [epoch, version, mark])]`` of ``buckets`` of ``b`` (one round trip)."""
+        replies = self.store.execute([(b.names[k], ("HMGET", b.names[k], *lua.HEAD))
+                                      for k in buckets], read=self.rd)
+        return [(k, [_text(x) for x in r]) for k, r in zip(buckets, replies, strict=True)]
 
     # ----------------------------------------------------------------- encoding
     def seal(self, recs: np.ndarray) -> np.ndarray:
@@ -238,7 +334,7 @@ class RedisRowEngine:
 
     def decode(self, replies: list[Any], keys: np.ndarray | None, where: str,
                bad_out: list[np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """``(found, records uint8[found, width])`` of HMGET/HSCAN values, checksums checked.
+        """``(found, records uint8[found, width])`` of HMGET values, checksums checked.
 
         ``keys``: the key each value was asked for (checked against the record's key field).
         A row failing its checks raises :class:`CorruptRecordError`, or, with ``bad_out``,
@@ -294,8 +390,8 @@ class RedisRowEngine:
         return found, recs
 
     # ----------------------------------------------------------------- batches
-    def _grouped(self, b: Buckets, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray,
-                                                               list[tuple[int, int, int]]]:
+    def grouped(self, b: Buckets, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray,
+                                                              list[tuple[int, int, int]]]:
         """``(order, sorted bucket ids, [(bucket, start, stop)...])`` chunks of sorted keys."""
         bk = b.of(keys)
         order = np.argsort(bk, kind="stable")
@@ -320,64 +416,94 @@ class RedisRowEngine:
         return found, out
 
     def get_found(self, keys: np.ndarray, b: Buckets | None = None, read: bool = True,
-                  bad_out: list[np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
+                  bad_out: list[np.ndarray] | None = None,
+                  marks: list[tuple[int, bytes]] | None = None,
+                  ) -> tuple[np.ndarray, np.ndarray]:
         """``(positions, records)``: where in ``keys`` a row was found, and those rows.
 
         The records (``uint8[m, width]``, read-only) come in reply order, without a copy.
+        The buckets' identity fields are read in the same round trip and checked
+        (:meth:`check_heads`) before any row is returned; ``marks`` receives the intents
+        found.
         """
         b = b or self.runtime
         n = keys.shape[0]
         if n == 0:
             return np.zeros(0, np.int64), np.zeros((0, self.width), np.uint8)
-        order, _, chunks = self._grouped(b, keys)
+        order, _, chunks = self.grouped(b, keys)
         sk = keys[order]
-        read = read and self.options.redis_read_access_slave
+        read = self.rd or (read and self.options.redis_read_access_slave)
         where = f"{self.options.url!r} ({b.model_tag})"
         self.counters["round_trips"] += 1
         self.counters["reads"] += n
+        hb = sorted({k for k, _, _ in chunks})
         try:
-            found_s, recs = self._get_raw(b, sk, chunks, read, where, bad_out)
+            found_s, recs, heads = self._get_raw(b, sk, chunks, read, where, bad_out, hb)
         except RawFallback:
             self.counters["raw_fallbacks"] += 1
             fields = encode_fields(sk)
-            cmds = [(b.names[k], ("HMGET", b.names[k], *fields[a:c])) for k, a, c in chunks]
+            cmds = ([(b.names[k], ("HMGET", b.names[k], *lua.HEAD)) for k in hb]
+                    + [(b.names[k], ("HMGET", b.names[k], *fields[a:c])) for k, a, c in chunks])
             replies = self.store.execute(cmds, read=read)
-            flat = list(itertools.chain.from_iterable(replies))
+            heads = [(k, [_text(x) for x in r]) for k, r in zip(hb, replies, strict=False)]
+            found_m = self.check_heads(b, heads)
+            flat = list(itertools.chain.from_iterable(replies[len(hb):]))
             found_s, recs = self.decode(flat, sk, where, bad_out)
+        else:
+            found_m = self.check_heads(b, heads)
+        if marks is not None:
+            marks += found_m
         return order[found_s], recs
 
     def _get_raw(self, b: Buckets, sk: np.ndarray, chunks: list[tuple[int, int, int]],
                  read: bool, where: str, bad_out: list[np.ndarray] | None,
-                 locks: Sequence[int] = (), token: bytes = b"",
-                 taken: list[bool] | None = None) -> tuple[np.ndarray, np.ndarray]:
+                 head_buckets: Sequence[int], locks: Sequence[int] = (), token: bytes = b"",
+                 taken: list[bool] | None = None,
+                 ) -> tuple[np.ndarray, np.ndarray, list[tuple[int, Head]]]:
         """:meth:`get_found` of the sorted keys ``sk`` on the raw RESP path.
 
         ``locks``: buckets whose locks are taken (SET NX) for ``token`` before the reads, in
-        the same round trip; whether each was taken is appended to ``taken``.
+        the same round trip; whether each was taken is appended to ``taken``. Returns the
+        rows found, and the identity fields of ``head_buckets`` (unchecked).
         """
         n = sk.shape[0]
-        framed = resp.frame_columns([_key_bytes(sk)])
+        framed = resp.frame_columns([key_bytes(sk)])
         row = len(resp.bulk(bytes(self.width)))
         ttl = b"%d" % int(self.options.lock_ttl_seconds * 1000)
         lead = [(b.locks[k], [resp.array_head(6, (b"SET", b.locks[k], token, b"NX", b"PX",
                                                   ttl))]) for k in locks]
-        cmds = lead + [(b.names[k], [resp.array_head(c - a + 2, (b"HMGET", b.names[k])),
-                                     framed[a:c]]) for k, a, c in chunks]
-        elems = [0] * len(lead) + [c - a for _, a, c in chunks]
+        heads = [(b.names[k], [resp.array_head(2 + len(lua.HEAD), (b"HMGET", b.names[k],
+                                                                    *lua.HEAD))])
+                 for k in head_buckets]
+        nl, nh = len(lead), len(heads)
+        cmds = lead + heads + [(b.names[k], [resp.array_head(c - a + 2, (b"HMGET", b.names[k])),
+                                             framed[a:c]]) for k, a, c in chunks]
+        elems = [0] * nl + [len(lua.HEAD)] * nh + [c - a for _, a, c in chunks]
         groups = self.store.execute_raw([c[0] for c in cmds], [c[1] for c in cmds], elems,
                                         [16 + m * row for m in elems], read=read,
                                         row_width=self.width)
         lens, group = np.empty(n, np.int64), np.empty(n, np.int64)
-        got = [False] * len(lead)
+        got = [False] * nl
+        head_out: list[tuple[int, Head]] = []
         for g, r in enumerate(groups):
             for j, i in enumerate(r.commands):
-                if i < len(lead):
+                if i < nl:
                     got[i] = bool(r.rtype[j] == resp.SIMPLE)
                     continue
-                _, a, c = chunks[i - len(lead)]
-                if r.rtype[j] != resp.ARRAY or r.rval[j] != c - a:
+                if r.rtype[j] != resp.ARRAY:
                     raise RawFallback(f"HMGET answered with reply type {int(r.rtype[j])}")
                 e = int(r.roff[j])
+                if i < nl + nh:
+                    if r.rval[j] != len(lua.HEAD):
+                        raise RawFallback("HMGET answered with another number of fields")
+                    head_out.append((head_buckets[i - nl], [
+                        None if ln < 0 else r.buf[o:o + ln].tobytes()
+                        for o, ln in zip(r.eoff[e:e + len(lua.HEAD)].tolist(),
+                                         r.elen[e:e + len(lua.HEAD)].tolist(), strict=True)]))
+                    continue
+                _, a, c = chunks[i - nl - nh]
+                if r.rval[j] != c - a:
+                    raise RawFallback("HMGET answered with another number of fields")
                 lens[a:c], group[a:c] = r.elen[e:e + c - a], g
         if taken is not None:
             taken += got
@@ -395,161 +521,20 @@ class RedisRowEngine:
             dst = np.cumsum(found) - 1
             for g, r in enumerate(groups):
                 recs[dst[found & (group == g)]] = r.rows
-        return self.verify(found, recs, sk, where, bad_out)
-
-    def write(self, keys: np.ndarray, sealed: np.ndarray, deleted: np.ndarray,
-              token: bytes | None = None, release: np.ndarray = _NO_BUCKETS) -> int:
-        """HSET the sealed rows of ``keys``, HDEL ``deleted``; returns rows deleted.
-
-        With ``token`` every bucket write is fenced: it lands only while this token holds the
-        bucket's lock, else :class:`RowLockError` is raised after the batch. ``release``:
-        buckets whose locks (held by ``token``) are released after the writes, in the same
-        round trip.
-        """
-        if token is not None and (keys.size or deleted.size):
-            try:
-                return self._write_watched(keys, sealed, deleted, token, release)
-            except RawFallback:
-                self.counters["raw_fallbacks"] += 1
-        parts = [(True, keys, sealed), (False, deleted, None)]
-        cmds = [c for p in parts for c in self._write_commands(*p, token, raw=True)]
-        if not cmds and not release.size:
-            return 0
-        n_set = sum(1 for c in cmds if c[0])
-        n_write = len(cmds)
-        locks = [self.runtime.locks[k] for k in release.tolist()]
-        cmds += [(False, k, [resp.array_head(5, (b"EVAL", _RELEASE_BODY, b"1", k, token))])
-                 for k in locks]
-        self.counters["round_trips"] += 1
-        try:
-            res = self._ints(self.store.execute_raw(
-                [c[1] for c in cmds], [c[2] for c in cmds], [0] * len(cmds),
-                [32] * len(cmds)), len(cmds))
-        except RawFallback:  # every command can run again: same rows, same fence token
-            self.counters["raw_fallbacks"] += 1
-            res = self.store.execute([c[1:] for p in parts
-                                      for c in self._write_commands(*p, token, raw=False)]
-                                     + [(k, ("EVAL", _RELEASE, 1, k, token)) for k in locks])
-        res = res[:n_write]
-        self.counters["writes"] += int(keys.shape[0])
-        if token is not None and any(int(r) < 0 for r in res):
-            self._lost_lock("the batch was written only in part")
-        n_del = int(sum(int(r) for r in res[n_set:]))
-        self.counters["deletes"] += n_del
-        return n_del
-
-    def _write_watched(self, keys: np.ndarray, sealed: np.ndarray, deleted: np.ndarray,
-                       token: bytes, release: np.ndarray) -> int:
-        """:meth:`write` fenced by WATCH on the bucket locks and one MULTI/EXEC.
-
-        First round trip: WATCH the locks, read them (all must hold ``token``); second:
-        MULTI, the plain HSET/HDEL, DEL of the ``release`` locks, EXEC. A lock that expired
-        or changed hands after the WATCH aborts the EXEC: nothing is written. Raises
-        :class:`RawFallback` on a Cluster (the Lua fence runs there) or on a dropped
-        connection.
-        """
-        b = self.runtime
-        written = np.unique(np.concatenate([b.of(keys), b.of(deleted)]))
-        watched = [b.locks[k] for k in np.union1d(written, release).tolist()]
-        n_locks = len(watched)
-        with redis_raw.session(self.store) as call:
-            r = call([resp.array_head(1 + n_locks, (b"WATCH", *watched)),
-                      resp.array_head(1 + n_locks, (b"MGET", *watched))], 2, n_locks,
-                     64 + n_locks * (len(token) + 16))
-            if r.rtype.tolist() != [resp.SIMPLE, resp.ARRAY]:
-                raise RawFallback("WATCH/MGET answered with other replies")
-            held = [r.buf[o:o + n].tobytes() if n >= 0 else None
-                    for o, n in zip(r.eoff.tolist(), r.elen.tolist(), strict=True)]
-            if any(h != token for h in held):
-                self._lost_lock("nothing was written")
-            cmds = [c for p in [(True, keys, sealed), (False, deleted, None)]
-                    for c in self._write_commands(*p, None, raw=True)]
-            rel = [b.locks[k] for k in release.tolist()]
-            tail = [resp.array_head(1 + len(rel), (b"DEL", *rel))] if rel else []
-            pieces = ([resp.array_head(1, (b"MULTI",))] + [x for c in cmds for x in c[2]]
-                      + tail + [resp.array_head(1, (b"EXEC",))])
-            n = len(cmds) + len(tail)
-            r = call(pieces, n + 2, n, 64 + 16 * n)
-            redis_raw.check_errors(r)  # e.g. OOM while queueing: EXECABORT
-            if r.rtype[-1] == resp.NIL:
-                self._lost_lock("nothing was written")
-            redis_raw.element_errors(r)  # e.g. WRONGTYPE: a bucket that is not a hash
-            if r.rtype[-1] != resp.ARRAY or r.rval[-1] != n or (r.elen[:n] != -2).any():
-                raise RawFallback("EXEC answered with other replies")
-        res = r.eoff[:n].tolist()
-        self.counters["round_trips"] += 2
-        self.counters["writes"] += int(keys.shape[0])
-        n_del = int(sum(v for c, v in zip(cmds, res, strict=False) if not c[0]))
-        self.counters["deletes"] += n_del
-        return n_del
-
-    def _lost_lock(self, what: str) -> None:
-        raise RowLockError(
-            f"a bucket lock of table {self.options.table_name!r} at {self.options.url!r} "
-            f"expired (lock_ttl_seconds={self.options.lock_ttl_seconds}) or the server "
-            f"restarted before the batch was written; {what}. Retry the step; raise "
-            "lock_ttl_seconds if steps take longer")
-
-    def _write_commands(self, setting: bool, keys: np.ndarray, sealed: np.ndarray | None,
-                        token: bytes | None, raw: bool) -> list[tuple[bool, bytes, Any]]:
-        """``[(setting, bucket, command)]`` writing (HSET) or deleting (HDEL) ``keys``' rows.
-
-        With ``token``: fenced writes (:data:`_FENCED_WRITE`). ``raw``: each command as RESP
-        pieces, else as redis-py arguments.
-        """
-        if keys.shape[0] == 0:
-            return []
-        b = self.runtime
-        order, _, chunks = self._grouped(b, keys)
-        if raw:
-            cols = [_key_bytes(keys)] + ([sealed] if setting else [])
-            framed = resp.frame_columns(cols, order)
-        else:
-            fields = encode_fields(keys[order])
-            vals = (sealed[order].view(f"V{self.width}").ravel().tolist()
-                    if setting and sealed is not None else [])
-        out: list[tuple[bool, bytes, Any]] = []
-        for k, a, c in chunks:
-            m, name = c - a, b.names[k]
-            if token is None:
-                lead: tuple[Any, ...] = (b"HSET" if setting else b"HDEL", name)
-            else:
-                script = (b"EVAL", _FENCED_BODY) if raw else (b"EVAL", _FENCED_WRITE)
-                lead = (*script, b"2", name, b.locks[k], token, b"%d" % (m if setting else 0))
-            if raw:
-                n_args = len(lead) + m * (2 if setting else 1)
-                out.append((setting, name, [resp.array_head(n_args, lead), framed[a:c]]))
-            else:
-                args = _interleave(fields[a:c], vals[a:c]) if setting else fields[a:c]
-                out.append((setting, name, (*lead, *args)))
-        return out
-
-    @staticmethod
-    def _ints(groups: list[Any], n: int) -> list[int]:
-        """The integer replies of raw commands, in command order."""
-        out = [0] * n
-        for r in groups:
-            if (r.rtype != resp.INT).any():
-                raise RawFallback("a write answered with a reply that is not an integer")
-            for i, v in zip(r.commands, r.rval.tolist(), strict=True):
-                out[i] = v
-        return out
-
-    def delete(self, keys: np.ndarray) -> int:
-        """HDEL ``keys``; returns how many were stored."""
-        return self.write(keys[:0], np.zeros((0, self.width), np.uint8), keys)
+        if recs.shape[0] != int(np.count_nonzero(lens == self.width)):
+            raise RawFallback("a field of the row width outside the rows")  # pragma: no cover
+        found_s, recs = self.verify(found, recs, sk, where, bad_out)
+        head_out.sort(key=operator.itemgetter(0))
+        return found_s, recs, head_out
 
     # ----------------------------------------------------------------- locks
-    def lock(self, buckets: np.ndarray, token: bytes | None = None) -> bytes:
-        """Take the locks of ``buckets`` (sorted, unique) in order; returns the token.
-
-        ``token``: the token of locks this operation already holds (None: a new one).
+    def lock(self, buckets: np.ndarray, token: bytes) -> bytes:
+        """Take the locks of ``buckets`` (sorted, unique) for ``token``, in order.
 
         Locks are taken in bucket order, a prefix at a time, so writers never deadlock;
         raises :class:`RowLockError` after ``lock_wait_seconds``.
         """
         b = self.runtime
-        token = token or uuid.uuid4().hex.encode()
         ttl = int(self.options.lock_ttl_seconds * 1000)
         pending = buckets.tolist()
         held: list[int] = []
@@ -579,113 +564,124 @@ class RedisRowEngine:
             pause = min(pause * 2, 0.004)
         return token
 
-    def lock_get(self, buckets: np.ndarray, keys: np.ndarray, token: bytes | None,
-                 bad_out: list[np.ndarray] | None = None
-                 ) -> tuple[bytes, np.ndarray, np.ndarray]:
+    def lock_get(self, buckets: np.ndarray, keys: np.ndarray, token: bytes,
+                 bad_out: list[np.ndarray] | None = None,
+                 marks: list[tuple[int, bytes]] | None = None,
+                 ) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`lock` ``buckets`` and :meth:`get_found` ``keys`` (unique) in one round trip.
 
-        Returns ``(token, positions, records)``. When a lock is busy, the locks after it are
-        released and the rest is done as by :meth:`lock`, then the rows are read again.
+        Returns ``(positions, records)``; ``marks`` receives the intents found on the
+        buckets read. When a lock is busy, the locks after it are released and the rest is
+        done as by :meth:`lock`, then the rows are read again.
         """
         b = self.runtime
-        token = token or uuid.uuid4().hex.encode()
         if keys.shape[0] == 0:
-            return self.lock(buckets, token), np.zeros(0, np.int64), np.zeros((0, self.width),
-                                                                               np.uint8)
-        order, _, chunks = self._grouped(b, keys)
+            self.lock(buckets, token)
+            if marks is not None:
+                marks += self.check_heads(b, self.heads(b, buckets.tolist()))
+            return np.zeros(0, np.int64), np.zeros((0, self.width), np.uint8)
+        order, _, chunks = self.grouped(b, keys)
         taken: list[bool] = []
+        hb = sorted({k for k, _, _ in chunks} | set(buckets.tolist()))
+        heads: list[tuple[int, Head]] = []
         try:
-            found, recs = self._get_raw(b, keys[order], chunks, False,
-                                        f"{self.options.url!r} ({b.model_tag})", bad_out,
-                                        buckets.tolist(), token, taken)
+            found, recs, heads = self._get_raw(b, keys[order], chunks, False,
+                                               f"{self.options.url!r} ({b.model_tag})",
+                                               bad_out, hb, buckets.tolist(), token, taken)
         except RawFallback:
             self.counters["raw_fallbacks"] += 1
             self.unlock(buckets, token)  # any lock the raw attempt took
             taken = [False] * buckets.size
         self.counters["round_trips"] += 1
         if all(taken):
+            found_m = self.check_heads(b, heads)
+            if marks is not None:
+                marks += found_m
             self.counters["reads"] += int(keys.shape[0])
-            return token, order[found], recs
+            return order[found], recs
         first = taken.index(False)
         late = buckets[first:][np.asarray(taken[first:], bool)]
         self.unlock(late, token)
         self.lock(buckets[first:], token)
         if bad_out is not None:
             bad_out.clear()
-        return (token, *self.get_found(keys, read=False, bad_out=bad_out))
+        return self.get_found(keys, read=False, bad_out=bad_out, marks=marks)
 
     def unlock(self, buckets: np.ndarray, token: bytes) -> None:
         """Release the locks of ``buckets`` this token holds."""
         b = self.runtime
         if buckets.size:
-            self.store.execute([(b.locks[k], ("EVAL", _RELEASE, 1, b.locks[k], token))
-                                for k in buckets.tolist()])
+            self.scripts([(lua.RELEASE, [b.locks[k]], [token]) for k in buckets.tolist()])
 
-    # ----------------------------------------------------------------- whole table
-    def bucket_lengths(self, b: Buckets | None = None) -> list[int]:
-        """Rows in each bucket."""
+    # ----------------------------------------------------------------- whole buckets
+    def bucket_lengths(self, b: Buckets | None = None,
+                       marks: list[tuple[int, bytes]] | None = None) -> list[int]:
+        """Rows in each bucket (the buckets' identity checked; ``marks``: see :meth:`keys`)."""
         b = b or self.runtime
-        return [int(r) for r in self.store.execute([(k, ("HLEN", k)) for k in b.names],
-                                                   read=False)]
+        res = self.scripts([(lua.COUNT, [k], []) for k in b.names], read=self.rd)
+        found = self.check_heads(b, [(i, [_text(x) for x in r[1:4]])
+                                     for i, r in enumerate(res)])
+        if marks is not None:
+            marks += found
+        return [int(r[0]) for r in res]
 
     def __len__(self) -> int:
         return sum(self.bucket_lengths())
 
-    def scan_bucket(self, b: Buckets, i: int,
-                    chunk_rows: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """``(keys, sealed records)`` chunks of bucket ``i`` (each row once)."""
+    def read_bucket(self, b: Buckets, i: int) -> tuple[np.ndarray, np.ndarray, dict[bytes, bytes]]:
+        """``(keys, sealed records, other fields)`` of bucket ``i``, read atomically (HGETALL).
+
+        The rows are those of one moment of the bucket; its identity is checked. The other
+        fields are its identity fields and any intent (:mod:`.redis_lua`).
+        """
         name = b.names[i]
-        cursor: Any = 0
-        seen = np.empty(0, np.int64)
-        while True:
-            cursor, flat = self.store.execute(
-                [(name, ("HSCAN", name, cursor, "COUNT", chunk_rows))], read=False)[0]
-            if flat:  # redis-py answers HSCAN with a dict (a flat list without its callbacks)
-                fields = list(flat) if isinstance(flat, dict) else flat[0::2]
-                values = list(flat.values()) if isinstance(flat, dict) else flat[1::2]
-                keys = np.frombuffer(b"".join(fields), "<i8").astype(np.int64)
-                if len(fields) * 8 != sum(map(len, fields)):
-                    raise CorruptRecordError(f"bucket {name!r} holds fields that are not "
-                                             "8-byte keys: it was written by something else")
-                _, recs = self.decode(values, keys, repr(name))
-                fresh = ~np.isin(keys, seen)
-                if not fresh.all():
-                    keys, recs = keys[fresh], recs[fresh]
-                seen = np.concatenate([seen, keys])
-                for a in range(0, keys.size, chunk_rows):  # COUNT is only a hint
-                    yield keys[a:a + chunk_rows], recs[a:a + chunk_rows]
-            if int(cursor) == 0:
-                return
+        flat = self.store.execute([(name, ("HGETALL", name))], read=self.rd)[0]
+        # redis-py answers with a dict through its callbacks (a Cluster), a flat list without
+        fields = list(flat) if isinstance(flat, dict) else flat[0::2]
+        values = list(flat.values()) if isinstance(flat, dict) else flat[1::2]
+        lens = np.fromiter(map(len, fields), np.int64, len(fields))
+        is_row = lens == 8
+        meta = {bytes(f): bytes(v) for f, v, r in zip(fields, values, is_row.tolist(),
+                                                       strict=True) if not r}
+        if set(meta) - set(lua.META_FIELDS):
+            raise CorruptRecordError(f"bucket {name!r} holds fields that are not 8-byte keys: "
+                                     "it was written by something else")
+        self.check_heads(b, [(i, [meta.get(f) for f in lua.HEAD])])
+        rows = list(itertools.compress(fields, is_row))
+        keys = np.frombuffer(b"".join(rows), "<i8").astype(np.int64)
+        _, recs = self.decode(list(itertools.compress(values, is_row)), keys, repr(name))
+        return keys, recs, meta
 
-    def scan(self, chunk_rows: int = 65536,
-             b: Buckets | None = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """``(keys, sealed records)`` chunks of every row of the tag."""
-        b = b or self.runtime
-        for i in range(b.n):
-            yield from self.scan_bucket(b, i, chunk_rows)
+    def keys(self, marks: list[tuple[int, bytes]] | None = None) -> np.ndarray:
+        """Every stored key (the buckets' identity checked).
 
-    def keys(self) -> np.ndarray:
-        """Every stored key."""
+        ``marks`` receives the buckets holding an intent (their keys are as stored, without
+        it).
+        """
         b = self.runtime
-        parts = [np.frombuffer(b"".join(r), "<i8").astype(np.int64) if r else
-                 np.empty(0, np.int64)
-                 for r in self.store.execute([(k, ("HKEYS", k)) for k in b.names])]
-        return np.concatenate(parts)
-
-    def clear(self) -> None:
-        """Delete every bucket of the runtime tag."""
-        self.store.execute([(k, ("UNLINK", k)) for k in self.runtime.names])
+        n = b.n
+        res = self.store.execute([(k, ("HMGET", k, *lua.HEAD)) for k in b.names]
+                                 + [(k, ("HKEYS", k)) for k in b.names], read=self.rd)
+        found = self.check_heads(b, [(i, [_text(x) for x in r]) for i, r in enumerate(res[:n])])
+        if marks is not None:
+            marks += found
+        parts = []
+        for r in res[n:]:
+            lens = np.fromiter(map(len, r), np.int64, len(r))
+            rows = list(itertools.compress(r, lens == 8))
+            parts.append(np.frombuffer(b"".join(rows), "<i8").astype(np.int64))
+        return np.concatenate(parts) if parts else np.empty(0, np.int64)
 
     def put_absent(self, b: Buckets, keys: np.ndarray, sealed: np.ndarray) -> int:
         """Write rows whose keys ``b`` does not hold yet (HSETNX); returns rows written."""
         if keys.shape[0] == 0:
             return 0
-        order, _, chunks = self._grouped(b, keys)
+        order, _, chunks = self.grouped(b, keys)
         fields = encode_fields(keys[order])
         vals = sealed[order].view(f"V{self.width}").ravel().tolist()
-        cmds = [(b.names[k], ("EVAL", _SET_ABSENT, b"1", b.names[k],
-                              *_interleave(fields[a:c], vals[a:c]))) for k, a, c in chunks]
-        return int(sum(int(r) for r in self.store.execute(cmds)))
+        calls = [(lua.SET_ABSENT, [b.names[k]], interleave(fields[a:c], vals[a:c]))
+                 for k, a, c in chunks]
+        return int(sum(int(r) for r in self.scripts(calls)))
 
     def stats(self) -> dict[str, Any]:
         """Counters and the layout of the table in Redis."""
@@ -693,6 +689,7 @@ class RedisRowEngine:
         return {"kind": "redis", "url": self.store.url, "mode": self.store.mode,
                 "model_tag": o.model_tag_runtime, "table_name": o.table_name,
                 "storage_slice": o.storage_slice, "consistency": o.consistency,
+                "epoch": self.runtime.epoch,
                 "buckets": [n.decode() for n in self.runtime.names[:4]]
                 + (["..."] if o.storage_slice > 4 else []),
                 "row_bytes": self.width, **self.counters}
@@ -704,4 +701,5 @@ def dump_path(options: RedisTableOptions) -> str:
                         options.table_name)
 
 
-__all__ = ["Buckets", "RedisRowEngine", "dump_path", "encode_fields", "generated_tags"]
+__all__ = ["SCRIPT_FIELDS", "Buckets", "RedisRowEngine", "dump_path", "encode_fields",
+           "generated_tags", "interleave", "key_bytes"]
