@@ -218,8 +218,12 @@ def _fence(meta: KVStore, tombs: dict[str, bytes]) -> Fence:
     return still_ours
 
 
-def _retire(meta: KVStore, tombs: dict[str, bytes], delete_data: DeleteData) -> None:
-    """Delete the data under this process's tombstones ``tombs``, then the tombstones."""
+def _retire(meta: KVStore, tombs: dict[str, bytes], delete_data: DeleteData) -> int:
+    """Delete the data under this process's tombstones ``tombs``, then the tombstones.
+
+    Returns how many tombstones were still this process's at the end (tensors retired);
+    the others were taken over by a put, which rewrote their data.
+    """
     delete_data(sorted(tombs), _fence(meta, tombs))
     with locked(meta):
         keys = [ref_key(t) for t in tombs]
@@ -227,6 +231,7 @@ def _retire(meta: KVStore, tombs: dict[str, bytes], delete_data: DeleteData) -> 
         gone = [k for k, t, v in zip(keys, tombs, cur, strict=True) if v == tombs[t]]
         if gone:
             meta.delete_many(gone)
+    return len(gone)
 
 
 def decref(meta: KVStore, tids: Sequence[str], delete_data: DeleteData) -> int:
@@ -252,9 +257,7 @@ def decref(meta: KVStore, tids: Sequence[str], delete_data: DeleteData) -> int:
                     tombs[t] = tomb
             if writes:
                 meta.put_many(writes)
-        if tombs:
-            _retire(meta, tombs, delete_data)
-        return len(tombs)
+        return _retire(meta, tombs, delete_data) if tombs else 0
     finally:
         _drop(info)
 
