@@ -54,7 +54,7 @@ def stage(arr: np.ndarray, torch_dtype: str | None,
     for i in range(n):
         part = flat[i * step:(i + 1) * step] if n > 1 else flat
         d = xxhash.xxh3_128_intdigest(part)
-        h.update(d.to_bytes(16, "little"))
+        h.update(d.to_bytes(16, "big"))
         s = d & _MASK64 if part.nbytes > _LOW_HALF_IS_XXH3_64 else xxhash.xxh3_64_intdigest(part)
         sums.append(f"{s:016x}")
     entry = {"id": h.hexdigest(), "dtype": dname, "torch_dtype": torch_dtype,
