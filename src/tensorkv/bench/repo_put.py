@@ -7,8 +7,10 @@ tensors (the first layers) is put with ``parent=``. Each figure is the median ov
 ``repeat`` puts of one step's seconds, with the whole put as its baseline (the ratio is the
 step's share). Steps marked "writer threads" run on the providers' writer threads, at the
 same time as the calling thread's steps; the calling thread waits for them in "wait for the
-writers". The LMDB rows add up every write transaction of the put, on any thread (the data
-batches on the writer threads, the rest on the calling thread). The steps are timed by
+writers". A data batch on LMDB is a copy into the transaction's pages (also reported alone,
+adding up every transaction of the put) and a commit (the page-cache writes, and the fsync
+of a durable store); on Redis, the sending and the server's answer. Counting references on
+LMDB waits for a data batch in flight: LMDB has one writer at a time. The steps are timed by
 wrapping the repository's functions for the duration of the run, which adds a few
 microseconds per call.
 """
@@ -40,9 +42,9 @@ STEPS = (
     ("tensorkv.repository.repo:Repository", "absent", "presence probes of counted tensors"),
     ("tensorkv.repository.write:PutWriter", "finish", "wait for the writers"),
     ("tensorkv.repository.index:ModelIndex", "append", "publish (manifest + log entry)"),
+    ("tensorkv.repository.write:PutWriter", "_write_to", "data batches, whole*"),
     ("tensorkv.stores.lmdb:LMDBStore", "_apply", "LMDB: copies into transaction pages"),
-    ("tensorkv.stores.lmdb:LMDBStore", "_in_write_txn", "LMDB: write transactions, commits in"),
-    ("tensorkv.stores.redis:RedisStore", "_write", "Redis: send and apply*"),
+
 )
 
 
