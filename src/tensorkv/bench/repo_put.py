@@ -30,7 +30,7 @@ from typing import Any
 
 from tensorkv.bench.common import Report
 from tensorkv.bench.redis_server import RedisServer
-from tensorkv.bench.repo import chain_graph, chain_state
+from tensorkv.bench.repo import chain_graph, chain_state, interleaved
 from tensorkv.errors import import_optional
 
 #: (owner, attribute, step name) of the functions timed; a step name ending in "*" runs on
@@ -160,6 +160,29 @@ def run(quick: bool, report: Report, *, model_mb: float | None = None, layers: i
                 repo.put(g, sd)  # the store's first write (map growth, allocator) untimed
                 _profile(report, f"{mb:.0f} MB put ({label})", _putter(repo, g, sd), fresh,
                          repeat)
+
+        # what the page cache alone costs here: the model's bytes written to new files
+        files = [0]
+
+        def write_file(per_tensor: bool) -> Callable[[], None]:
+            def go() -> None:
+                files[0] += 1
+                bufs = [t.numpy().data.cast("B") for t in sd.values()]
+                fd = os.open(os.path.join(base, f"f{files[0]}"), os.O_WRONLY | os.O_CREAT)
+                try:
+                    if per_tensor:
+                        for b in bufs:
+                            os.write(fd, b)
+                    else:
+                        os.writev(fd, bufs)
+                finally:
+                    os.close(fd)
+            return go
+
+        t = interleaved({"one": write_file(False), "each": write_file(True)}, repeat, fresh)
+        report.add(f"page cache: {mb:.0f} MB to a new file, one writev", "MB/s", mb / t["one"],
+                   "one write() per tensor", mb / t["each"],
+                   "large writes take large page-cache folios")
 
         # a child sharing `shared` of its tensors with its parent, put with parent=
         cg = chain_graph(child_layers, rows, cols)

@@ -137,8 +137,7 @@ class _SharedEnv:
 
 #: Values at least this large make the rest of a batch read with readahead on the map.
 BULK_VALUE_BYTES = 256 * 1024
-#: A write batch with a value this large among its first ones lets glibc keep freed blocks
-#: (:func:`tensorkv.pages.retain_freed_memory`): LMDB mallocs a block for each such value.
+#: A batch with a value this large among its first lets glibc keep freed blocks (pages.py).
 LARGE_WRITE_VALUE_BYTES = 32 * 1024
 
 _ENVS: dict[tuple[int, str], _SharedEnv] = {}
