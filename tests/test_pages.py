@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import mmap
+import os
 import sys
 
 import numpy as np
@@ -78,3 +79,45 @@ def test_file_mappings_finds_the_lmdb_map_and_bulk_reads_restore_the_advice(tmp_
         assert st._shared.bulk_readers == 0
     finally:
         st.close()
+
+
+_MALLOC_PROBE = """
+import ctypes, sys
+from tensorkv import open_store, pages
+
+class Info(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
+                                                "usmblks", "fsmblks", "uordblks", "fordblks",
+                                                "keepcost")]
+
+libc = ctypes.CDLL(None)
+libc.mallinfo2.restype = Info
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+store = open_store(sys.argv[1])
+store.put_many([(b"small", b"x" * 100)])
+before = pages.freed_memory_decided()
+store.put_many([(b"large", b"x" * (1 << 20))])  # LMDB mallocs a block for this value
+mapped = libc.mallinfo2().hblks
+block = libc.malloc(16 << 20)
+print(before, pages.freed_memory_decided(), libc.mallinfo2().hblks - mapped)
+libc.free(block)
+"""
+
+
+@pytest.mark.skipif(not (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc"),
+                    reason="mallopt thresholds are glibc's")
+@pytest.mark.parametrize("retain", ["", "0"])
+def test_large_lmdb_writes_let_glibc_keep_freed_blocks(tmp_path, retain):
+    """After LMDB's first large write a 16 MiB block comes from the heap, not its own map."""
+    import subprocess
+
+    env = {**os.environ, "TENSORKV_MALLOC_RETAIN": retain}
+    for k in ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_",
+              "GLIBC_TUNABLES"):
+        env.pop(k, None)
+    out = subprocess.run([sys.executable, "-c", _MALLOC_PROBE, f"lmdb://{tmp_path}/s"],
+                         capture_output=True, text=True, env=env, timeout=120, check=True)
+    small_first, decided, new_maps = out.stdout.split()
+    assert (small_first, decided) == ("False", "True")  # small values decide nothing
+    assert new_maps == ("1" if retain == "0" else "0")

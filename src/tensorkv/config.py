@@ -15,6 +15,9 @@ Environment variable                   Default     Meaning
 ``TENSORKV_PREFAULT``                  1           ``0``: growing tables do not fault their
                                                    next rows' memory in ahead, on a
                                                    background thread (embedding.growable)
+``TENSORKV_MALLOC_RETAIN``             1           ``0``: leave glibc's malloc thresholds
+                                                   as they are when LMDB first writes large
+                                                   values (pages.retain_freed_memory)
 =====================================  ==========  =========================================
 """
 
@@ -37,6 +40,13 @@ STORE_SCAN_CHUNK = 1024  # records read per step of a scan; no snapshot is held 
 LMDB_INITIAL_MAP_SIZE = 64 * 1024 * 1024  # bytes; the map doubles when full
 LMDB_MAX_MAP_SIZE = 1 << 40  # bytes (1 TiB); growth stops here with StoreFullError
 LMDB_MAX_READERS = 1024  # concurrent read transactions across all processes sharing an env
+# glibc malloc thresholds set once a process writes large LMDB values (pages.py): blocks up
+# to MALLOC_MMAP_THRESHOLD bytes come from the heap, and up to MALLOC_TRIM_THRESHOLD bytes of
+# freed heap are kept for reuse; these are the largest values glibc's own adaptive thresholds
+# reach (32 MiB and twice that on 64-bit)
+ENV_MALLOC_RETAIN = "TENSORKV_MALLOC_RETAIN"
+MALLOC_MMAP_THRESHOLD = 32 * 1024 * 1024  # bytes
+MALLOC_TRIM_THRESHOLD = 64 * 1024 * 1024  # bytes
 
 # --- key-value stores: RocksDB and LevelDB -------------------------------------------------
 ROCKSDB_WRITE_BUFFER_SIZE = 64 * 1024 * 1024  # bytes per memtable before it is flushed
@@ -189,6 +199,11 @@ def eviction_threads() -> int:
 def ssdhash_async_compaction() -> bool:
     """Whether SSDHASH compacts on its own thread (``TENSORKV_SSDHASH_ASYNC_COMPACTION``)."""
     return env_bool(ENV_SSDHASH_ASYNC_COMPACTION, False)
+
+
+def malloc_retain() -> bool:
+    """Whether large LMDB writes may set glibc's malloc thresholds (``TENSORKV_MALLOC_RETAIN``)."""
+    return env_bool(ENV_MALLOC_RETAIN, True)
 
 
 def assist_thread() -> bool:

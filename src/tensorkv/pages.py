@@ -2,8 +2,10 @@
 
 :func:`start_writeback` starts writing a file's dirty pages at once. :class:`FreshPages` puts
 large arrays filled once in bulk (a restore's new arenas) on base pages, populates each range
-just before it is written, and asks for huge pages again on release. All of it is a hint.
-Why, with measurements: docs/internals.md ("Bulk loads and page hints").
+just before it is written, and asks for huge pages again on release.
+:func:`retain_freed_memory` lets glibc reuse freed write buffers instead of mapping fresh
+pages for every large write. All of it is a hint. Why, with measurements: docs/internals.md
+("Bulk loads and page hints").
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from tensorkv import config
+
 MADV_NORMAL, MADV_RANDOM, MADV_HUGEPAGE, MADV_NOHUGEPAGE, MADV_POPULATE_WRITE = 0, 1, 14, 15, 23
 SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback of dirty pages, do not wait
 _LIBC: dict[str, Any] = {}  # libc function name -> ctypes function or None, on first use
@@ -24,7 +28,13 @@ _LIBC: dict[str, Any] = {}  # libc function name -> ctypes function or None, on 
 _SIGNATURES = {
     "madvise": ("c_void_p", "c_size_t", "c_int"),
     "sync_file_range": ("c_int", "c_int64", "c_int64", "c_uint"),
+    "mallopt": ("c_int", "c_int"),
 }
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # <malloc.h> mallopt parameters
+#: environment variables through which a user tunes glibc's malloc himself (then: hands off)
+_MALLOC_ENV = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_")
+_RETAIN: list[bool] = []  # [whether the thresholds were set], once decided
+_RETAIN_LOCK = threading.Lock()
 _NO_POPULATE: list[bool] = []  # [True] once the kernel refused MADV_POPULATE_WRITE
 
 
@@ -137,6 +147,52 @@ class FreshPages:
         with self._lock:
             arrays, self._arrays = self._arrays, []
         madvise(arrays, MADV_HUGEPAGE)
+
+
+def retain_freed_memory() -> bool:
+    """Let glibc keep freed blocks of up to 32 MiB for reuse; decided once per process.
+
+    LMDB builds each write transaction in blocks from ``malloc`` (a value larger than half a
+    page takes a block of its own) and frees them at commit. With glibc's default thresholds a
+    commit of more than a few hundred KiB hands that memory back to the kernel at once
+    (``munmap``, or trimming the heap top), and the next transaction faults in and zeroes
+    fresh pages for all of it again: the write runs at a third of the speed of a plain file
+    write (docs/benchmarks.md). This sets ``M_MMAP_THRESHOLD`` and ``M_TRIM_THRESHOLD`` to
+    :data:`~tensorkv.config.MALLOC_MMAP_THRESHOLD` and
+    :data:`~tensorkv.config.MALLOC_TRIM_THRESHOLD`, the values glibc's own adaptive thresholds
+    reach once a process frees one 32 MiB block, so that the memory is reused.
+
+    A no-op (returns False) off glibc, with ``TENSORKV_MALLOC_RETAIN=0``, or when the user
+    tunes malloc himself (``MALLOC_TRIM_THRESHOLD_``, ``MALLOC_MMAP_THRESHOLD_``,
+    ``MALLOC_TOP_PAD_`` or a ``glibc.malloc`` entry in ``GLIBC_TUNABLES``).
+    """
+    if _RETAIN:
+        return _RETAIN[0]
+    with _RETAIN_LOCK:
+        if not _RETAIN:
+            _RETAIN.append(_set_malloc_thresholds())
+    return _RETAIN[0]
+
+
+def freed_memory_decided() -> bool:
+    """Whether :func:`retain_freed_memory` has run in this process (a cheap check)."""
+    return bool(_RETAIN)
+
+
+def _set_malloc_thresholds() -> bool:
+    if not config.malloc_retain() or any(os.environ.get(v) for v in _MALLOC_ENV):
+        return False
+    if "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", ""):
+        return False
+    try:
+        libc = os.confstr("CS_GNU_LIBC_VERSION") or ""
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - not a GNU system
+        libc = ""
+    fn = _libc("mallopt") if libc.startswith("glibc") else None
+    if fn is None:
+        return False
+    return bool(fn(M_MMAP_THRESHOLD, config.MALLOC_MMAP_THRESHOLD) == 1
+                and fn(M_TRIM_THRESHOLD, config.MALLOC_TRIM_THRESHOLD) == 1)
 
 
 def fsync_path(path: str) -> None:

@@ -28,3 +28,20 @@ def test_repo_bench_smoke(tmp_path):
     assert not bad, bad
     dedup = next(r for r in report.results if r.case.startswith("bytes stored"))
     assert dedup.ratio < 1.01
+
+
+def test_repo_put_profile_smoke(tmp_path):
+    if redis_server_path() is None:
+        pytest.skip("redis-server is not installed")
+    from tensorkv.bench import repo_put
+
+    report = Report("repo-put", quick=True, echo=False)
+    repo_put.run(True, report, model_mb=0.4, layers=8, child_layers=4, repeat=1,
+                 root=str(tmp_path))
+    cases = {r.case for r in report.results}
+    for label in ("0 MB put (LMDB, sync=False)", "0 MB put (LMDB, durable)", "0 MB put (Redis)",
+                  "4-layer child, 75% shared (LMDB, sync=False)"):
+        assert f"{label}: hashing (one pass over the bytes)" in cases
+        assert f"{label}: counting references (intent ahead)" in cases
+    assert all(r.baseline == "whole put" and r.value > 0 for r in report.results
+               if "hashing" in r.case or "counting" in r.case)

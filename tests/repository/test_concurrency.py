@@ -43,41 +43,34 @@ def test_threads_and_processes_keep_counts_exact(backend, tmp_path, request):
 
 @pytest.mark.parametrize("backend", ["lmdb", "redis"])
 def test_a_put_racing_a_delete_of_the_same_content_keeps_its_data(backend, tmp_path, request):
-    """A put writes tensors whose counts are live tombstones; the delete then removes them.
+    """A put meets the live tombstones of a delete retiring the same tensors.
 
-    The deleter stops once its counts are tombstones. The put writes its data meanwhile; the
-    deleter goes on deleting only when the put either waits for the tombstones (it reads the
-    counts a second time) or has finished writing what it found missing after counting: in
-    both orders the put's model must stay whole.
+    The deleter stops once its counts are tombstones. The put counts its tensors before it
+    writes them, so it must wait for the tombstones to go: the deleter goes on deleting only
+    once the put has read the counts a second time (it is waiting). The put's model must stay
+    whole: it writes the data after the delete removed it.
     """
     url = make_url(backend, tmp_path, request)
     model = mlp((4, 8, 2))
     with Repository(url) as deleter, Repository(url) as putter:
         old = deleter.put(model)
-        tombstoned, written, go = threading.Event(), threading.Event(), threading.Event()
-        delete_data, write_new = deleter.delete_data, putter._write_new
+        tombstoned, go = threading.Event(), threading.Event()
+        delete_data = deleter.delete_data
         get_many, count_reads = putter.meta.get_many, []
 
-        def delete_when_told(tids, chunks=None):
+        def delete_when_told(*args):
             tombstoned.set()
             assert go.wait(60)
-            delete_data(tids, chunks)
-
-        def write_and_tell(*args, **kwargs):
-            write_new(*args, **kwargs)
-            if written.is_set():  # the rewrite after counting
-                go.set()
-            written.set()
+            delete_data(*args)
 
         def read_counts(keys):
-            if written.is_set() and keys and keys[0].startswith(b"repo/r/"):
+            if tombstoned.is_set() and keys and keys[0].startswith(b"repo/r/"):
                 count_reads.append(len(keys))
                 if len(count_reads) == 2:  # the put is waiting for the tombstones
                     go.set()
             return get_many(keys)
 
         deleter.delete_data = delete_when_told  # type: ignore[method-assign]
-        putter._write_new = write_and_tell  # type: ignore[method-assign]
         putter.meta.get_many = read_counts  # type: ignore[method-assign]
         retired: list[int] = []
         t = threading.Thread(target=lambda: retired.append(deleter.delete(old)))

@@ -114,10 +114,11 @@ def test_gc_reclaims_a_killed_put(lmdb_url):
         from tensorkv.repository.layout import intent_key
 
         arrs = {k: v.numpy() for k, v in m.state_dict().items()}
-        ents = {k: tensors.describe(a, "float32", repo.chunk_bytes) for k, a in arrs.items()}
+        staged = {k: tensors.stage(a, "float32", repo.chunk_bytes) for k, a in arrs.items()}
+        ents = {k: e for k, (e, _) in staged.items()}
         repo.meta.put(intent_key("dead"), b'{"tids": [], "time": 0}')
-        for k, a in arrs.items():
-            repo.providers[0].put_many(tensors.encode_chunks(a, ents[k]))
+        for e, flat in staged.values():
+            repo.providers[0].put_many(tensors.chunk_values(flat, e))
         refs.incref(repo.meta, [e["id"] for e in ents.values()])
         assert not repo.check()["ok"]
         assert len(repo.list()) == 1
@@ -284,17 +285,78 @@ def test_reads_share_one_block_when_large(lmdb_url):
         assert got["t0"].base is not None and got["t0"].base is got["t2"].base
 
 
-def test_writes_batch_records_in_a_reused_block(lmdb_url, monkeypatch):
-    from tensorkv.repository import repo as repo_mod
+class _InlinePool:
+    """Runs what is submitted at once, in the submitting thread: a deterministic order."""
 
-    monkeypatch.setattr(repo_mod, "WRITE_BATCH_BYTES", 8192)
+    def submit(self, fn, *args):
+        from concurrent.futures import Future
+
+        fut: Future = Future()
+        try:
+            fut.set_result(fn(*args))
+        except BaseException as exc:
+            fut.set_exception(exc)
+        return fut
+
+    def shutdown(self, wait=True):
+        pass
+
+
+@pytest.mark.parametrize("providers", [1, 2])
+def test_a_put_writes_from_tensor_memory_in_bounded_batches_behind_its_intent(
+        lmdb_url, monkeypatch, providers):
+    """Chunks go to the stores as views of the tensors (no copy), in batches of bounded size,
+    and never before an intent record naming their tensor (gc leaves them alone)."""
+    import json
+
+    from tensorkv.repository import write
+
+    monkeypatch.setattr(write, "GROUP_BYTES", 6000)  # several groups: hashing overlaps writing
+    monkeypatch.setattr(write, "WRITE_BATCH_BYTES", 8192)
     sd = {"small": np.arange(100, dtype=np.float32), "mid": np.ones((3, 500), np.float32),
-          "big": np.arange(5000, dtype=np.float64)}  # 40 kB: larger than the block
+          "big": np.arange(5000, dtype=np.float64),  # 40 kB: larger than a batch
+          "more": np.arange(3000, dtype=np.int32), "last": np.arange(7.0)}
     g = {"nodes": [{"name": "x", "op": "input", "type": "input"}]}
-    with Repository(lmdb_url, chunk_bytes=1 << 20) as repo:
+    urls = [f"{lmdb_url}-{i}" for i in range(providers)]
+    with Repository(urls, chunk_bytes=1 << 20) as repo:
+        repo.pool.shutdown()
+        repo.pool = _InlinePool()  # type: ignore[assignment]
+        calls: list[list] = []
+        for st in repo.providers:
+            def record_many(items, put_many=st.put_many):
+                calls.append(list(items))
+                return put_many(calls[-1])
+
+            def record_put(key, value, put=st.put):
+                calls.append([(key, value)])
+                return put(key, value)
+
+            monkeypatch.setattr(st, "put_many", record_many)
+            monkeypatch.setattr(st, "put", record_put)
         mid = repo.put(g, sd)
+        ents = repo.manifest(mid)["tensors"]
+        name_of = {e["id"]: n for n, e in ents.items()}
+        covered: set[str] = set()
+        data_batches = 0
+        for batch in calls:
+            data = [(k, v) for k, v in batch if k.startswith(tensors.DATA)]
+            for key, value in batch:
+                if key.startswith(b"repo/p/"):
+                    covered |= set(json.loads(bytes(value))["tids"])
+                elif key.startswith(tensors.DATA):
+                    tid = key[len(tensors.DATA):].split(b"/")[0].decode()
+                    assert tid in covered, f"{key!r} written before an intent names it"
+                    mine = np.ascontiguousarray(sd[name_of[tid]]).reshape(-1).view(np.uint8)
+                    assert np.shares_memory(np.frombuffer(value, np.uint8), mine)
+            if data:
+                data_batches += 1
+                assert len(data) == 1 or sum(memoryview(v).nbytes for _, v in data) <= 8192
+        assert data_batches >= 3
+        if providers > 1:
+            assert all(any(b"repo/t/" in k for k in p.keys(tensors.DATA))
+                       for p in repo.providers)
         sd2 = {k: v + 1 for k, v in sd.items()}
-        mid2 = repo.put(g, sd2)  # the block is reused: the first model's records stay intact
+        mid2 = repo.put(g, sd2)
         for want, m in ((sd, mid), (sd2, mid2)):
             got = repo.get(m)
             for k, v in want.items():

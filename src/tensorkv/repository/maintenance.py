@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from tensorkv.errors import CorruptRecordError
@@ -64,8 +63,8 @@ def _expected(repo: Repository) -> tuple[Counter[str], dict[str, int], list[str]
     return exp, chunks, lost
 
 
-def _deleter(repo: Repository, chunks: dict[str, int]) -> Callable[[list[str]], None]:
-    return lambda ts: repo.delete_data(ts, chunks)
+def _deleter(repo: Repository, chunks: dict[str, int] | None = None) -> refs.DeleteData:
+    return lambda ts, fence: repo.delete_data(ts, chunks, fence)
 
 
 def gc(repo: Repository, grace: float = 3600.0) -> dict[str, int]:
@@ -106,7 +105,7 @@ def gc(repo: Repository, grace: float = 3600.0) -> dict[str, int]:
                 report["tensors_retired"] += want == 0
     for tid, want in exp.items():
         if (refs.ref_key(tid) not in counts and tid not in pending
-                and refs.set_count(repo.meta, tid, None, want, repo.delete_data)):
+                and refs.set_count(repo.meta, tid, None, want, _deleter(repo))):
             report["counts_fixed"] += 1
     pending_now, _, _ = _intents(repo, grace)
     for p, held in zip(repo.providers, data, strict=True):

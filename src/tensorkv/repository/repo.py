@@ -44,12 +44,11 @@ from tensorkv.repository.capture import Trace, capture, is_module
 from tensorkv.repository.graph import Graph, as_graph
 from tensorkv.repository.index import ModelIndex, log_key, matcher
 from tensorkv.repository.layout import PROVIDER_KEY, intent_key, load_json, manifest_key
+from tensorkv.repository.write import PutWriter
 from tensorkv.stores import KVStore, open_store
 
 #: Environment variable naming the default repository (a path or a store URL).
 ENV_REPOSITORY = "TENSORKV_REPOSITORY"
-#: Chunk records written per put_many call (bounds the memory of one call).
-WRITE_BATCH_BYTES = 64 << 20
 
 
 def default_location() -> str:
@@ -117,7 +116,6 @@ class Repository:
         self.index = ModelIndex()
         self.lock = threading.RLock()
         self.manifests: dict[str, dict[str, Any]] = {}
-        self._scratch = threading.local()  # .block: this thread's write buffer
         self.pool = ThreadPoolExecutor(threads or max(4, 2 * len(self.providers)),
                                        thread_name_prefix="tensorkv-repo")
 
@@ -240,23 +238,12 @@ class Repository:
         parent_entries: set[str] = set()
         if parent is not None:
             parent_entries = {e["id"] for e in self.manifest(parent)["tensors"].values()}
-        entries = {k: tensors.describe(a, tdt, self.chunk_bytes) for k, (a, tdt) in arrays.items()}
         mid = uuid.uuid4().hex[:20]
-        by_tid: dict[str, tuple[np.ndarray, dict[str, Any]]] = {}
-        for k, e in entries.items():
-            by_tid.setdefault(e["id"], (arrays[k][0], e))
-        tids = sorted(by_tid)
-        if tids:
-            self.meta.put(intent_key(mid), json.dumps({"tids": tids, "time": time.time()})
-                          .encode())
-        counted: list[str] = []
+        writer = PutWriter(self, mid, parent, parent_entries)
         published = False
         try:
-            self._write_new(by_tid, parent_entries)
-            before = refs.incref(self.meta, tids, done=counted)
-            again = [t for t, b in zip(tids, before, strict=True) if b == 0]
-            if again:  # count was 0: a delete may have removed data we found present
-                self._write_new({t: by_tid[t] for t in again}, set(), check_all=True)
+            entries = writer.send(arrays)
+            # built while the providers write the last tensors
             manifest = {
                 "id": mid, "name": name, "parent": parent, "metrics": mets,
                 "created": time.time(), "graph": graph.to_dict(),
@@ -266,6 +253,7 @@ class Repository:
             entry = {"op": "add", "id": mid, "name": name, "parent": parent, "metrics": mets,
                      "created": manifest["created"], "h": graph.hash_keys().tobytes().hex(),
                      "b": sum(e["nbytes"] for e in entries.values()), "n": len(entries)}
+            writer.finish()
             with self.lock:
                 # the manifest and the entry that publishes it: one round trip
                 self.index.append(self.meta, entry, before=[(manifest_key(mid), mdata)])
@@ -273,21 +261,20 @@ class Repository:
                 self.manifests[mid] = manifest
         except BaseException as exc:
             if not published:
-                self._rollback(mid, counted, by_tid, exc)
+                self._rollback(mid, writer.counted, writer.by_tid, exc)
             raise
-        if tids:
+        if writer.by_tid:
             self.meta.delete(intent_key(mid))
         return mid
 
-    def _rollback(self, mid: str, counted: list[str],
-                  by_tid: dict[str, tuple[np.ndarray, dict[str, Any]]], exc: BaseException) -> None:
+    def _rollback(self, mid: str, counted: list[str], by_tid: Mapping[str, Any],
+                  exc: BaseException) -> None:
         try:
             self.meta.delete(manifest_key(mid))
-            if counted:
-                refs.decref(self.meta, counted, self.delete_data)
-            else:  # nothing counted: drop the data this put wrote that no one counts
-                cur = self.meta.get_many([refs.ref_key(t) for t in by_tid])
-                self.delete_data([t for t, v in zip(by_tid, cur, strict=True) if v is None])
+            if counted:  # the put wrote only tensors it counted: dropping the counts retires them
+                chunks = {t: by_tid[t][1]["chunks"] for t in counted}
+                refs.decref(self.meta, counted,
+                            lambda ts, fence: self.delete_data(ts, chunks, fence))
             self.meta.delete(intent_key(mid))
         except Exception as again:  # the intent stays: gc() reclaims the rest
             exc.add_note(f"tensorkv: cleaning up the failed put also failed ({again}); "
@@ -295,76 +282,6 @@ class Repository:
         if isinstance(exc, StoreFullError):
             exc.add_note("tensorkv: the model was not stored and the repository is unchanged; "
                          "free space (repo.delete, repo.gc) or add a provider")
-
-    def _write_new(self, by_tid: dict[str, tuple[np.ndarray, dict[str, Any]]],
-                   skip: set[str], *, check_all: bool = False) -> None:
-        """Write the tensors no provider holds yet (spilling to the next provider when full)."""
-        cand = [t for t in by_tid if t not in skip]
-        if not cand:
-            return
-        if not check_all:
-            cur = self.meta.get_many([refs.ref_key(t) for t in cand])
-            unknown = [t for t, v in zip(cand, cur, strict=True) if v is None or v[:1] == b"-"]
-            known = [t for t, v in zip(cand, cur, strict=True) if not (v is None or v[:1] == b"-")]
-            missing = unknown + self.absent(known, {t: by_tid[t][1] for t in known})
-        else:
-            missing = self.absent(cand, {t: by_tid[t][1] for t in cand})
-        if not missing:
-            return
-        full: set[int] = set()
-        todo = {t: tensors.rank(t, self.provider_ids) for t in missing}
-        last: StoreFullError | None = None
-        while todo:
-            groups: dict[int, list[str]] = {}
-            for t, order in todo.items():
-                p = next((i for i in order if i not in full), None)
-                if p is None:
-                    raise StoreFullError(
-                        f"every provider refused tensor data ({len(todo)} tensors left): "
-                        f"{last}") from last
-                groups.setdefault(p, []).append(t)
-            futs = {p: self.pool.submit(self._write_group, p, ts, by_tid)
-                    for p, ts in groups.items()}
-            done: list[str] = []
-            for p, f in futs.items():
-                try:
-                    f.result()
-                    done.extend(groups[p])
-                except StoreFullError as exc:
-                    full.add(p)
-                    last = exc
-            for t in done:
-                del todo[t]
-
-    def _write_group(self, p: int, tids: list[str],
-                     by_tid: dict[str, tuple[np.ndarray, dict[str, Any]]]) -> None:
-        """Write the chunks of ``tids`` to provider ``p``, ``WRITE_BATCH_BYTES`` per call.
-
-        The records of a batch are laid out in one block this thread reuses from put to put
-        (the store copies what it is given), so no new memory is faulted in per put.
-        """
-        store = self.providers[p]
-        scratch = getattr(self._scratch, "block", None)
-        if scratch is None:
-            scratch = self._scratch.block = np.empty(WRITE_BATCH_BYTES, np.uint8)
-        batch: list[tuple[bytes, np.ndarray]] = []
-        pos = 0
-        for t in tids:
-            arr, e = by_tid[t]
-            for key, head, payload in tensors.chunk_parts(arr, e):
-                n = len(head) + payload.nbytes
-                if pos + n > scratch.size and batch:
-                    store.put_many(batch)
-                    batch, pos = [], 0
-                if n > scratch.size:  # a chunk larger than the block: a record of its own
-                    store.put_many([(key, tensors.record_of(head, payload))])
-                    continue
-                rec = scratch[pos:pos + n]
-                tensors.record_into(head, payload, rec)
-                batch.append((key, rec))
-                pos += -(-n // 64) * 64
-        if batch:
-            store.put_many(batch)
 
     def absent(self, tids: list[str], entries: Mapping[str, dict[str, Any]]) -> list[str]:
         """The tensors of ``tids`` whose chunks no provider holds in full."""
@@ -390,17 +307,25 @@ class Repository:
                 break
         return left
 
-    def delete_data(self, tids: Sequence[str], chunks: Mapping[str, int] | None = None) -> None:
-        """Delete the chunks of tensors ``tids`` from every provider (no count is checked)."""
-        if not tids:
-            return
-        keys: list[bytes] = []
-        for t in tids:
-            n = chunks.get(t) if chunks else None
-            if n is None:
-                n = self._chunk_count(t)
-            keys.extend(tensors.chunk_key(t, i) for i in range(n))
+    def delete_data(self, tids: Sequence[str], chunks: Mapping[str, int] | None = None,
+                    fence: refs.Fence | None = None) -> None:
+        """Delete the chunks of tensors ``tids`` from every provider (no count is checked).
+
+        ``fence`` (see :data:`refs.Fence <tensorkv.repository.refs.Fence>`) is asked before
+        each provider's deletion which of the tensors may still go.
+        """
+        left = list(tids)
         for p in self.providers:
+            if fence is not None and left:
+                left = fence(left)
+            if not left:
+                return
+            keys: list[bytes] = []
+            for t in left:
+                n = chunks.get(t) if chunks else None
+                if n is None:
+                    n = self._chunk_count(t)
+                keys.extend(tensors.chunk_key(t, i) for i in range(n))
             p.delete_many(keys)
 
     def _chunk_count(self, tid: str) -> int:
@@ -692,7 +617,7 @@ class Repository:
                 self.index.append(self.meta, {"op": "del", "id": mid})
             self.manifests.pop(mid, None)
         retired = refs.decref(self.meta, sorted(chunks),
-                              lambda ts: self.delete_data(ts, chunks))
+                              lambda ts, fence: self.delete_data(ts, chunks, fence))
         self.meta.delete(ikey)
         return retired
 

@@ -1,41 +1,78 @@
 """Content-addressed tensors: ids, row chunks, placement over providers, sliced reads.
 
-A tensor's id is the xxh3-128 of its dtype, shape and bytes. Its data is cut along axis 0
-into chunks of whole rows (about ``chunk_bytes`` each); chunk ``i`` is one tensor record
-(:mod:`tensorkv.codec`: header, shape, checksum) under ``repo/t/<id>/<i>``. A read of
-``tensor[a:b]`` fetches only the chunks that hold rows ``a..b``. Every chunk of a tensor
-lives on one provider, chosen by rendezvous hashing of the id over the providers' ids.
+A tensor's bytes are cut along axis 0 into chunks of whole rows (about ``chunk_bytes``
+each). One pass over the bytes computes each chunk's xxh3-128 digest; the tensor's id is the
+xxh3-128 of its dtype, shape, rows per chunk and those digests (a two-level hash tree), and
+each chunk's checksum is its xxh3-64 (the low half of its xxh3-128 digest for chunks over
+240 bytes, so the pass yields it too). Chunk ``i`` is stored as its raw bytes under
+``repo/t/<id>/<i>``, written straight from the tensor's memory; its dtype, shape and checksum
+live in the manifest entry (``sums``). Entries without ``sums`` come from earlier versions,
+whose chunks are tensor records (:mod:`tensorkv.codec`: header, shape, checksum). A read of
+``tensor[a:b]`` fetches only the chunks that hold rows ``a..b``. Every chunk of a tensor lives
+on one provider, chosen by rendezvous hashing of the id over the providers' ids.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import math
 from typing import Any
 
 import numpy as np
 import xxhash
 
-from tensorkv.codec import BFLOAT16, decode, encode_parts
+from tensorkv.codec import BFLOAT16, decode
 from tensorkv.errors import BadIndexError, CorruptRecordError
 
 #: Default size of a chunk of rows in bytes (4 MiB).
 DEFAULT_CHUNK_BYTES = 4 << 20
 PREFIX = b"repo/"
 DATA = PREFIX + b"t/"
+#: Domain tag of tensor ids (the version of how they are derived).
+ID_TAG = "tensorkv.tensor/2"
+#: Above this many bytes the low half of xxh3-128 is xxh3-64 (same accumulators, same merge).
+_LOW_HALF_IS_XXH3_64 = 240
+_MASK64 = (1 << 64) - 1
+_DTYPE_NAMES: dict[np.dtype, str] = {}
 
 
-def tensor_id(arr: np.ndarray) -> str:
-    """Content id of a C-contiguous array: xxh3-128 of dtype, shape and bytes (32 hex)."""
-    h = xxhash.xxh3_128()
-    h.update(f"{dtype_name(arr.dtype)}|{','.join(map(str, arr.shape))}|".encode())
-    if arr.size:
-        h.update(arr.reshape(-1).view(np.uint8).data)
-    return h.hexdigest()
+def stage(arr: np.ndarray, torch_dtype: str | None,
+          chunk_bytes: int) -> tuple[dict[str, Any], memoryview]:
+    """Manifest entry of a C-contiguous array, and its bytes, from one pass over them.
+
+    The entry holds the id, dtype, shape, bytes, rows per chunk, chunk count and each
+    chunk's xxh3-64 checksum (hex); the bytes are a view of the array's memory, not a copy.
+    """
+    shape = arr.shape
+    dname = dtype_name(arr.dtype)
+    nbytes = int(arr.nbytes)
+    rows = rows_per_chunk(shape, arr.dtype.itemsize, chunk_bytes)
+    n = n_chunks(shape, rows)
+    flat = arr.reshape(-1).view(np.uint8).data if nbytes else memoryview(b"")
+    step = rows * (nbytes // shape[0]) if n > 1 else nbytes
+    h = xxhash.xxh3_128(f"{ID_TAG}|{dname}|{','.join(map(str, shape))}|{rows}|".encode())
+    sums = []
+    for i in range(n):
+        part = flat[i * step:(i + 1) * step] if n > 1 else flat
+        d = xxhash.xxh3_128_intdigest(part)
+        h.update(d.to_bytes(16, "big"))
+        s = d & _MASK64 if part.nbytes > _LOW_HALF_IS_XXH3_64 else xxhash.xxh3_64_intdigest(part)
+        sums.append(f"{s:016x}")
+    entry = {"id": h.hexdigest(), "dtype": dname, "torch_dtype": torch_dtype,
+             "shape": list(shape), "nbytes": nbytes, "rows": rows, "chunks": n, "sums": sums}
+    return entry, flat
+
+
+def describe(arr: np.ndarray, torch_dtype: str | None, chunk_bytes: int) -> dict[str, Any]:
+    """Manifest entry of a tensor (see :func:`stage`)."""
+    return stage(arr, torch_dtype, chunk_bytes)[0]
 
 
 def dtype_name(dt: np.dtype) -> str:
     """The dtype's name as manifests write it (``bfloat16`` for ml_dtypes' bfloat16)."""
-    return "bfloat16" if dt == BFLOAT16 else str(dt)
+    name = _DTYPE_NAMES.get(dt)
+    if name is None:
+        name = _DTYPE_NAMES[dt] = "bfloat16" if dt == BFLOAT16 else str(dt)
+    return name
 
 
 def dtype_of(name: str) -> np.dtype:
@@ -47,7 +84,7 @@ def rows_per_chunk(shape: tuple[int, ...], itemsize: int, chunk_bytes: int) -> i
     """Rows of axis 0 in one chunk (0 for a 0-d tensor: one chunk holds it whole)."""
     if not shape:
         return 0
-    row = itemsize * int(np.prod(shape[1:], dtype=np.int64))
+    row = itemsize * math.prod(shape[1:])
     return max(1, chunk_bytes // max(row, 1))
 
 
@@ -56,20 +93,6 @@ def n_chunks(shape: tuple[int, ...], rows: int) -> int:
     if not shape or rows == 0 or shape[0] == 0:
         return 1
     return -(-shape[0] // rows)
-
-
-def describe(arr: np.ndarray, torch_dtype: str | None, chunk_bytes: int) -> dict[str, Any]:
-    """Manifest entry of a tensor: id, dtype, shape, bytes, rows per chunk, chunk count."""
-    rows = rows_per_chunk(arr.shape, arr.dtype.itemsize, chunk_bytes)
-    return {
-        "id": tensor_id(arr),
-        "dtype": dtype_name(arr.dtype),
-        "torch_dtype": torch_dtype,
-        "shape": list(arr.shape),
-        "nbytes": int(arr.nbytes),
-        "rows": rows,
-        "chunks": n_chunks(arr.shape, rows),
-    }
 
 
 def chunk_key(tid: str, i: int) -> bytes:
@@ -82,32 +105,14 @@ def chunk_keys(entry: dict[str, Any], idx: range | None = None) -> list[bytes]:
     return [chunk_key(entry["id"], i) for i in (idx or range(entry["chunks"]))]
 
 
-def record_into(head: bytes, payload: memoryview, out: np.ndarray) -> None:
-    """Write a record (``head`` then ``payload``) into ``out``; numpy copies, freeing the GIL."""
-    out[: len(head)] = np.frombuffer(head, np.uint8)
-    if payload.nbytes:
-        np.copyto(out[len(head):], np.frombuffer(payload, np.uint8))
-
-
-def chunk_parts(arr: np.ndarray, entry: dict[str, Any]
-                ) -> Iterator[tuple[bytes, bytes, memoryview]]:
-    """(key, record header, payload) of each chunk of a tensor, the payload not copied."""
-    rows = entry["rows"]
-    for i in range(entry["chunks"]):
-        part = arr if entry["chunks"] == 1 else arr[i * rows:(i + 1) * rows]
-        yield (chunk_key(entry["id"], i), *encode_parts(part))
-
-
-def encode_chunks(arr: np.ndarray, entry: dict[str, Any]) -> list[tuple[bytes, np.ndarray]]:
-    """The (key, record) pairs of a tensor's chunks."""
-    return [(k, record_of(h, p)) for k, h, p in chunk_parts(arr, entry)]
-
-
-def record_of(head: bytes, payload: memoryview) -> np.ndarray:
-    """A record (``head`` then ``payload``) as a new uint8 array."""
-    out = np.empty(len(head) + payload.nbytes, np.uint8)
-    record_into(head, payload, out)
-    return out
+def chunk_values(flat: memoryview, entry: dict[str, Any]) -> list[tuple[bytes, memoryview]]:
+    """(key, bytes) of each chunk of a tensor staged by :func:`stage`, views of its memory."""
+    n = entry["chunks"]
+    if n == 1:
+        return [(chunk_key(entry["id"], 0), flat)]
+    step = entry["rows"] * (entry["nbytes"] // entry["shape"][0])
+    tid = entry["id"]
+    return [(chunk_key(tid, i), flat[i * step:(i + 1) * step]) for i in range(n)]
 
 
 def rank(tid: str, provider_ids: list[str]) -> list[int]:
@@ -192,42 +197,66 @@ def empty_many(plans: list[tuple[dict[str, Any], range]]) -> list[np.ndarray]:
     return out
 
 
-def _check(entry: dict[str, Any], idx: range, i: int, a: np.ndarray, key: bytes,
-           dtype: np.dtype, name: str) -> int:
-    """Check a decoded chunk's shape and dtype against the manifest; return its first row."""
+def _chunk_shape(entry: dict[str, Any], i: int) -> tuple[int, ...]:
+    """Shape of chunk ``i`` of a tensor."""
     shape = tuple(entry["shape"])
     if entry["chunks"] == 1 or not shape:
-        want: tuple[int, ...] = shape
-        lo = 0
-    else:
-        rows = entry["rows"]
-        lo = (i - idx.start) * rows
-        want = (min(rows, shape[0] - i * rows), *shape[1:])
-    if a.shape != want or a.dtype != dtype:
+        return shape
+    rows = entry["rows"]
+    return (min(rows, shape[0] - i * rows), *shape[1:])
+
+
+def chunk_array(entry: dict[str, Any], i: int, buf: Any, key: bytes, name: str,
+                verify: bool = True) -> np.ndarray:
+    """Chunk ``i`` of a tensor as a read-only array viewing ``buf``, checked and verified.
+
+    Raises :class:`CorruptRecordError` naming the key when the chunk's size, shape or dtype
+    disagrees with the manifest, or (``verify``) its checksum fails.
+    """
+    dtype = dtype_of(entry["dtype"])
+    want = _chunk_shape(entry, i)
+    sums = entry.get("sums")
+    if sums is None:  # a tensor record (header, shape, checksum) of an earlier version
+        a = decode(buf, key, verify=verify)
+        if a.shape != want or a.dtype != dtype:
+            raise CorruptRecordError(
+                f"tensor {name!r}: chunk {key.decode()} holds {a.dtype}{a.shape}, the manifest "
+                f"says {dtype}{want}"
+            )
+        return a
+    mv = memoryview(buf)
+    if mv.format != "B" or mv.ndim != 1:
+        mv = mv.cast("B")
+    count = int(np.prod(want, dtype=np.int64))
+    if mv.nbytes != count * dtype.itemsize:
         raise CorruptRecordError(
-            f"tensor {name!r}: chunk {key.decode()} holds {a.dtype}{a.shape}, the manifest "
-            f"says {dtype}{want}"
+            f"tensor {name!r}: chunk {key.decode()} holds {mv.nbytes} bytes, the manifest says "
+            f"{dtype}{want} ({count * dtype.itemsize} bytes); the data is damaged"
         )
-    return lo
+    if verify and xxhash.xxh3_64_intdigest(mv) != int(sums[i], 16):
+        raise CorruptRecordError(f"tensor {name!r}: chunk {key.decode()} fails its checksum; "
+                                 "the data is corrupted")
+    a = np.frombuffer(mv, dtype=dtype, count=count).reshape(want)
+    if a.flags.writeable:
+        a.flags.writeable = False
+    return a
 
 
 def place(entry: dict[str, Any], idx: range, i: int, buf: Any, key: bytes, out: np.ndarray,
           name: str, verify: bool = True) -> None:
-    """Decode chunk ``i`` (verifying it) into its rows of ``out`` (the rows of ``idx``)."""
-    a = decode(buf, key, verify=verify)
-    lo = _check(entry, idx, i, a, key, out.dtype, name)
+    """Copy chunk ``i`` (checked, verified) into its rows of ``out`` (the rows of ``idx``)."""
+    a = chunk_array(entry, i, buf, key, name, verify)
     if entry["chunks"] == 1 or not entry["shape"]:
         np.copyto(out, a)
     else:
+        lo = (i - idx.start) * entry["rows"]
         np.copyto(out[lo:lo + a.shape[0]], a)
 
 
 def view_of(entry: dict[str, Any], idx: range, i: int, buf: Any, key: bytes, name: str,
             verify: bool = True) -> np.ndarray:
-    """Chunk ``i`` decoded as a read-only array viewing ``buf`` (the only chunk of ``idx``)."""
-    a = decode(buf, key, verify=verify)
-    _check(entry, idx, i, a, key, dtype_of(entry["dtype"]), name)
-    return a
+    """Chunk ``i`` as a read-only array viewing ``buf`` (the only chunk of ``idx``)."""
+    return chunk_array(entry, i, buf, key, name, verify)
 
 
 def as_torch(arr: np.ndarray, torch_dtype: str) -> Any:

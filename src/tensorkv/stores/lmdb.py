@@ -137,6 +137,8 @@ class _SharedEnv:
 
 #: Values at least this large make the rest of a batch read with readahead on the map.
 BULK_VALUE_BYTES = 256 * 1024
+#: A batch with a value this large among its first lets glibc keep freed blocks (pages.py).
+LARGE_WRITE_VALUE_BYTES = 32 * 1024
 
 _ENVS: dict[tuple[int, str], _SharedEnv] = {}
 _ENVS_LOCK = threading.Lock()
@@ -556,6 +558,9 @@ class LMDBStore(KVStore):
                 cursor.putmulti(cast("Iterator[tuple[bytes, bytes | memoryview]]", run))
 
     def _write(self, ops: list[WriteOp], *, atomic: bool) -> None:
+        if not pages.freed_memory_decided() and any(
+                v is not None and len(v) >= LARGE_WRITE_VALUE_BYTES for _, v in ops[:8]):
+            pages.retain_freed_memory()  # large values: LMDB mallocs a block for each
         self._in_write_txn(lambda txn: self._apply(txn, ops), ops)
 
     def _compare_and_set(
