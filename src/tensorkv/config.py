@@ -15,6 +15,12 @@ Environment variable                   Default     Meaning
 ``TENSORKV_PREFAULT``                  1           ``0``: growing tables do not fault their
                                                    next rows' memory in ahead, on a
                                                    background thread (embedding.growable)
+``TENSORKV_SAVE_AT_EXIT``              wait        what a process that exits does with saves
+                                                   still writing (``blocking=False``):
+                                                   ``wait`` for them or ``abandon`` them
+``TENSORKV_SAVE_PENDING``              wait        a save of a table whose previous save is
+                                                   still writing: ``wait`` for it, or
+                                                   ``error`` (``SaveInProgressError``)
 =====================================  ==========  =========================================
 """
 
@@ -86,6 +92,10 @@ CHECKPOINT_GC_GRACE_SECONDS = 3600.0  # gc leaves data of saves started less tha
 # --- command line and progress bars ------------------------------------------------------------
 PROGRESS_MIN_SECONDS = 2.0  # show a progress bar only for work longer than this
 ENV_PROGRESS = "TENSORKV_PROGRESS"
+ENV_SAVE_AT_EXIT = "TENSORKV_SAVE_AT_EXIT"
+SAVE_AT_EXIT = "wait"  # "wait": an exiting process finishes its background saves; "abandon"
+ENV_SAVE_PENDING = "TENSORKV_SAVE_PENDING"
+SAVE_PENDING = "wait"  # a save of a table still being saved: "wait" for it, or "error"
 
 
 # ==== parsing helpers and readers of the environment ==========================================
@@ -195,6 +205,31 @@ def assist_thread() -> bool:
     pool shares the cores).
     """
     return env_bool(ENV_ASSIST_THREAD, True)
+
+
+def _choice(name: str, value: str | None, default: str, allowed: tuple[str, ...],
+            what: str) -> str:
+    raw = value if value is not None else os.environ.get(name, "").strip().lower() or default
+    if raw not in allowed:
+        source = f"{what}={raw!r}" if value is not None else f"{name}={raw!r}"
+        raise ConfigError(f"{source} is not one of {', '.join(allowed)}")
+    return raw
+
+
+def save_at_exit(value: str | None = None) -> str:
+    """What an exiting process does with unfinished background saves: ``wait`` or ``abandon``.
+
+    ``value`` if given, else ``TENSORKV_SAVE_AT_EXIT``, else :data:`SAVE_AT_EXIT`.
+    """
+    return _choice(ENV_SAVE_AT_EXIT, value, SAVE_AT_EXIT, ("wait", "abandon"), "at_exit")
+
+
+def save_pending(value: str | None = None) -> str:
+    """A save of a table whose previous save is still writing: ``wait`` or ``error``.
+
+    ``value`` if given, else ``TENSORKV_SAVE_PENDING``, else :data:`SAVE_PENDING`.
+    """
+    return _choice(ENV_SAVE_PENDING, value, SAVE_PENDING, ("wait", "error"), "on_pending")
 
 
 def progress_enabled(progress: bool | None) -> bool:

@@ -20,6 +20,7 @@ ORDER = [
     "manifest", "dense", "keylists",
     "objects", "shards", "tables",
     "refs", "bulk",
+    "steps", "handle",
     "save", "load",
     "tags", "check",
     "__init__",

@@ -10,6 +10,7 @@ imports only modules listed before it):
 - ``objects``, ``shards``, ``tables``: what can be saved, sharded-save manifests, table
   blocks and the record writer;
 - ``refs``, ``bulk``: what a tag references and owns, the restore pipeline;
+- ``steps``, ``handle``: training-step scopes, saves in flight;
 - ``save``, ``load``;
 - ``tags`` (list, delete, copy, compact, dump), then ``check`` (check, gc).
 
@@ -18,9 +19,11 @@ are in ``layout``.
 """
 
 from tensorkv.checkpoint.check import CheckReport, check, gc
+from tensorkv.checkpoint.handle import SaveHandle
 from tensorkv.checkpoint.load import load, read_tensor
 from tensorkv.checkpoint.save import save
 from tensorkv.checkpoint.shards import merge
+from tensorkv.checkpoint.steps import StepScope, training_step
 from tensorkv.checkpoint.tags import (
     compact,
     copy_tag,
@@ -35,6 +38,8 @@ from tensorkv.checkpoint.tags import (
 
 __all__ = [
     "CheckReport",
+    "SaveHandle",
+    "StepScope",
     "check",
     "compact",
     "copy_tag",
@@ -50,4 +55,5 @@ __all__ = [
     "restore_tag",
     "save",
     "tag_info",
+    "training_step",
 ]
