@@ -1,0 +1,187 @@
+"""``save(..., blocking=False)``: the handle, one save per table, cancels, step scopes, errors."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+
+import tensorkv
+from tensorkv.checkpoint import handle as handle_mod
+from tensorkv.embedding.snapshot import LiveSnapshot
+from tensorkv.errors import (
+    CheckpointError,
+    ConfigError,
+    SaveCancelledError,
+    SaveInProgressError,
+    StepScopeError,
+    TagExistsError,
+)
+from tensorkv.stores.lmdb import LMDBStore
+
+from .conftest import make_url
+
+
+def _table(n: int = 2000) -> tensorkv.EmbeddingTable:
+    t = tensorkv.EmbeddingTable(8, optimizer="adagrad", seed=1)
+    t.lookup(np.arange(n))
+    return t
+
+
+@pytest.fixture
+def gate(monkeypatch):
+    """An Event: LMDB's claim of a tag (a save's first store write) waits until it is set."""
+    ev = threading.Event()
+    cas = LMDBStore.compare_and_set
+
+    def gated(self: Any, key: bytes, expected: Any, value: Any) -> bool:
+        ev.wait()
+        return cas(self, key, expected, value)
+
+    monkeypatch.setattr(LMDBStore, "compare_and_set", gated)
+    yield ev
+    ev.set()  # a save a failed test left waiting goes on (the process waits for it at exit)
+
+
+def test_the_handle_reports_and_returns_the_tag(tmp_path, request, gate):
+    url = make_url("lmdb", tmp_path, request)
+    t = _table()
+    h = tensorkv.save({"t": t, "w": np.ones(100)}, url, "a", blocking=False)
+    assert isinstance(h, tensorkv.SaveHandle) and h.tag == "a" and not h.done()
+    st = h.stats()
+    assert st["state"] == "writing" and st["snapshot_bytes"] >= 9 * 2000 + 800
+    assert st["snapshot_seconds"] >= 0 and "writing" in repr(h)
+    t.apply_gradients(np.arange(500), np.ones((500, 8), np.float32))  # rows copied aside
+    assert h.stats()["snapshot_bytes"] >= 500 * 8 * 4 * 2
+    with pytest.raises(TimeoutError, match="still writing"):
+        h.result(timeout=0.01)
+    gate.set()
+    assert h.result() == "a" and h.done() and h.exception() is None
+    st = h.stats()
+    assert st["state"] == "done" and st["snapshot_bytes"] == 0
+    assert st["peak_snapshot_bytes"] >= 500 * 8 * 4 * 2
+    assert h.cancel() is False  # published already
+    assert t.arena.snap is None  # the snapshot was released
+    rows = tensorkv.load(None, url, "a")["t"]
+    assert (rows.version(np.arange(500)) == 0).all()  # the state of the call, not after
+
+
+def test_cancel_publishes_nothing_and_leaves_nothing(tmp_path, request, gate):
+    url = make_url("lmdb", tmp_path, request)
+    t = _table()
+    gate.set()
+    tensorkv.save({"t": t}, url, "base")
+    gate.clear()
+    h = tensorkv.save({"t": t}, url, "c", blocking=False)
+    dense_only = tensorkv.save({"w": np.ones(10)}, url, "d", blocking=False)  # no chunks
+    assert h.cancel() is True and h.cancelled() and dense_only.cancel()
+    gate.set()
+    for handle in (h, dense_only):
+        with pytest.raises(SaveCancelledError, match="cancelled"):
+            handle.result()
+    assert h.stats()["state"] == "cancelled" and t.arena.snap is None
+    assert tensorkv.list_tags(url) == ["base"]
+    rep = tensorkv.check(url, verify=True)
+    assert not rep.pending and not rep.corrupt, rep.as_dict()
+    tensorkv.gc(url, grace=0)  # dense chunks are shared: gc removes those nothing references
+    assert tensorkv.check(url, grace=0).ok
+    tensorkv.save({"t": t}, url, "c")  # the tag name is free, the table too
+
+
+def test_one_save_per_table_waits_or_raises(tmp_path, request, gate, monkeypatch):
+    url = make_url("lmdb", tmp_path, request)
+    t, other = _table(), _table(100)
+    first = tensorkv.save({"t": t}, url, "one", blocking=False)
+    with pytest.raises(SaveInProgressError, match=r"\(tag 'one'\) is still being written"):
+        tensorkv.save({"t": t}, url, "two", blocking=False, on_pending="error")
+    monkeypatch.setenv("TENSORKV_SAVE_PENDING", "error")
+    with pytest.raises(SaveInProgressError):
+        tensorkv.save({"t": t}, url, "two")
+    monkeypatch.delenv("TENSORKV_SAVE_PENDING")
+    assert handle_mod.pending() == [first]
+    # another table is not held up (its claim waits for the gate like every save)
+    h_other = tensorkv.save({"o": other}, url, "other", blocking=False, on_pending="error")
+    got: list[Any] = []
+    second = threading.Thread(target=lambda: got.append(
+        tensorkv.save({"t": t}, url, "two", blocking=False)))  # default: waits for "one"
+    second.start()
+    gate.set()
+    second.join()
+    assert first.result() == "one" and h_other.result() == "other"
+    assert got[0].result() == "two"
+    assert sorted(tensorkv.list_tags(url)) == ["one", "other", "two"]
+
+
+def test_a_failed_background_save_raises_from_result_and_frees_the_table(tmp_path, request):
+    url = make_url("lmdb", tmp_path, request)
+    t = _table()
+    tensorkv.save({"t": t}, url, "a")
+    h = tensorkv.save({"t": t}, url, "a", blocking=False)
+    with pytest.raises(TagExistsError, match="already exists"):
+        h.result()
+    assert isinstance(h.exception(), TagExistsError) and h.stats()["state"] == "failed"
+    assert t.arena.snap is None and not handle_mod.pending()
+    assert tensorkv.save({"t": t}, url, "b", blocking=False, on_pending="error").result() == "b"
+
+
+def test_a_save_inside_its_own_step_is_refused(tmp_path, request):
+    url = make_url("lmdb", tmp_path, request)
+    t = _table()
+    scope = tensorkv.StepScope()
+    with scope.step(), pytest.raises(StepScopeError, match="inside a training step"):
+        tensorkv.save({"t": t}, url, "a", step_scope=scope)
+    assert t.arena.snap is None and not handle_mod.pending()
+    with tensorkv.training_step():  # another scope's step does not matter
+        tensorkv.save({"t": t}, url, "a", step_scope=scope)
+        with pytest.raises(StepScopeError):
+            tensorkv.save({"t": t}, url, "b")  # the default scope
+    tensorkv.save({"t": t}, url, "b", step_scope=False)
+
+
+@pytest.mark.parametrize(("kwargs", "error", "match"), [
+    ({"on_pending": "later"}, ConfigError, "on_pending='later' is not one of wait, error"),
+    ({"blocking": "no"}, CheckpointError, "blocking='no' must be True or False"),
+    ({"step_scope": 3}, CheckpointError, "step_scope=3 must be True, False or a StepScope"),
+])
+def test_bad_arguments_are_refused_before_anything_happens(tmp_path, request, kwargs, error,
+                                                           match):
+    url = make_url("lmdb", tmp_path, request)
+    t = _table()
+    with pytest.raises(error, match=match):
+        tensorkv.save({"t": t}, url, "a", **kwargs)
+    assert t.arena.snap is None and not handle_mod.pending()
+    with pytest.raises(tensorkv.errors.StoreNotFoundError):  # nothing was written
+        tensorkv.list_tags(url)
+
+
+def test_bad_settings_in_the_environment_are_named(tmp_path, request, monkeypatch):
+    url = make_url("lmdb", tmp_path, request)
+    monkeypatch.setenv("TENSORKV_SAVE_PENDING", "never")
+    with pytest.raises(ConfigError, match="TENSORKV_SAVE_PENDING='never'"):
+        tensorkv.save({"t": _table()}, url, "a")
+    monkeypatch.setenv("TENSORKV_SAVE_AT_EXIT", "sometimes")
+    with pytest.raises(ConfigError, match="TENSORKV_SAVE_AT_EXIT='sometimes'"):
+        tensorkv.config.save_at_exit()
+
+
+def test_one_table_under_two_names_is_refused(tmp_path, request):
+    url = make_url("lmdb", tmp_path, request)
+    t = _table()
+    with pytest.raises(CheckpointError, match="under two names"):
+        tensorkv.save({"a": t, "b": t}, url, "x")
+    assert t.arena.snap is None
+
+
+def test_a_table_without_snapshots_is_saved_live(tmp_path, request, redis_server):
+    """A Redis-resident table offers no isolated snapshot: its rows are read as they are."""
+    url = make_url("lmdb", tmp_path, request)
+    opt = tensorkv.StorageOption("REDIS", storage_path=f"redis://127.0.0.1:{redis_server.port}"
+                                 f"/5", redis_options={"model_tag_runtime": "snapcase"})
+    with tensorkv.EmbeddingTable(4, storage=opt) as t:
+        t.lookup(np.arange(10))
+        snap = t.snapshot()
+        assert isinstance(snap, LiveSnapshot) and not snap.isolated
+        assert tensorkv.save({"t": t}, url, "r", blocking=False).result() == "r"
+        assert len(tensorkv.load(None, url, "r")["t"]) == 10
