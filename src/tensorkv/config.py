@@ -96,6 +96,7 @@ ENV_SAVE_AT_EXIT = "TENSORKV_SAVE_AT_EXIT"
 SAVE_AT_EXIT = "wait"  # "wait": an exiting process finishes its background saves; "abandon"
 ENV_SAVE_PENDING = "TENSORKV_SAVE_PENDING"
 SAVE_PENDING = "wait"  # a save of a table still being saved: "wait" for it, or "error"
+SAVE_THREAD_NICE = 19  # CPU niceness of a background save's threads (Linux; 19: the lowest)
 
 
 # ==== parsing helpers and readers of the environment ==========================================

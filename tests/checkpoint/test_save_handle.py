@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any
 
@@ -185,3 +186,43 @@ def test_a_table_without_snapshots_is_saved_live(tmp_path, request, redis_server
         assert isinstance(snap, LiveSnapshot) and not snap.isolated
         assert tensorkv.save({"t": t}, url, "r", blocking=False).result() == "r"
         assert len(tensorkv.load(None, url, "r")["t"]) == 10
+
+
+def test_a_background_save_runs_at_the_lowest_cpu_priority(tmp_path, request, monkeypatch):
+    """Its threads take the cores training leaves idle (Linux: nice 19); a blocking save not."""
+    if not hasattr(os, "getpriority"):
+        pytest.skip("no thread priorities here")
+    url = make_url("lmdb", tmp_path, request)
+    seen: list[int] = []
+    cas = LMDBStore.compare_and_set
+
+    def noting(self: Any, key: bytes, expected: Any, value: Any) -> bool:
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        return cas(self, key, expected, value)
+
+    monkeypatch.setattr(LMDBStore, "compare_and_set", noting)
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    t = _table()
+    tensorkv.save({"t": t}, url, "a", blocking=False).result()
+    tensorkv.save({"t": t}, url, "b")
+    assert seen[0] == max(mine, tensorkv.config.SAVE_THREAD_NICE) and seen[-1] == mine
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine
+
+
+def test_a_forked_child_is_not_held_by_the_parents_background_save(tmp_path, request, gate):
+    url, child_url = make_url("lmdb", tmp_path, request), make_url("lmdb", tmp_path, request)
+    t = _table()
+    h = tensorkv.save({"t": t}, url, "parent", blocking=False)  # waits at the gate
+    pid = os.fork()
+    if pid == 0:  # the child: the parent's save thread does not exist here
+        code = 1
+        try:
+            gate.set()  # the child's own saves must not wait either
+            code = 0 if tensorkv.save({"t": t}, child_url, "child", on_pending="error",
+                                      step_scope=True) == "child" else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+    gate.set()
+    assert h.result() == "parent" and tensorkv.list_tags(child_url) == ["child"]

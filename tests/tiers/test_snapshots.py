@@ -133,3 +133,22 @@ class _Chunks:
 
     def export(self, chunk_rows, since=None):
         return self.chunks
+
+
+def test_a_restore_into_the_table_keeps_an_open_snapshot(tmp_path):
+    """``tensorkv.load`` into a DRAM table swaps its row arena (bulk import) under a snapshot."""
+    url = f"lmdb://{tmp_path / 'ck'}"
+    other = tensorkv.EmbeddingTable(4, optimizer="adagrad", seed=9)
+    other.lookup(np.arange(5000, 5300))
+    tensorkv.save({"t": other}, url, "other")
+    t = tensorkv.EmbeddingTable(4, optimizer="adagrad", seed=3)
+    t.lookup(np.arange(400))
+    t.apply_gradients(np.arange(100), np.ones((100, 4), np.float32))
+    want = table_rows(t)
+    snap = t.snapshot()
+    it = iter(snap.export(chunk_rows=32))
+    first = [next(it)]
+    tensorkv.load({"t": t}, url, "other")  # every row replaced by the other table's
+    t.apply_gradients(np.arange(5000, 5100), np.ones((100, 4), np.float32))
+    assert set(t.keys().tolist()) == set(range(5000, 5300))
+    assert_same_rows(table_rows(_Chunks(first + list(it)), 32), want, "after a restore")

@@ -487,7 +487,7 @@ def save(
     table's sorted key set at the saved state (8 bytes per key), so the next incremental save
     does not read it back, and record buffers, at most ``tables.KEEP_BYTES`` (320 MB) over all
     tables, so the next save reuses memory instead of touching fresh pages. While a save
-    writes, its snapshot holds memory: the dense tensors' copies, 9 bytes per row of tier 0,
+    writes, its snapshot holds memory: the dense tensors' copies, 10 bytes per row of tier 0,
     the rows training changes before the save has read them (at most one copy of tier 0),
     and for tiered tables 16 bytes per key below tier 0 plus the records moved or deleted
     before the save read them (``SaveHandle.stats()``; docs/format.md).

@@ -12,6 +12,7 @@ module's first forward pass of a step and closes it in ``step()``; other loops w
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections.abc import Iterator
 
@@ -28,6 +29,9 @@ class StepScope:
     """
 
     def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
         self._cond = threading.Condition(threading.Lock())
         self._depth: dict[int, int] = {}  # thread id -> shared holds
         self._open: set[int] = set()  # threads with a step opened by open()
@@ -128,6 +132,8 @@ class StepScope:
 
 
 _DEFAULT = StepScope()
+if hasattr(os, "register_at_fork"):  # a forked child has none of the parent's steps running
+    os.register_at_fork(after_in_child=_DEFAULT._reset)
 
 
 def default_scope() -> StepScope:

@@ -112,7 +112,7 @@ def since_filter(ch: ExportChunk, since: int | None) -> ExportChunk | None:
 class Tier0Snapshot:
     """Tier 0's rows at a snapshot: the rows that hold data, their keys, copies of changed rows.
 
-    Made in the barrier (O(rows of tier 0): the keys are copied, 9 bytes per row) and
+    Made in the barrier (O(rows of tier 0): the keys are copied; 10 bytes per row in all) and
     attached to the arena as ``arena.snap``; from then on every arena method that writes
     rows calls :meth:`preserve` first. A row is *captured* once: by the exporter reading it
     (:meth:`claim`, under the table's write lock) or by :meth:`preserve` copying it before a
@@ -488,6 +488,11 @@ class RowsSnapshot(TableSnapshot):
             "peak_bytes": self.tier0.peak_bytes + (0 if low is None else low.peak_bytes),
             "preserved_rows": self.tier0.saved_rows + (0 if low is None else low.saved_rows),
         }
+
+    def reset_after_fork(self) -> None:
+        """In a forked child: new locks (the parent's threads that held them are gone)."""
+        self._lock = threading.Lock()
+        self.tier0.lock = threading.Lock()
 
     def release(self) -> None:
         """Stop copying rows for this snapshot and drop what it holds (idempotent)."""

@@ -1,0 +1,166 @@
+"""Save while training: the demo's DLRM trained with a save every N steps, blocking or not.
+
+Part of ``tensorkv bench checkpoint``. The model and data of ``tensorkv demo``
+(:mod:`tensorkv.bench.dlrm`, ``tensorkv.torch.Optimizer`` with dense Adam) train on a DRAM
+table and on a DRAM+SSDHASH table (tier 0 of 32 MiB, as the demo's) in four passes of the
+same length, saving the whole model (tables, dense parameters and Adam state) into LMDB:
+
+* undisturbed: no save (before and after the others; its median step is the baseline);
+* blocking: ``tensorkv.torch.save(model, ...)`` every ``every`` steps, from the training loop;
+* non-blocking: the same with ``blocking=False`` (the next save waits for the previous one).
+
+Per save: the stall (that iteration's time, save call included, minus the median undisturbed
+step), the blocking save's duration, and, for non-blocking saves, samples/s over the steps run
+while a save was writing, against undisturbed training.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from typing import Any
+
+import numpy as np
+
+from tensorkv.bench.common import Report
+from tensorkv.bench.dlrm import DLRM, SyntheticCTR
+
+DIM = 16
+TIER0 = "32MiB"
+
+
+def _model(storage: Any) -> tuple[Any, Any]:
+    import torch
+
+    from tensorkv.embedding.optimizers import Adagrad
+    from tensorkv.torch import DynamicEmbeddingBag, Optimizer
+
+    emb = DynamicEmbeddingBag(DIM, mode="sum", storage=storage, optimizer=Adagrad(lr=0.05))
+    model = DLRM(emb, dim=DIM)
+    return model, Optimizer(model, dense=torch.optim.Adam(model.parameters(), lr=1e-3))
+
+
+def _pass(model: Any, opt: Any, batches: list[Any], url: str | None, every: int,
+          blocking: bool, first: int) -> dict[str, Any]:
+    """Train on ``batches``; save every ``every`` steps (``url`` None: never)."""
+    import torch
+
+    from tensorkv.torch import save
+
+    f = torch.nn.functional.binary_cross_entropy_with_logits
+    times, saving, save_steps, durations, peaks = [], [], [], [], []
+    handle: Any = None
+    for i, (dense, keys, labels) in enumerate(batches):
+        busy = handle is not None and not handle.done()
+        t0 = time.perf_counter()
+        out = model(dense, keys)
+        loss = f(out, labels)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if url is not None and i % every == every - 1:
+            s0 = time.perf_counter()
+            got = save(model, url, f"bench-{first + i}", optimizer=opt, blocking=blocking,
+                       progress=False)
+            durations.append(time.perf_counter() - s0)
+            save_steps.append(i)
+            if not blocking:
+                if handle is not None:
+                    peaks.append(handle.stats()["peak_snapshot_bytes"])
+                handle = got
+        times.append(time.perf_counter() - t0)
+        saving.append(busy)
+    if handle is not None:
+        handle.result()
+        peaks.append(handle.stats()["peak_snapshot_bytes"])
+    return {"times": np.array(times), "saving": np.array(saving, bool), "saves": save_steps,
+            "durations": durations, "peaks": peaks}
+
+
+def run_case(kind: str, root: str, report: Report, *, batch: int, steps: int, warm: int,
+             every: int) -> None:
+    """The four passes of one table kind; figures into ``report``."""
+    import torch
+
+    from tensorkv import StorageOption
+    from tensorkv.checkpoint import delete_tag, gc, list_tags
+
+    storage = None
+    if kind == "dram_ssdhash":
+        storage = StorageOption(storage_type="DRAM_SSDHASH",
+                                storage_path=os.path.join(root, "train-spill"), overwrite=True,
+                                storage_size=[TIER0], cache_strategy="lfu")
+    url = f"lmdb://{os.path.join(root, 'train-ckpt')}"
+    data = SyntheticCTR(0)
+    n = warm + 4 * steps
+    batches = []
+    for s in range(n):
+        b = data.batch(s, batch)
+        batches.append((torch.from_numpy(b.dense), torch.from_numpy(b.keys.reshape(-1, 1)),
+                        torch.from_numpy(b.labels)))
+    model, opt = _model(storage)
+    try:
+        _pass(model, opt, batches[:warm], None, every, True, 0)
+        parts = [batches[warm + k * steps: warm + (k + 1) * steps] for k in range(4)]
+        base1 = _pass(model, opt, parts[0], None, every, True, warm)
+        blk = _pass(model, opt, parts[1], url, every, True, warm + steps)
+        for tag in list_tags(url):  # keep the store small
+            delete_tag(url, tag, force=True)
+        gc(url, grace=0)
+        nb = _pass(model, opt, parts[2], url, every, False, warm + 2 * steps)
+        base2 = _pass(model, opt, parts[3], None, every, True, warm + 3 * steps)
+        rows = len(model.embedding.table)
+    finally:
+        model.embedding.table.close()
+        shutil.rmtree(os.path.join(root, "train-ckpt"), ignore_errors=True)
+        shutil.rmtree(os.path.join(root, "train-spill"), ignore_errors=True)
+    undisturbed = np.concatenate([base1["times"], base2["times"]])
+    med = float(np.median(undisturbed))
+    rate = batch / med
+    save_blk = float(np.median(blk["durations"]))
+    stall_blk = float(np.median(blk["times"][blk["saves"]])) - med
+    stall_nb = float(np.median(nb["times"][nb["saves"]])) - med
+    worst_nb = float(np.max(nb["times"][nb["saves"]])) - med
+    busy = nb["saving"]
+    during = batch * int(busy.sum()) / float(nb["times"][busy].sum()) if busy.any() else rate
+    report.params[f"save_while_training_{kind}"] = {
+        "rows": rows, "saves": len(blk["saves"]) + len(nb["saves"]),
+        "steps_while_saving": int(busy.sum()),
+        "peak_snapshot_bytes": int(max(nb["peaks"], default=0)),
+    }
+    name = kind.replace("_", "+").upper()
+    report.add(f"save while training, {name}: blocking stall", "s", stall_blk,
+               "undisturbed step", med, note=f"save {save_blk:.2f} s, {rows:,} rows")
+    report.add(f"save while training, {name}: non-blocking stall", "s", stall_nb,
+               "blocking save", save_blk, note=f"worst {worst_nb * 1e3:.0f} ms; goal <= 0.05")
+    report.add(f"save while training, {name}: samples/s while saving", "samples/s", during,
+               "undisturbed training", rate, note="non-blocking; goal >= 0.8")
+    for label, p in (("blocking", blk), ("non-blocking", nb)):
+        report.add(f"save while training, {name}: samples/s, {label} saves", "samples/s",
+                   batch * len(p["times"]) / float(p["times"].sum()), "undisturbed training",
+                   rate, note=f"a save every {every} steps")
+
+
+def run(quick: bool, report: Report, root: str, *, batch: int | None = None,
+        steps: int | None = None, warm: int | None = None, every: int | None = None,
+        kinds: tuple[str, ...] = ("dram", "dram_ssdhash")) -> None:
+    """Save-while-training figures of every table kind (see the module docstring).
+
+    Parameters
+    ----------
+    batch, steps, warm, every
+        Samples per step (2048), steps per pass (quick 40, else 120), untimed steps first
+        (quick 30, else 150), and steps between saves (quick 20, else 40).
+    """
+    batch = batch or 2048
+    steps = steps or (40 if quick else 120)
+    warm = warm if warm is not None else (30 if quick else 150)
+    every = every or (20 if quick else 40)
+    report.params.update(train_batch=batch, train_steps=steps, train_warm=warm,
+                         train_save_every=every)
+    for kind in kinds:
+        run_case(kind, root, report, batch=batch, steps=steps, warm=warm, every=every)
+
+
+__all__ = ["run", "run_case"]
