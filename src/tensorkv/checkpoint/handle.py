@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures.thread  # noqa: F401 - its exit hook must run after ours (see below)
+import contextlib
 import os
 import threading
 import time
@@ -67,9 +68,13 @@ class SaveHandle:
         if not background:
             self._run(work)
             return
-        self._thread = threading.Thread(target=self._run, args=(work,), daemon=True,
+        self._thread = threading.Thread(target=self._background, args=(work,), daemon=True,
                                         name=f"tensorkv-save-{self.tag}")
         self._thread.start()
+
+    def _background(self, work: Callable[[], str]) -> None:
+        lower_priority()
+        self._run(work)
 
     def _run(self, work: Callable[[], str]) -> None:
         t0 = time.perf_counter()
@@ -177,6 +182,19 @@ class SaveHandle:
         return f"SaveHandle(tag={self.tag!r}, state={self.stats()['state']!r})"
 
 
+def lower_priority() -> None:
+    """Give this thread (and the threads it starts) the lowest CPU priority (Linux: nice 19).
+
+    A background save then takes the cores training leaves idle; with none idle it yields.
+    Elsewhere, or where it is refused, nothing changes.
+    """
+    setpriority = getattr(os, "setpriority", None)
+    if setpriority is None or not hasattr(threading, "get_native_id"):
+        return
+    with contextlib.suppress(OSError):  # Linux: a thread id names one thread; no privilege
+        setpriority(os.PRIO_PROCESS, threading.get_native_id(), config.SAVE_THREAD_NICE)
+
+
 # --------------------------------------------------------------------------- one save per table
 _lock = threading.Lock()
 _by_table: dict[int, SaveHandle] = {}
@@ -251,6 +269,9 @@ def _after_fork_in_child() -> None:
     _lock = threading.Lock()
     for h in list(_all):
         for s in h._snaps:
+            reset = getattr(s, "reset_after_fork", None)
+            if reset is not None:
+                reset()  # its locks may be held by threads that do not exist here
             s.release()
         h._error = SaveCancelledError(f"the save of tag {h.tag!r} belongs to the parent process")
         h._done.set()
@@ -269,4 +290,4 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-__all__ = ["SaveHandle", "pending", "release", "reserve"]
+__all__ = ["SaveHandle", "lower_priority", "pending", "release", "reserve"]

@@ -9,8 +9,8 @@ locking rule: docs/internals.md.
 from __future__ import annotations
 
 import bisect
-import contextlib
 import itertools
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -147,9 +147,10 @@ class RowArena:
         self.max_load = float(max_load)
         self.max_rows = int(capacity) if capacity is not None else None
         self._initial = int(capacity) if capacity is not None else config.TABLE_INITIAL_CAPACITY
-        #: Held while the row arrays are reallocated; a tiered table sets it to the lock its
-        #: background writer holds while it reads detached rows.
-        self.resize_guard: Any = contextlib.nullcontext()
+        #: Held while the row arrays are reallocated or replaced, and by whoever reads rows
+        #: without the table's lock (a snapshot's export); a tiered table sets it to the lock
+        #: its background writer holds while it reads detached rows.
+        self.resize_guard: Any = threading.Lock()
         prefault_enabled()  # a malformed TENSORKV_PREFAULT raises here, not mid-growth
         self._alloc(self._initial)
 

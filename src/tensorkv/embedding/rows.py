@@ -243,7 +243,7 @@ class ArenaRows:
                 "first, or wait for the save (SaveHandle.result())")
         t0 = Tier0Snapshot(a)
         a.snap = t0
-        return RowsSnapshot(meta, t0, self.lock.write, in_place=self.exports_in_place)
+        return RowsSnapshot(meta, t0, in_place=self.exports_in_place)
 
     # --- lifecycle -----------------------------------------------------------------------------
     def sync(self) -> None:

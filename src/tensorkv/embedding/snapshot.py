@@ -20,7 +20,6 @@ of") describes the guarantee.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
@@ -115,8 +114,12 @@ class Tier0Snapshot:
     Made in the barrier (O(rows of tier 0): the keys are copied; 10 bytes per row in all) and
     attached to the arena as ``arena.snap``; from then on every arena method that writes
     rows calls :meth:`preserve` first. A row is *captured* once: by the exporter reading it
-    (:meth:`claim`, under the table's write lock) or by :meth:`preserve` copying it before a
-    write, whichever comes first.
+    or by :meth:`preserve` copying it before a write, whichever comes first. The exporter
+    claims a chunk of rows (marking them *in flight*), copies them while holding only the
+    arena's ``resize_guard`` (the arrays cannot move), then marks them captured
+    (:meth:`claim`, :meth:`done`); a write of an in-flight row waits for that copy. So the
+    table's lock is never held for an export: lookups run on, and only a write of a row
+    being copied waits, for one chunk's copy at most.
 
     Parameters
     ----------
@@ -136,9 +139,11 @@ class Tier0Snapshot:
         if held_rows is not None and held_rows.size:
             self.member[held_rows] = 1
             self.keys[held_rows] = held_keys
-        self.captured = np.zeros(hw, np.uint8)
+        self.captured = np.zeros(hw, np.uint8)  # 0: not yet, 1: captured, 2: in flight
         self.rows = int(np.count_nonzero(self.member))
         self.lock = threading.Lock()
+        self.copied = threading.Condition(self.lock)  # in-flight rows became captured
+        self.busy = 0  # rows in flight
         self.saved: list[ExportChunk] = []
         self.saved_bytes = 0
         self.saved_rows = 0
@@ -165,10 +170,12 @@ class Tier0Snapshot:
             return
         rows = np.ascontiguousarray(rows, dtype=np.int64).reshape(-1)
         with self.lock:
+            while self.open and self.busy and sk.count_marked(rows, self.captured, 2):
+                self.copied.wait()  # the exporter is copying some of them
             if not self.open or rows.shape[0] == 0:
                 return
             out = np.empty(rows.shape[0], np.int64)
-            m = int(sk.claim_rows(rows, self.member, self.captured, out))
+            m = int(sk.claim_rows(rows, self.member, self.captured, out, 1))
             if m:
                 self._save(out[:m])
 
@@ -177,6 +184,8 @@ class Tier0Snapshot:
         if not self.open:
             return
         with self.lock:
+            while self.open and self.busy:
+                self.copied.wait()
             if not self.open:
                 return
             rows = np.flatnonzero(self.member[start:] & (self.captured[start:] == 0)) + start
@@ -194,18 +203,27 @@ class Tier0Snapshot:
 
     # --- the exporter's side ------------------------------------------------------------------
     def claim(self, rows: np.ndarray) -> np.ndarray:
-        """Of ``rows``, those not captured yet, now captured (call under the table's write lock)."""
+        """Of ``rows``, those not captured yet, now in flight: copy them, then :meth:`done`."""
         out = np.empty(rows.shape[0], np.int64)
         with self.lock:
             if not self.open:
                 raise RuntimeError("the snapshot was released")
-            m = int(sk.claim_rows(rows, self.member, self.captured, out))
+            m = int(sk.claim_rows(rows, self.member, self.captured, out, 2))
+            self.busy += m
         return out[:m]
+
+    def done(self, rows: np.ndarray) -> None:
+        """The exporter has copied ``rows`` (claimed by :meth:`claim`): writes may go on."""
+        with self.lock:
+            self.captured[rows] = 1
+            self.busy -= int(rows.size)
+            self.copied.notify_all()
 
     def candidates(self, since: int | None) -> np.ndarray:
         """Member rows the exporter may still read: all of them, or those changed after ``since``.
 
-        With ``since``, call under the table's write lock (reads the rows' change sequence).
+        With ``since``, call holding the arena's ``resize_guard`` (reads the rows' change
+        sequence); a row changed meanwhile was copied aside with its earlier sequence.
         """
         if since is None:
             return np.flatnonzero(self.member).astype(np.int64)
@@ -223,6 +241,7 @@ class Tier0Snapshot:
         """Stop preserving (the exporter is done with tier 0, or the snapshot is released)."""
         with self.lock:
             self.open = False
+            self.copied.notify_all()
         if getattr(self.arena, "snap", None) is self:
             self.arena.snap = None
 
@@ -354,8 +373,6 @@ class RowsSnapshot(TableSnapshot):
         The table's ``state_dict_meta()`` at the snapshot.
     tier0
         Tier 0's part (attached to the arena already).
-    hold
-        ``hold()``: the context under which tier-0 rows are read (the table's write lock).
     lower
         The lower tiers' part (``chunks(chunk_rows, since)``, ``keys()``, ``__len__``,
         ``release()``, ``nbytes``), or None.
@@ -364,12 +381,10 @@ class RowsSnapshot(TableSnapshot):
         arena).
     """
 
-    def __init__(self, meta: dict[str, Any], tier0: Tier0Snapshot,
-                 hold: Callable[[], contextlib.AbstractContextManager[Any]],
-                 lower: Any = None, in_place: bool = False) -> None:
+    def __init__(self, meta: dict[str, Any], tier0: Tier0Snapshot, lower: Any = None,
+                 in_place: bool = False) -> None:
         self.meta = meta
         self.tier0 = tier0
-        self.hold = hold
         self.lower = lower
         self.exports_in_place = bool(in_place)
         self._exported = False
@@ -387,20 +402,23 @@ class RowsSnapshot(TableSnapshot):
     # --- tier 0 ---------------------------------------------------------------------------------
     def _tier0(self, chunk_rows: int, since: int | None,
                take: Callable[[Any, np.ndarray], Any]) -> Iterator[Any]:
-        """``take(arena, rows)`` of tier 0's member rows, a chunk at a time under ``hold``."""
+        """``take(arena, rows)`` of tier 0's member rows, a chunk at a time (see ``claim``)."""
         t0 = self.tier0
+        a = t0.arena
         if since is None:
             cand = t0.candidates(None)
         else:
-            with self.hold():
+            with a.resize_guard:
                 cand = t0.candidates(since)
         s = -1 if since is None else int(since)
         for start in range(0, cand.shape[0], chunk_rows):
-            with self.hold():
-                rows = t0.claim(cand[start:start + chunk_rows])
-                if since is not None and rows.size:
-                    rows = rows[t0.arena.seq[rows] > s]
-                got = take(t0.arena, rows) if rows.size else None
+            rows = t0.claim(cand[start:start + chunk_rows])
+            try:
+                with a.resize_guard:  # the arrays stay put while the rows are copied
+                    sel = rows if since is None or not rows.size else rows[a.seq[rows] > s]
+                    got = take(a, sel) if sel.size else None
+            finally:
+                t0.done(rows)
             if got is not None:
                 yield got
 
@@ -493,6 +511,8 @@ class RowsSnapshot(TableSnapshot):
         """In a forked child: new locks (the parent's threads that held them are gone)."""
         self._lock = threading.Lock()
         self.tier0.lock = threading.Lock()
+        self.tier0.copied = threading.Condition(self.tier0.lock)
+        self.tier0.busy = 0
 
     def release(self) -> None:
         """Stop copying rows for this snapshot and drop what it holds (idempotent)."""

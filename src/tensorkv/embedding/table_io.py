@@ -115,7 +115,7 @@ class TableIO:
     def snapshot(self) -> TableSnapshot:
         """One state of the table, to export while other threads go on using it.
 
-        Takes :meth:`freeze` for as long as it copies tier 0's keys (about 9 bytes per row of
+        Takes :meth:`freeze` for as long as it copies tier 0's keys (10 bytes per row of
         tier 0); from then on every write first copies the rows the snapshot has not read yet
         (tier 0's rows, and the records of rows below tier 0), so the snapshot's
         :meth:`~tensorkv.embedding.snapshot.TableSnapshot.export` yields exactly the rows,

@@ -16,22 +16,35 @@ from tensorkv.kernels.hashindex import PREFETCH_DISTANCE, home_slot, prefetch1
 
 
 @njit(nogil=True, cache=True)
-def claim_rows(rows, member, captured, out):  # pragma: no cover - compiled
-    """Rows of ``rows`` that are members and not captured yet, marked captured; returns count.
+def claim_rows(rows, member, captured, out, mark):  # pragma: no cover - compiled
+    """Rows of ``rows`` that are members and not captured yet, marked ``mark``; returns count.
 
     ``member`` and ``captured`` are ``uint8`` per row of the snapshot (rows past their length,
-    and ``-1``, are never members). A row given twice is claimed once. The claimed rows are
-    written to ``out[:count]`` in the order given.
+    and ``-1``, are never members); ``captured`` is 0 (not yet), 1 (captured) or 2 (being
+    copied by the exporter). A row given twice is claimed once. The claimed rows are written
+    to ``out[:count]`` in the order given.
     """
     hw = member.shape[0]
     m = 0
     for i in range(rows.shape[0]):
         r = rows[i]
-        if 0 <= r < hw and member[r] and not captured[r]:
-            captured[r] = 1
+        if 0 <= r < hw and member[r] and captured[r] == 0:
+            captured[r] = mark
             out[m] = r
             m += 1
     return m
+
+
+@njit(nogil=True, cache=True)
+def count_marked(rows, captured, mark):  # pragma: no cover - compiled
+    """How many of ``rows`` (``-1`` and rows past ``captured`` skipped) are marked ``mark``."""
+    hw = captured.shape[0]
+    n = 0
+    for i in range(rows.shape[0]):
+        r = rows[i]
+        if 0 <= r < hw and captured[r] == mark:
+            n += 1
+    return n
 
 
 @njit(nogil=True, cache=True)
@@ -41,7 +54,7 @@ def members_since(member, captured, seq, since):  # pragma: no cover - compiled
     out = np.empty(hw, np.int64)
     m = 0
     for r in range(hw):
-        if member[r] and not captured[r] and seq[r] > since:
+        if member[r] and captured[r] == 0 and seq[r] > since:
             out[m] = r
             m += 1
     return out[:m]

@@ -234,13 +234,14 @@ def take_into(chain: TierChain, tier: LowerTier, keys: np.ndarray,
 
 
 def move_down(chain: TierChain, ti: int, keys: np.ndarray) -> int:
-    """Move ``keys`` from lower tier ``ti`` to ``ti + 1`` (a cascade; call under the lock)."""
+    """Move ``keys`` from lower tier ``ti`` to ``ti + 1`` (a cascade; call under the lock).
+
+    A snapshot needs no copy: the record moves unchanged, into a tier its export reads after
+    this one (it reads them top to bottom), and a key it read already is settled.
+    """
     tier, below = chain.lowers[ti][0], chain.lowers[ti + 1][0]
     found, recs = tier.get(keys)
     moved, recs = keys[found], recs[found]
-    g = _guard(chain)
-    if g is not None:
-        g.taken(moved, recs)
     below.put(moved, recs)
     tier.delete(moved)
     return int(moved.size)

@@ -220,7 +220,7 @@ class ChainRows(ArenaRows):
             low = LowerSnapshot(chain, np.concatenate([keys, stale])) if chain.lowers else None
             a.snap = t0
             chain.snap = low
-        return RowsSnapshot(meta, t0, self.lock.write, low)
+        return RowsSnapshot(meta, t0, low)
 
     # --- lifecycle -----------------------------------------------------------------------------
     def sync(self) -> None:
