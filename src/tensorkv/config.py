@@ -21,6 +21,9 @@ Environment variable                   Default     Meaning
 ``TENSORKV_SAVE_PENDING``              wait        a save of a table whose previous save is
                                                    still writing: ``wait`` for it, or
                                                    ``error`` (``SaveInProgressError``)
+``TENSORKV_SAVE_NICE``                 10          CPU niceness of a background save's
+                                                   threads (0-19; higher yields more to
+                                                   training, and the save takes longer)
 =====================================  ==========  =========================================
 """
 
@@ -96,7 +99,8 @@ ENV_SAVE_AT_EXIT = "TENSORKV_SAVE_AT_EXIT"
 SAVE_AT_EXIT = "wait"  # "wait": an exiting process finishes its background saves; "abandon"
 ENV_SAVE_PENDING = "TENSORKV_SAVE_PENDING"
 SAVE_PENDING = "wait"  # a save of a table still being saved: "wait" for it, or "error"
-SAVE_THREAD_NICE = 19  # CPU niceness of a background save's threads (Linux; 19: the lowest)
+ENV_SAVE_NICE = "TENSORKV_SAVE_NICE"
+SAVE_NICE = 10  # niceness added to a background save's threads (Linux; 0-19, 19: lowest priority)
 
 
 # ==== parsing helpers and readers of the environment ==========================================
@@ -223,6 +227,14 @@ def save_at_exit(value: str | None = None) -> str:
     ``value`` if given, else ``TENSORKV_SAVE_AT_EXIT``, else :data:`SAVE_AT_EXIT`.
     """
     return _choice(ENV_SAVE_AT_EXIT, value, SAVE_AT_EXIT, ("wait", "abandon"), "at_exit")
+
+
+def save_nice() -> int:
+    """Niceness of a background save's threads (``TENSORKV_SAVE_NICE``, default 10, 0-19)."""
+    value = env_int(ENV_SAVE_NICE, SAVE_NICE, minimum=0)
+    if value > 19:
+        raise ConfigError(f"{ENV_SAVE_NICE}={value} is above 19, the lowest CPU priority")
+    return value
 
 
 def save_pending(value: str | None = None) -> str:

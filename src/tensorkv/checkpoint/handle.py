@@ -51,6 +51,7 @@ class SaveHandle:
         self.snapshot_seconds = 0.0
         self.write_seconds = 0.0
         self._peak = 0
+        self._nice = 0
 
     # --- set up by the save ---------------------------------------------------------------------
     def attach(self, snaps: list[Any], dense_bytes: int, seconds: float) -> None:
@@ -64,16 +65,20 @@ class SaveHandle:
         return self._dense_bytes + sum(int(s.stats()["bytes"]) for s in self._snaps)
 
     def run(self, work: Callable[[], str], background: bool) -> None:
-        """Run the write ``work()`` here, or on a new thread (the handle's outcome either way)."""
+        """Run the write ``work()`` here, or on a new thread (the handle's outcome either way).
+
+        The new thread runs at niceness ``TENSORKV_SAVE_NICE`` (:func:`lower_priority`).
+        """
         if not background:
             self._run(work)
             return
+        self._nice = config.save_nice()
         self._thread = threading.Thread(target=self._background, args=(work,), daemon=True,
                                         name=f"tensorkv-save-{self.tag}")
         self._thread.start()
 
     def _background(self, work: Callable[[], str]) -> None:
-        lower_priority()
+        lower_priority(self._nice)
         self._run(work)
 
     def _run(self, work: Callable[[], str]) -> None:
@@ -182,17 +187,19 @@ class SaveHandle:
         return f"SaveHandle(tag={self.tag!r}, state={self.stats()['state']!r})"
 
 
-def lower_priority() -> None:
-    """Give this thread (and the threads it starts) the lowest CPU priority (Linux: nice 19).
+def lower_priority(nice: int) -> None:
+    """Lower this thread's CPU priority (and that of the threads it starts) to ``nice``.
 
-    A background save then takes the cores training leaves idle; with none idle it yields.
-    Elsewhere, or where it is refused, nothing changes.
+    A background save then takes mostly the CPU time training leaves idle (Linux; a thread
+    id names one thread there, and raising the niceness needs no privilege). Elsewhere, or
+    where it is refused, nothing changes.
     """
     setpriority = getattr(os, "setpriority", None)
     if setpriority is None or not hasattr(threading, "get_native_id"):
         return
-    with contextlib.suppress(OSError):  # Linux: a thread id names one thread; no privilege
-        setpriority(os.PRIO_PROCESS, threading.get_native_id(), config.SAVE_THREAD_NICE)
+    with contextlib.suppress(OSError):
+        tid = threading.get_native_id()
+        setpriority(os.PRIO_PROCESS, tid, max(nice, os.getpriority(os.PRIO_PROCESS, tid)))
 
 
 # --------------------------------------------------------------------------- one save per table
