@@ -214,6 +214,7 @@ def test_a_background_save_runs_at_a_lower_cpu_priority(tmp_path, request, monke
     monkeypatch.setenv("TENSORKV_SAVE_NICE", "25")
     with pytest.raises(tensorkv.errors.ConfigError, match="TENSORKV_SAVE_NICE=25 is above 19"):
         tensorkv.save({"t": t}, url, "d", blocking=False)
+    assert t.arena.snap is None and not handle_mod.pending()  # refused before anything
 
 
 def test_a_forked_child_is_not_held_by_the_parents_background_save(tmp_path, request, gate):

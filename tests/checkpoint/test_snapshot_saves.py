@@ -148,8 +148,9 @@ def test_saves_from_another_thread_record_one_state(kind, tmp_path, request):
         trainer.run(OPS)
         th.join()
         assert trainer.error is None, trainer.error
-        seqs = [check_tag(url, tag, trainer.states) for tag in tags]
-        assert len(tags) == SAVES and len(set(seqs)) == SAVES
+        assert len(tags) == SAVES
+        for tag in tags:  # two may hold one state (the trainer may be done before a save)
+            check_tag(url, tag, trainer.states)
         if kind != "DRAM":
             tiers = table.stats()["tiers"]
             assert tiers[0]["evictions"] > 1000 and sum(t["promotions"] for t in tiers) > 500

@@ -64,18 +64,24 @@ class SaveHandle:
     def _held(self) -> int:
         return self._dense_bytes + sum(int(s.stats()["bytes"]) for s in self._snaps)
 
-    def run(self, work: Callable[[], str], background: bool) -> None:
+    def run(self, work: Callable[[], str], background: bool, nice: int = 0) -> None:
         """Run the write ``work()`` here, or on a new thread (the handle's outcome either way).
 
-        The new thread runs at niceness ``TENSORKV_SAVE_NICE`` (:func:`lower_priority`).
+        The new thread runs at niceness ``nice`` (:func:`lower_priority`). Should the thread
+        not start, the save ends with that error.
         """
         if not background:
             self._run(work)
             return
-        self._nice = config.save_nice()
+        self._nice = nice
         self._thread = threading.Thread(target=self._background, args=(work,), daemon=True,
                                         name=f"tensorkv-save-{self.tag}")
-        self._thread.start()
+        try:
+            self._thread.start()
+        except BaseException as e:
+            self._error = e
+            self._finish(0.0)
+            raise
 
     def _background(self, work: Callable[[], str]) -> None:
         lower_priority(self._nice)
@@ -267,7 +273,8 @@ def _at_exit() -> None:
         for h in handles:
             h.cancel()
     for h in handles:
-        h.wait()
+        if h._thread is not None and h._thread.is_alive():  # no thread: it cannot finish
+            h.wait()
 
 
 def _after_fork_in_child() -> None:

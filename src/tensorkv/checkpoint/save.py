@@ -269,21 +269,22 @@ def _shares_memory(arr: np.ndarray, src: Any) -> bool:
 
 def take_snapshots(
     tables_in: dict[str, Any], dense_fn: DenseFn, scope: StepScope | None = None,
-) -> tuple[dict[str, TableSnapshot], dict[str, np.ndarray], dict[str, str | None],
-           dict[str, Any], int]:
-    """Take one snapshot of every table and copy the dense tensors, all at one moment.
+    chunk_bytes: int = config.CHECKPOINT_CHUNK_BYTES, stored: set[str] | None = None,
+) -> tuple[dict[str, TableSnapshot], dict[str, dense.DenseSnapshot], dict[str, Any]]:
+    """Take one snapshot of every table and of the dense tensors, all at one moment.
 
     With ``scope``, the training step running ends first and the next waits
     (:meth:`StepScope.exclusive`). Then every table is frozen at once (in the order of their
     ids, so two saves never wait for each other), each table's snapshot is taken and
-    ``dense_fn()`` runs and its tensors are copied. Only the copies of tier 0's keys and of
-    the dense tensors happen in here.
+    ``dense_fn()`` runs; its tensors are hashed in chunks of ``chunk_bytes``, and the chunks
+    whose digests are not in ``stored`` (what the target store is known to hold) are copied.
+    Only the copies of tier 0's keys and of those chunks, and the hashing, happen in here.
 
     Returns
     -------
-    (snapshots, arrays, torch_dtypes, metadata, dense_bytes)
-        A snapshot per table name, the dense tensors as numpy arrays the save owns, their
-        torch dtype names, the extra metadata ``dense_fn`` gave, and the copies' bytes.
+    (snapshots, dense snapshots, metadata)
+        A snapshot per table name, a :class:`~tensorkv.checkpoint.dense.DenseSnapshot` per
+        dense tensor, and the extra metadata ``dense_fn`` gave.
     """
     seen: dict[int, str] = {}
     for name, t in tables_in.items():
@@ -301,23 +302,23 @@ def take_snapshots(
             for name, t in tables_in.items():
                 snaps[name] = t.snapshot() if hasattr(t, "snapshot") else LiveSnapshot(t)
             dense_in, extra = dense_fn()
-            arrays: dict[str, np.ndarray] = {}
-            torch_dtypes: dict[str, str | None] = {}
+            dense_s: dict[str, dense.DenseSnapshot] = {}
             for name, val in dense_in.items():
                 layout.check_var_name(name)
-                arr, torch_dtypes[name] = dense.to_numpy(name, val)
-                arrays[name] = arr.copy() if _shares_memory(arr, val) else arr
+                arr, tdt = dense.to_numpy(name, val)
+                dense_s[name] = dense.snapshot_tensor(arr, tdt, chunk_bytes,
+                                                      not _shares_memory(arr, val),
+                                                      stored or set())
         except BaseException:
             for s in snaps.values():
                 s.release()
             raise
-    clash = sorted(set(arrays) & set(tables_in))
+    clash = sorted(set(dense_s) & set(tables_in))
     if clash:
         for s in snaps.values():
             s.release()
         raise CheckpointError(f"names {clash} are both module state and embedding tables")
-    nbytes = sum(a.nbytes for a in arrays.values())
-    return snaps, arrays, torch_dtypes, dict(extra or {}), nbytes
+    return snaps, dense_s, dict(extra or {})
 
 
 # --------------------------------------------------------------------------- the API
@@ -564,40 +565,43 @@ def begin_save(
         scope = step_scope
     else:
         raise CheckpointError(f"step_scope={step_scope!r} must be True, False or a StepScope")
-    config.save_pending(on_pending)  # a bad value fails here, before anything waits
+    config.save_pending(on_pending)  # bad values fail here, before anything waits
+    nice = config.save_nice() if not blocking else 0
     handle = SaveHandle(tag, tables_in.values())
     reserve(handle, on_pending)
+    where = url if isinstance(url, str) else url.url
     try:
         t0 = time.perf_counter()
-        snaps, arrays, torch_dtypes, extra, dense_bytes = take_snapshots(
-            tables_in, dense_fn, scope)
+        snaps, dense_s, extra = take_snapshots(tables_in, dense_fn, scope, chunk_bytes,
+                                               dense.stored_digests(where))
         meta = dict(metadata or {})
         meta.update(extra)
     except BaseException:
         release(handle)
         raise
-    handle.attach(list(snaps.values()), dense_bytes, time.perf_counter() - t0)
+    handle.attach(list(snaps.values()), sum(d.nbytes for d in dense_s.values()),
+                  time.perf_counter() - t0)
     opts: dict[str, Any] = {
         "hash_tag": hash_tag, "bucket_bits": bucket_bits, "block_rows": block_rows,
         "check": handle.check,
     }
 
     def work() -> str:
-        return write_save(handle, kind, url, tables_in, snaps, arrays, torch_dtypes,
+        return write_save(handle, kind, url, tables_in, snaps, dense_s,
                           step=step, incremental=incremental, shard=(shard_i, nshards),
                           metadata=meta or metadata, progress=progress if blocking else
                           bool(progress), ttl=ttl, parent=parent, chunk_bytes=chunk_bytes,
                           opts=opts)
 
-    handle.run(work, background=not blocking)
+    handle.run(work, background=not blocking, nice=nice)
     return handle.result() if blocking else handle
 
 
 # --------------------------------------------------------------------------- the write phase
 def write_save(
     handle: SaveHandle, kind: str, url: str | KVStore, tables_in: dict[str, Any],
-    snaps: dict[str, TableSnapshot], arrays: dict[str, np.ndarray],
-    torch_dtypes: dict[str, str | None], *, step: int | None, incremental: bool,
+    snaps: dict[str, TableSnapshot], dense_s: dict[str, dense.DenseSnapshot], *,
+    step: int | None, incremental: bool,
     shard: tuple[int, int], metadata: dict[str, Any] | None, progress: bool | None,
     ttl: float | None, parent: str | None, chunk_bytes: int, opts: dict[str, Any],
 ) -> str:
@@ -650,7 +654,7 @@ def write_save(
             doc["kind"] = kind
             doc["incremental"] = False
             doc["shards"] = [shard_i]
-            total = sum(a.nbytes for a in arrays.values()) + sum(
+            total = sum(int(d.entry["nbytes"]) for d in dense_s.values()) + sum(
                 snaps[n].approx_rows * _row_bytes(t) for n, t in tables_in.items()
             )
             pbar = bar(total, f"save {tag}", progress)
@@ -663,15 +667,15 @@ def write_save(
             c.on_failure = drop_tables
             try:
                 known = refs.referenced_chunks(store, docs)
-                _write_records(store, tag, doc, arrays, torch_dtypes, chunk_bytes, tables_in,
-                               snaps, (shard_i, nshards), parent_doc, opts, known, on_bytes)
-                doc["dense"] = {name: doc["dense"][name] for name in arrays}  # the caller's order
+                _write_records(store, tag, doc, dense_s, tables_in, snaps, (shard_i, nshards),
+                               parent_doc, opts, known, on_bytes)
                 store.flush()
                 handle.publishing()  # a cancel() from now on comes too late
                 doc["created"] = time.time()  # the tag's life starts when it becomes visible
                 if ttl is not None:
                     doc["expires"] = doc["created"] + float(ttl)
                 claims.publish(c, what, mkey, manifest.encode_manifest(doc), refs.record_keys(doc))
+                dense.remember_stored(url if isinstance(url, str) else store.url, known)
             finally:
                 pbar.close()
         if nshards > 1:
@@ -680,10 +684,10 @@ def write_save(
 
 
 def _write_records(
-    store: KVStore, tag: str, doc: dict[str, Any], arrays: dict[str, np.ndarray],
-    torch_dtypes: dict[str, str | None], chunk_bytes: int, tables_in: dict[str, Any],
-    snaps: dict[str, TableSnapshot], shard: tuple[int, int], parent_doc: dict[str, Any] | None,
-    opts: dict[str, Any], known: set[str], on_bytes: OnBytes,
+    store: KVStore, tag: str, doc: dict[str, Any], dense_s: dict[str, dense.DenseSnapshot],
+    tables_in: dict[str, Any], snaps: dict[str, TableSnapshot], shard: tuple[int, int],
+    parent_doc: dict[str, Any] | None, opts: dict[str, Any], known: set[str],
+    on_bytes: OnBytes,
 ) -> None:
     """Write the dense chunks (on a helper thread) and every table's records of a save.
 
@@ -692,12 +696,10 @@ def _write_records(
     shard_i, nshards = shard
     dense_w = tables.BlockWriter(store, b"", None, on_bytes, opts["after_write"])
 
-    def write_dense() -> None:
-        # hashes the dense chunks (xxhash lets the table gather run meanwhile) and
-        # queues the new ones on dense_w's writer thread
-        for name, arr in arrays.items():
-            doc["dense"][name] = dense.describe(arr, torch_dtypes[name], chunk_bytes)
-        dense.write_tensors(dense_w, arrays, doc["dense"], known, on_bytes)
+    doc["dense"] = {name: d.entry for name, d in dense_s.items()}  # hashed in the snapshot
+
+    def write_dense() -> None:  # queues the chunks the store lacks on dense_w's writer thread
+        dense.write_tensors(dense_w, dense_s, known, on_bytes)
         dense_w.send()
 
     with ThreadPoolExecutor(1, thread_name_prefix="tensorkv-ckpt-dense") as helper:
