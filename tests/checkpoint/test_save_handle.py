@@ -234,3 +234,39 @@ def test_a_forked_child_is_not_held_by_the_parents_background_save(tmp_path, req
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
     gate.set()
     assert h.result() == "parent" and tensorkv.list_tags(child_url) == ["child"]
+
+
+def test_dense_chunks_are_copied_only_when_the_store_lacks_them(tmp_path, request, gate):
+    """The snapshot copies the dense chunks not stored yet; stored ones are read if needed."""
+    url = make_url("lmdb", tmp_path, request)
+    gate.set()
+    w = np.arange(3 * 4096, dtype=np.float32).reshape(3, 4096)  # three 16 KiB chunks
+    opts = {"chunk_bytes": 16384, "step_scope": False}
+    first = tensorkv.save({"w": w}, url, "a", blocking=False, **opts)
+    assert first.stats()["snapshot_bytes"] == w.nbytes  # a new store: every chunk copied
+    first.result()
+    w[1] += 1  # one chunk changes
+    h = tensorkv.save({"w": w}, url, "b", blocking=False, **opts)
+    assert h.stats()["snapshot_bytes"] == 16384  # the changed chunk only
+    h.result()
+    np.testing.assert_array_equal(tensorkv.load(None, url, "b")["w"], w)
+    # the store loses tag b's chunks; this process still counts them as stored
+    tensorkv.delete_tag(url, "b")
+    tensorkv.delete_tag(url, "a")
+    tensorkv.gc(url, grace=0)
+    gate.clear()
+    h = tensorkv.save({"w": w}, url, "c", blocking=False, **opts)  # nothing copied
+    assert h.stats()["snapshot_bytes"] == 0
+    gate.set()
+    assert h.result() == "c"  # written from the live tensor, unchanged
+    np.testing.assert_array_equal(tensorkv.load(None, url, "c")["w"], w)
+    tensorkv.delete_tag(url, "c")
+    tensorkv.gc(url, grace=0)
+    gate.clear()
+    h = tensorkv.save({"w": w}, url, "d", blocking=False, **opts)
+    w[2] += 1  # changed before the save read it, and the store lacks the snapshot's chunk
+    gate.set()
+    with pytest.raises(CheckpointError, match="changed since the save's snapshot"):
+        h.result()
+    assert tensorkv.list_tags(url) == []
+    assert tensorkv.save({"w": w}, url, "d", **opts) == "d"  # saving again works
