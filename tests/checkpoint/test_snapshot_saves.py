@@ -248,10 +248,10 @@ def test_a_non_blocking_save_equals_the_blocking_save_of_the_same_state(kind, tm
             twins[0].apply_gradients(keys, g)
         assert not h.done() and h.stats()["snapshot_bytes"] > 0
         gate.set()
+        assert h.result() == "bg" and h.done() and h.stats()["state"] == "done"
         dense["w"] -= 100
         tensorkv.save({"t": twins[1], **dense}, url, "fg", block_rows=8, bucket_bits=0,
                       metadata={"m": 1})
-        assert h.result() == "bg" and h.done() and h.stats()["state"] == "done"
         bg, fg = tensorkv.load(None, url, "bg"), tensorkv.load(None, url, "fg")
         np.testing.assert_array_equal(bg["w"], fg["w"])
         assert_same_rows(table_rows(bg["t"]), table_rows(fg["t"]), "bg against fg")
