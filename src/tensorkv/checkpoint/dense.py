@@ -9,8 +9,10 @@ repeats its parent's tensors writes nothing new for them (see "Dense tensors" in
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -113,9 +115,14 @@ def iter_pieces(arr: np.ndarray, chunk_bytes: int) -> Iterator[memoryview]:
         yield flat[off : off + chunk_bytes]
 
 
-def describe(arr: np.ndarray, torch_dtype: str | None, chunk_bytes: int) -> dict[str, Any]:
-    """Manifest entry of one tensor, with the digests of its chunks (computes no I/O)."""
-    chunks = [digest(p) for p in iter_pieces(arr, chunk_bytes)]
+def describe(arr: np.ndarray, torch_dtype: str | None, chunk_bytes: int,
+             chunks: list[str] | None = None) -> dict[str, Any]:
+    """Manifest entry of one tensor, with the digests of its chunks (computes no I/O).
+
+    ``chunks``: the digests, if computed already.
+    """
+    if chunks is None:
+        chunks = [digest(p) for p in iter_pieces(arr, chunk_bytes)]
     return {
         "dtype": str(arr.dtype) if arr.dtype != BFLOAT16 else "bfloat16",
         "torch_dtype": torch_dtype,
@@ -160,10 +167,42 @@ class DenseSnapshot:
         return int(sum(c.nbytes for c in self.copies.values()))
 
 
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _hash_pool() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(2, thread_name_prefix="tensorkv-ckpt-hash")
+        return _pool
+
+
+def _forget_pool_after_fork() -> None:
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool_after_fork)
+
+
+def start_digests(arr: np.ndarray, chunk_bytes: int) -> list[Future[str]]:
+    """The chunk digests of ``arr``, computed on two helper threads (xxhash frees the GIL)."""
+    pool = _hash_pool()
+    return [pool.submit(digest, p) for p in iter_pieces(arr, chunk_bytes)]
+
+
 def snapshot_tensor(arr: np.ndarray, torch_dtype: str | None, chunk_bytes: int, owned: bool,
-                    stored: set[str]) -> DenseSnapshot:
-    """Describe ``arr`` and copy the chunks of it that ``stored`` lacks (unless ``owned``)."""
-    entry = describe(arr, torch_dtype, chunk_bytes)
+                    stored: set[str], digests: list[Future[str]] | None = None
+                    ) -> DenseSnapshot:
+    """Describe ``arr`` and copy the chunks of it that ``stored`` lacks (unless ``owned``).
+
+    ``digests``: its chunk digests started by :func:`start_digests` (else computed here).
+    """
+    entry = describe(arr, torch_dtype, chunk_bytes, None if digests is None else
+                     [f.result() for f in digests])
     copies: dict[int, np.ndarray] = {}
     if not owned:
         flat = arr.reshape(-1).view(np.uint8) if arr.size else np.empty(0, np.uint8)

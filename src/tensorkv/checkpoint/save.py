@@ -299,16 +299,18 @@ def take_snapshots(
             if hasattr(t, "freeze"):
                 frozen.enter_context(t.freeze())
         try:
-            for name, t in tables_in.items():
-                snaps[name] = t.snapshot() if hasattr(t, "snapshot") else LiveSnapshot(t)
             dense_in, extra = dense_fn()
-            dense_s: dict[str, dense.DenseSnapshot] = {}
+            parts = []  # the dense chunks are hashed on helpers while the tables snapshot
             for name, val in dense_in.items():
                 layout.check_var_name(name)
                 arr, tdt = dense.to_numpy(name, val)
-                dense_s[name] = dense.snapshot_tensor(arr, tdt, chunk_bytes,
-                                                      not _shares_memory(arr, val),
-                                                      stored or set())
+                parts.append((name, arr, tdt, not _shares_memory(arr, val),
+                              dense.start_digests(arr, chunk_bytes)))
+            for name, t in tables_in.items():
+                snaps[name] = t.snapshot() if hasattr(t, "snapshot") else LiveSnapshot(t)
+            dense_s = {name: dense.snapshot_tensor(arr, tdt, chunk_bytes, owned, stored or set(),
+                                                   digests)
+                       for name, arr, tdt, owned, digests in parts}
         except BaseException:
             for s in snaps.values():
                 s.release()
