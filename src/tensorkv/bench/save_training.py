@@ -52,12 +52,14 @@ def _pass(model: Any, opt: Any, batches: list[Any], url: str | None, every: int,
     from tensorkv.torch import save
 
     f = torch.nn.functional.binary_cross_entropy_with_logits
-    times, saving, save_steps, durations, peaks, windows = [], [], [], [], [], []
+    times, saving, save_steps, durations, peaks = [], [], [], [], []
+    windows: list[list[Any]] = []  # [handle, first step, step after it was written]
     handle: Any = None
     for i, (dense, keys, labels) in enumerate(batches):
+        for w in windows:
+            if w[2] < 0 and w[0].done():
+                w[2] = i  # the steps [call, i) ran while it wrote
         busy = handle is not None and not handle.done()
-        if handle is not None and not busy and windows and windows[-1][1] < 0:
-            windows[-1][1] = i  # the steps [call, i) ran while it wrote
         t0 = time.perf_counter()
         out = model(dense, keys)
         loss = f(out, labels)
@@ -74,16 +76,17 @@ def _pass(model: Any, opt: Any, batches: list[Any], url: str | None, every: int,
                 if handle is not None:
                     peaks.append(handle.stats()["peak_snapshot_bytes"])
                 handle = got
-                windows.append([i, -1])
+                windows.append([got, i, -1])
         times.append(time.perf_counter() - t0)
         saving.append(busy)
     if handle is not None:
         handle.result()
         peaks.append(handle.stats()["peak_snapshot_bytes"])
-        if windows and windows[-1][1] < 0:
-            windows[-1][1] = len(batches)
+    for w in windows:
+        if w[2] < 0:
+            w[2] = len(batches)
     return {"times": np.array(times), "saving": np.array(saving, bool), "saves": save_steps,
-            "durations": durations, "peaks": peaks, "windows": windows}
+            "durations": durations, "peaks": peaks, "windows": [w[1:] for w in windows]}
 
 
 def run_case(kind: str, root: str, report: Report, *, batch: int, steps: int, warm: int,
@@ -161,13 +164,13 @@ def run(quick: bool, report: Report, root: str, *, batch: int | None = None,
     Parameters
     ----------
     batch, steps, warm, every
-        Samples per step (2048), steps per pass (quick 120, else 240), untimed steps first
-        (quick 30, else 150), and steps between saves (quick 60, else 80).
+        Samples per step (2048), steps per pass (quick 120, else 300), untimed steps first
+        (quick 20, else 60), and steps between saves (quick 60, else 150).
     """
     batch = batch or 2048
-    steps = steps or (120 if quick else 240)
-    warm = warm if warm is not None else (30 if quick else 150)
-    every = every or (60 if quick else 80)
+    steps = steps or (120 if quick else 300)
+    warm = warm if warm is not None else (20 if quick else 60)
+    every = every or (60 if quick else 150)
     report.params.update(train_batch=batch, train_steps=steps, train_warm=warm,
                          train_save_every=every)
     for kind in kinds:
