@@ -43,5 +43,5 @@ def test_save_while_training_smoke(tmp_path):
                 f"save while training, {kind}: non-blocking stall",
                 f"save while training, {kind}: samples/s while saving"} <= cases
     info = report.params["save_while_training_dram_ssdhash"]
-    assert info["saves"] == 4 and info["rows"] > 0 and info["peak_snapshot_bytes"] > 0
+    assert info["saves"] >= 3 and info["rows"] > 0 and info["peak_snapshot_bytes"] > 0
     assert not list(tmp_path.iterdir())  # the store and spill directories are removed
