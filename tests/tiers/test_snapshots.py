@@ -152,3 +152,24 @@ def test_a_restore_into_the_table_keeps_an_open_snapshot(tmp_path):
     t.apply_gradients(np.arange(5000, 5100), np.ones((100, 4), np.float32))
     assert set(t.keys().tolist()) == set(range(5000, 5300))
     assert_same_rows(table_rows(_Chunks(first + list(it)), 32), want, "after a restore")
+
+
+def test_a_table_reuses_its_last_snapshots_arrays():
+    """The next snapshot copies tier 0's keys into the last one's (warm) arrays, and is right."""
+    t = tensorkv.EmbeddingTable(4, optimizer="adagrad", seed=1)
+    t.lookup(np.arange(1000))
+    first = t.snapshot()
+    arrays = first.tier0.keys
+    assert table_rows(first)["keys"].size == 1000
+    first.release()
+    t.lookup(np.arange(1000, 1100))
+    t.remove(np.arange(10))
+    t.apply_gradients(np.arange(50, 60), np.ones((10, 4), np.float32))
+    want = table_rows(t)
+    with t.snapshot() as second:
+        assert np.shares_memory(second.tier0.keys, arrays)
+        assert_same_rows(table_rows(second), want, "a snapshot in reused arrays")
+    t.lookup(np.arange(5000, 9000))  # more rows than the arrays hold: new ones
+    with t.snapshot() as third:
+        assert not np.shares_memory(third.tier0.keys, arrays)
+        assert table_rows(third)["keys"].size == len(t)

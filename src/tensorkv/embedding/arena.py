@@ -117,6 +117,8 @@ class RowArena:
     #: sequence calls :meth:`before_write` first, which copies the row for the snapshot if it
     #: still needs it; nothing else writes rows.
     snap: Any = None
+    #: The row arrays of the last snapshot, reused by the next (see ``Tier0Snapshot``).
+    snap_spare: Any = None
 
     def __init__(
         self,
