@@ -143,11 +143,13 @@ class Tier0Snapshot:
             np.copyto(self.keys, arena.row_key[:hw])
             np.copyto(self.member, arena.live[:hw])
             self.captured[:] = 0
-        else:
-            self.keys = arena.row_key[:hw].copy()
-            self.member = arena.live[:hw].copy()
-            self.captured = np.zeros(hw, np.uint8)
-            self._bufs = (self.keys, self.member, self.captured)
+        else:  # room for a quarter more rows: a training table grows between snapshots
+            cap = max(hw + hw // 4, 1024)
+            self._bufs = (np.empty(cap, np.int64), np.empty(cap, np.uint8),
+                          np.zeros(cap, np.uint8))
+            self.keys, self.member, self.captured = (b[:hw] for b in self._bufs)
+            np.copyto(self.keys, arena.row_key[:hw])
+            np.copyto(self.member, arena.live[:hw])
         if held_rows is not None and held_rows.size:
             self.member[held_rows] = 1
             self.keys[held_rows] = held_keys
