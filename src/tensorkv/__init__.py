@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING
 
 from tensorkv.checkpoint import (
     CheckReport,
+    SaveHandle,
+    StepScope,
     check,
     compact,
     copy_tag,
@@ -27,6 +29,7 @@ from tensorkv.checkpoint import (
     restore_tag,
     save,
     tag_info,
+    training_step,
 )
 from tensorkv.errors import TensorKVError
 from tensorkv.stores import KVStore, open_store
@@ -136,6 +139,9 @@ __all__ = [
     "check",
     "gc",
     "CheckReport",
+    "SaveHandle",
+    "StepScope",
+    "training_step",
     # the model repository
     "Repository",
     # errors and version

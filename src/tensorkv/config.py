@@ -18,6 +18,15 @@ Environment variable                   Default     Meaning
 ``TENSORKV_MALLOC_RETAIN``             1           ``0``: leave glibc's malloc thresholds
                                                    as they are when LMDB first writes large
                                                    values (pages.retain_freed_memory)
+``TENSORKV_SAVE_AT_EXIT``              wait        what a process that exits does with saves
+                                                   still writing (``blocking=False``):
+                                                   ``wait`` for them or ``abandon`` them
+``TENSORKV_SAVE_PENDING``              wait        a save of a table whose previous save is
+                                                   still writing: ``wait`` for it, or
+                                                   ``error`` (``SaveInProgressError``)
+``TENSORKV_SAVE_NICE``                 10          CPU niceness of a background save's
+                                                   threads (0-19; higher yields more to
+                                                   training, and the save takes longer)
 =====================================  ==========  =========================================
 """
 
@@ -99,6 +108,12 @@ CHECKPOINT_TURN_WAIT_SECONDS = 600.0
 # --- command line and progress bars ------------------------------------------------------------
 PROGRESS_MIN_SECONDS = 2.0  # show a progress bar only for work longer than this
 ENV_PROGRESS = "TENSORKV_PROGRESS"
+ENV_SAVE_AT_EXIT = "TENSORKV_SAVE_AT_EXIT"
+SAVE_AT_EXIT = "wait"  # "wait": an exiting process finishes its background saves; "abandon"
+ENV_SAVE_PENDING = "TENSORKV_SAVE_PENDING"
+SAVE_PENDING = "wait"  # a save of a table still being saved: "wait" for it, or "error"
+ENV_SAVE_NICE = "TENSORKV_SAVE_NICE"
+SAVE_NICE = 10  # niceness added to a background save's threads (Linux; 0-19, 19: lowest priority)
 
 
 # ==== parsing helpers and readers of the environment ==========================================
@@ -213,6 +228,39 @@ def assist_thread() -> bool:
     pool shares the cores).
     """
     return env_bool(ENV_ASSIST_THREAD, True)
+
+
+def _choice(name: str, value: str | None, default: str, allowed: tuple[str, ...],
+            what: str) -> str:
+    raw = value if value is not None else os.environ.get(name, "").strip().lower() or default
+    if raw not in allowed:
+        source = f"{what}={raw!r}" if value is not None else f"{name}={raw!r}"
+        raise ConfigError(f"{source} is not one of {', '.join(allowed)}")
+    return raw
+
+
+def save_at_exit(value: str | None = None) -> str:
+    """What an exiting process does with unfinished background saves: ``wait`` or ``abandon``.
+
+    ``value`` if given, else ``TENSORKV_SAVE_AT_EXIT``, else :data:`SAVE_AT_EXIT`.
+    """
+    return _choice(ENV_SAVE_AT_EXIT, value, SAVE_AT_EXIT, ("wait", "abandon"), "at_exit")
+
+
+def save_nice() -> int:
+    """Niceness of a background save's threads (``TENSORKV_SAVE_NICE``, default 10, 0-19)."""
+    value = env_int(ENV_SAVE_NICE, SAVE_NICE, minimum=0)
+    if value > 19:
+        raise ConfigError(f"{ENV_SAVE_NICE}={value} is above 19, the lowest CPU priority")
+    return value
+
+
+def save_pending(value: str | None = None) -> str:
+    """A save of a table whose previous save is still writing: ``wait`` or ``error``.
+
+    ``value`` if given, else ``TENSORKV_SAVE_PENDING``, else :data:`SAVE_PENDING`.
+    """
+    return _choice(ENV_SAVE_PENDING, value, SAVE_PENDING, ("wait", "error"), "on_pending")
 
 
 def progress_enabled(progress: bool | None) -> bool:

@@ -183,6 +183,10 @@ class ConcurrentUseError(TableError, RuntimeError):
     """A dynamic embedding module was called from a second thread while it was busy."""
 
 
+class SnapshotInProgressError(TableError, RuntimeError):
+    """The table has a snapshot open already (a save still writing it); one at a time."""
+
+
 # --- parameter server ----------------------------------------------------------------------
 class ShardUnavailableError(TensorKVError, ConnectionError):
     """A parameter-server shard is gone (or lost updates) and could not be brought back."""
@@ -212,6 +216,18 @@ class ShardRunError(CheckpointError):
     (another run id, ``num_shards``, step or parent), a run one of whose savers died, or
     shards left by an earlier save. The message names both runs and what to do.
     """
+
+
+class SaveInProgressError(CheckpointError, RuntimeError):
+    """A save of the same table is still being written, and the policy says not to wait."""
+
+
+class SaveCancelledError(CheckpointError):
+    """A save was cancelled (or abandoned at exit) before its tag became visible."""
+
+
+class StepScopeError(CheckpointError, RuntimeError):
+    """A save was asked to wait for a training step that its own thread holds open."""
 
 
 class TagNotFoundError(CheckpointError, KeyError):

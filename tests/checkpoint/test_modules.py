@@ -20,6 +20,7 @@ ORDER = [
     "manifest", "dense", "keylists", "staging", "runs",
     "objects", "shards", "tables",
     "refs", "bulk", "sweep",
+    "steps", "handle",
     "save", "load",
     "tags", "check",
     "__init__",

@@ -24,7 +24,7 @@ TIER1 = 1600  # a middle tier (PMEM below DRAM, DRAM below HBM): 16-28 rows
 # optimizer objects and initializers happen above them, and admission runs in the
 # randomized test of seed 1)
 CORE = frozenset({"reads", "training", "nan", "mutations", "eviction", "export", "dtypes",
-                  "checkpoint", "randomized"})
+                  "checkpoint", "randomized", "snapshot"})
 CORE_OPTIMIZERS = ("sgd", "ftrl")  # no slots, two slots; adam/adagrad run in the other tests
 
 

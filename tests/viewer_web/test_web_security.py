@@ -99,7 +99,7 @@ def test_non_loopback_bind_needs_the_flag(host, ckpt):
         check_host(host, allow_remote=False)
     check_host(host, allow_remote=True)
     res = CliRunner().invoke(main, ["view", ckpt["url"], "--host", host, "--port", "0"])
-    assert res.exit_code == 1
+    assert res.exit_code == 2
     assert f"refusing to bind {host!r}" in res.output and "--allow-remote" in res.output
 
 
@@ -109,24 +109,24 @@ def test_port_in_use_is_a_clear_error(ckpt):
         busy.listen(1)
         port = busy.getsockname()[1]
         res = CliRunner().invoke(main, ["view", ckpt["url"], "--port", str(port)])
-    assert res.exit_code == 1
+    assert res.exit_code == 2
     assert f"port {port} on 127.0.0.1 is in use" in res.output and "--port" in res.output
     res = CliRunner().invoke(main, ["view", ckpt["url"], "--port", "70000"])
-    assert res.exit_code == 1 and "out of range" in res.output
+    assert res.exit_code == 2 and "out of range" in res.output
 
 
 def test_bad_store_and_tag_fail_before_serving(ckpt, tmp_path):
     res = CliRunner().invoke(main, ["view", f"lmdb://{tmp_path}/absent", "--port", "0"])
-    assert res.exit_code == 1 and "absent" in res.output
+    assert res.exit_code == 3 and "absent" in res.output
     res = CliRunner().invoke(main, ["view", ckpt["url"], "--port", "0", "--tag", "t9"])
-    assert res.exit_code == 1 and "t9" in res.output and "t1" in res.output
+    assert res.exit_code == 3 and "t9" in res.output and "t1" in res.output
     pytest.importorskip("redis")
     from tests import servers
 
     port = servers.free_port()
     res = CliRunner().invoke(main, ["view", f"redis://127.0.0.1:{port}/0?connect_timeout=1",
                                     "--port", "0"])
-    assert res.exit_code == 1 and f"cannot reach Redis server 127.0.0.1:{port}" in res.output
+    assert res.exit_code == 4 and f"cannot reach Redis server 127.0.0.1:{port}" in res.output
 
 
 def test_missing_web_stack_names_the_extra(monkeypatch):

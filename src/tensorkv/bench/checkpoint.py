@@ -4,9 +4,11 @@ The model (an Adagrad EmbeddingTable of ``rows x dim`` plus ``dense_mb`` MB of d
 goes through ``tensorkv.save`` / ``load`` on LMDB, RocksDB, LevelDB and Redis, and through
 ``torch.save``, safetensors and ``np.save`` of the same arrays and a raw sequential write and
 read, in the same run; also incremental against full saves, a tiered table's save and
-restore, and table block sizes. MB/s of model bytes, best of ``repeat`` runs. ``-p`` options:
-``rows``, ``dim``, ``dense_mb``, ``backends``, ``block_sizes``, ``repeat``, ``root``,
-``tiered``. What it measures and the current figures: docs/benchmarks.md.
+restore, table block sizes, and saves while the demo's model trains (blocking against
+``blocking=False``, :mod:`tensorkv.bench.save_training`). MB/s of model bytes, best of
+``repeat`` runs. ``-p`` options: ``rows``, ``dim``, ``dense_mb``, ``backends``,
+``block_sizes``, ``repeat``, ``root``, ``tiered``, ``training``. What it measures and the
+current figures: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -179,10 +181,12 @@ def run(
     repeat: int | None = None,
     root: str | None = None,
     tiered: bool = True,
+    training: bool = True,
 ) -> None:
     """Run the checkpoint workload (see the module docstring).
 
-    ``tiered=False`` skips the DRAM_SSDHASH table case.
+    ``tiered=False`` skips the DRAM_SSDHASH table case; ``training=False`` the saves while
+    training (which need torch).
     """
     import tensorkv
     from tensorkv.bench.kv import bench_root
@@ -255,6 +259,12 @@ def run(
             _tiered(model, root, total, base, repeat, report)
         if "lmdb" in targets and block_sizes:
             _block_sizes(model, root, total, block_sizes, repeat, report)
+        if "lmdb" in targets and training:
+            del model
+            gc.collect()
+            from tensorkv.bench import save_training
+
+            save_training.run(quick, report, root)
         report.params["raw_write_MBps"] = total / w_raw / MB
         report.params["raw_read_MBps"] = total / r_raw / MB
         report.params["torch_load_MBps"] = total / r_torch / MB

@@ -13,6 +13,7 @@ imports only modules listed before it):
   manifests, table blocks and the record writer;
 - ``refs``, ``bulk``, ``sweep``: what a tag references and owns, the restore pipeline,
   sharded saves left behind (listed, removed, verified);
+- ``steps``, ``handle``: training-step scopes, saves in flight;
 - ``save``, ``load``;
 - ``tags`` (list, delete, copy, compact, dump), then ``check`` (check, gc).
 
@@ -21,9 +22,11 @@ are in ``layout``.
 """
 
 from tensorkv.checkpoint.check import CheckReport, check, gc
+from tensorkv.checkpoint.handle import SaveHandle
 from tensorkv.checkpoint.load import load, read_tensor
 from tensorkv.checkpoint.save import save
 from tensorkv.checkpoint.shards import merge
+from tensorkv.checkpoint.steps import StepScope, training_step
 from tensorkv.checkpoint.tags import (
     compact,
     copy_tag,
@@ -38,6 +41,8 @@ from tensorkv.checkpoint.tags import (
 
 __all__ = [
     "CheckReport",
+    "SaveHandle",
+    "StepScope",
     "check",
     "compact",
     "copy_tag",
@@ -53,4 +58,5 @@ __all__ = [
     "restore_tag",
     "save",
     "tag_info",
+    "training_step",
 ]

@@ -9,7 +9,11 @@ repeats its parent's tensors writes nothing new for them (see "Dense tensors" in
 
 from __future__ import annotations
 
+import os
+import threading
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -111,9 +115,14 @@ def iter_pieces(arr: np.ndarray, chunk_bytes: int) -> Iterator[memoryview]:
         yield flat[off : off + chunk_bytes]
 
 
-def describe(arr: np.ndarray, torch_dtype: str | None, chunk_bytes: int) -> dict[str, Any]:
-    """Manifest entry of one tensor, with the digests of its chunks (computes no I/O)."""
-    chunks = [digest(p) for p in iter_pieces(arr, chunk_bytes)]
+def describe(arr: np.ndarray, torch_dtype: str | None, chunk_bytes: int,
+             chunks: list[str] | None = None) -> dict[str, Any]:
+    """Manifest entry of one tensor, with the digests of its chunks (computes no I/O).
+
+    ``chunks``: the digests, if computed already.
+    """
+    if chunks is None:
+        chunks = [digest(p) for p in iter_pieces(arr, chunk_bytes)]
     return {
         "dtype": str(arr.dtype) if arr.dtype != BFLOAT16 else "bfloat16",
         "torch_dtype": torch_dtype,
@@ -124,29 +133,143 @@ def describe(arr: np.ndarray, torch_dtype: str | None, chunk_bytes: int) -> dict
     }
 
 
+@dataclass
+class DenseSnapshot:
+    """A dense tensor as a save's snapshot took it: its entry, and the bytes it may need.
+
+    The digests of every chunk are computed when the snapshot is taken; the chunks the target
+    store is not known to hold (:func:`stored_digests`) are copied then, the others are read
+    from the live tensor only if the store turns out to lack them, and written only if their
+    digest still matches (:func:`write_tensors`).
+
+    Attributes
+    ----------
+    arr
+        The tensor's numpy array: the caller's (``owned`` False) or a private copy.
+    entry
+        Its manifest entry (:func:`describe`).
+    copies
+        Chunk index -> private copy of the chunk's bytes (chunks not known stored).
+    owned
+        Whether ``arr`` belongs to the save (converted or copied), so nothing changes it.
+    """
+
+    arr: np.ndarray
+    entry: dict[str, Any]
+    copies: dict[int, np.ndarray]
+    owned: bool
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the snapshot holds (the private copies)."""
+        if self.owned:
+            return int(self.arr.nbytes)
+        return int(sum(c.nbytes for c in self.copies.values()))
+
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _hash_pool() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(2, thread_name_prefix="tensorkv-ckpt-hash")
+        return _pool
+
+
+def _forget_pool_after_fork() -> None:
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool_after_fork)
+
+
+def start_digests(arr: np.ndarray, chunk_bytes: int) -> list[Future[str]]:
+    """The chunk digests of ``arr``, computed on two helper threads (xxhash frees the GIL)."""
+    pool = _hash_pool()
+    return [pool.submit(digest, p) for p in iter_pieces(arr, chunk_bytes)]
+
+
+def snapshot_tensor(arr: np.ndarray, torch_dtype: str | None, chunk_bytes: int, owned: bool,
+                    stored: set[str], digests: list[Future[str]] | None = None
+                    ) -> DenseSnapshot:
+    """Describe ``arr`` and copy the chunks of it that ``stored`` lacks (unless ``owned``).
+
+    ``digests``: its chunk digests started by :func:`start_digests` (else computed here).
+    """
+    entry = describe(arr, torch_dtype, chunk_bytes, None if digests is None else
+                     [f.result() for f in digests])
+    copies: dict[int, np.ndarray] = {}
+    if not owned:
+        flat = arr.reshape(-1).view(np.uint8) if arr.size else np.empty(0, np.uint8)
+        for i, d in enumerate(entry["chunks"]):
+            if d not in stored:
+                copies[i] = flat[i * chunk_bytes:(i + 1) * chunk_bytes].copy()
+    return DenseSnapshot(arr, entry, copies, owned)
+
+
+_STORED: dict[str, set[str]] = {}
+_STORED_LOCK = threading.Lock()
+STORED_MAX = 1 << 20  # digests remembered over all stores before the memory is cleared
+
+
+def stored_digests(where: str) -> set[str]:
+    """Digests of dense chunks the last save of this process into ``where`` found stored."""
+    with _STORED_LOCK:
+        return set(_STORED.get(where, ()))
+
+
+def remember_stored(where: str, digests: set[str]) -> None:
+    """Remember ``digests`` as what store ``where`` holds (what its saves found and wrote)."""
+    with _STORED_LOCK:
+        if sum(len(s) for s in _STORED.values()) + len(digests) > STORED_MAX:
+            _STORED.clear()
+        _STORED[where] = set(digests)
+
+
 def write_tensors(
     w: BlockWriter,
-    arrays: dict[str, np.ndarray],
-    entries: dict[str, dict[str, Any]],
+    snaps: dict[str, DenseSnapshot],
     known: set[str],
     on_bytes: OnBytes | None = None,
 ) -> int:
     """Queue the chunks of each tensor whose digest is not in ``known``; return their bytes.
 
-    ``w`` is a :class:`tensorkv.checkpoint.tables.BlockWriter`: the chunks (views of the
-    arrays, not copies) are written on its thread while the caller goes on, and are in the
-    store once ``w.flush()`` returns, so the arrays must not change until then. ``on_bytes``
-    is told at once about chunks skipped as already stored; ``w`` reports the others.
-    ``known`` is updated with the digests queued.
+    ``w`` is a :class:`tensorkv.checkpoint.tables.BlockWriter`: the chunks are written on
+    its thread while the caller goes on, and are in the store once ``w.flush()`` returns.
+    A chunk comes from the snapshot's copy, or its owned array; else from the live tensor,
+    whose bytes must still have the digest taken at the snapshot. ``on_bytes`` is told at
+    once about chunks skipped as already stored; ``w`` reports the others. ``known`` is
+    updated with the digests queued.
+
+    Raises
+    ------
+    CheckpointError
+        A chunk the store lacks changed in the live tensor since the snapshot (the store lost
+        a chunk it held when the snapshot was taken, and the tensor changed); nothing of the
+        tag is visible and the save can be run again.
     """
     queued = 0
-    for name, arr in arrays.items():
-        ent = entries[name]
-        for d, piece in zip(ent["chunks"], iter_pieces(arr, ent["chunk_bytes"]), strict=True):
+    for name, snap in snaps.items():
+        ent = snap.entry
+        for i, (d, piece) in enumerate(zip(ent["chunks"], iter_pieces(snap.arr,
+                                                                      ent["chunk_bytes"]),
+                                           strict=True)):
             if d in known:
                 if on_bytes:
                     on_bytes(piece.nbytes)
                 continue
+            if i in snap.copies:
+                piece = snap.copies[i].data
+            elif not snap.owned and digest(piece) != d:
+                raise CheckpointError(
+                    f"variable {name!r}: chunk {i} changed since the save's snapshot, and the "
+                    "store no longer holds the copy it held then (removed by gc or a "
+                    "delete meanwhile); nothing was published: save again")
             known.add(d)
             w.put(layout.chunk_key(d), piece)
             queued += piece.nbytes

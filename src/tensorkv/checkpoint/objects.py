@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -121,15 +121,31 @@ def gather_tables(state: Mapping[str, Any]) -> dict[str, Any]:
 
 def collect(obj: Any) -> tuple[str, dict[str, Any], dict[str, Any]]:
     """Split ``obj`` into (kind, dense tensors by name, tables by name)."""
+    kind, tables, dense_fn = collect_parts(obj)
+    dense, _ = dense_fn()
+    clash = sorted(set(dense) & set(tables))
+    if clash:
+        raise CheckpointError(f"names {clash} are both module state and embedding tables")
+    return kind, dense, tables
+
+
+def collect_parts(
+    obj: Any,
+) -> tuple[str, dict[str, Any], Callable[[], tuple[dict[str, Any], None]]]:
+    """Split ``obj`` into (kind, tables by name, a function returning its dense tensors).
+
+    A save calls the function inside its snapshot's barrier: a module's ``state_dict()`` is
+    read there (the second item it returns, extra metadata, is None here).
+    """
     if is_table(obj):
-        return "table", {}, {SINGLE_TABLE_NAME: obj}
+        return "table", {SINGLE_TABLE_NAME: obj}, lambda: ({}, None)
     if is_module(obj):
-        dense = module_state(obj)
-        tables = module_tables(obj)
-        clash = sorted(set(dense) & set(tables))
-        if clash:
-            raise CheckpointError(f"names {clash} are both module state and embedding tables")
-        return "module", dense, tables
+        return "module", module_tables(obj), lambda: (module_state(obj), None)
+    kind, dense, tables = _collect_dict(obj)
+    return kind, tables, lambda: (dense, None)
+
+
+def _collect_dict(obj: Any) -> tuple[str, dict[str, Any], dict[str, Any]]:
     if isinstance(obj, dict):
         dense, tables = {}, {}
         for name, val in obj.items():

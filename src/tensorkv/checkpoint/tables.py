@@ -395,15 +395,19 @@ def _keep(owner: Any, pool: list[np.ndarray]) -> None:
 def write_blocks(
     w: BlockWriter, chunks: Iterable[Any], bucket_bits: int,
     on_keys: Callable[[np.ndarray], object] | None = None, start: int = 0,
+    check: Callable[[], None] | None = None,
 ) -> list[list[int]]:
     """Write rows as hash-bucketed blocks; return their manifest entries.
 
     Each entry is ``[bucket, n, rows, hash_min, hash_max]``. ``on_keys`` (if given) is called
-    with each chunk's keys, sorted (int64), in chunk order.
+    with each chunk's keys, sorted (int64), in chunk order; ``check`` (if given) before each
+    chunk (it raises to stop).
     """
     blocks: list[list[int]] = []
     n = start
     for chunk in chunks:
+        if check is not None:
+            check()
         rows = as_rows(chunk)
         m = rows.keys.shape[0]
         if m == 0:
@@ -451,12 +455,16 @@ def _gathers_in_place(table: Any) -> bool:
 def write_table(
     w: BlockWriter, table: Any, chunk_rows: int, bucket_bits: int, since: int | None = None,
     on_keys: Callable[[np.ndarray], object] | None = None,
+    check: Callable[[], None] | None = None,
 ) -> list[list[int]]:
     """Write a table's rows (all, or those changed after ``since``) as hash-bucketed blocks.
 
-    Tables with ``export_into`` (:meth:`EmbeddingTable.export_into`) gather their rows
+    ``table`` is a table or a table's snapshot
+    (:class:`~tensorkv.embedding.snapshot.TableSnapshot`): anything with ``export``. Those
+    whose ``export_into`` gathers rows in place (``exports_in_place``) gather their rows
     straight into the block records, so each row is copied once before the store's own copy;
-    other tables go through :func:`write_blocks`. Returns what :func:`write_blocks` returns.
+    others go through :func:`write_blocks`. Returns what :func:`write_blocks` returns;
+    ``check`` (if given) runs before each chunk and raises to stop.
 
     ``on_keys`` (if given) is called with each chunk's keys, sorted (int64), in chunk order.
     With ``export_into`` the sorting and ``on_keys`` run on a helper thread while the rows are
@@ -467,7 +475,7 @@ def write_table(
         chunks = table.export(chunk_rows=chunk_rows) if since is None else table.export(
             chunk_rows=chunk_rows, since=since
         )
-        return write_blocks(w, chunks, bucket_bits, on_keys)
+        return write_blocks(w, chunks, bucket_bits, on_keys, check=check)
     blocks: list[list[int]] = []
     pending: list[tuple[list[int], np.ndarray, list[np.ndarray]]] = []
     helper = ThreadPoolExecutor(1, thread_name_prefix="tensorkv-ckpt-keys")
@@ -500,6 +508,8 @@ def write_table(
 
     try:
         for _ in table.export_into(place, chunk_rows=chunk_rows, since=since):
+            if check is not None:
+                check()
             for entry, buf, payloads in pending:
                 seal_block(buf, payloads)
                 entry[1] = len(blocks)

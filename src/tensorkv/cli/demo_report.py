@@ -22,7 +22,7 @@ def _dir_bytes(path: str) -> int:
     return total
 
 
-def _tag_line(url: str, tag: str, seconds: float) -> str:
+def _tag_line(url: str, tag: str, seconds: float, paused: float | None = None) -> str:
     from tensorkv.checkpoint import list_tags
 
     info = next((t for t in list_tags(url, details=True) if t.get("tag") == tag), {})
@@ -30,6 +30,9 @@ def _tag_line(url: str, tag: str, seconds: float) -> str:
     rows_s = f"{sum(rows.values()) if isinstance(rows, dict) else rows:,} rows" if rows else ""
     dense = info.get("dense_bytes")
     dense_s = f" + {human_bytes(dense)} dense" if dense else ""
+    if paused is not None:
+        return (f"{tag}: {rows_s}{dense_s}, written in {seconds:.2f} s while training went on "
+                f"(paused {paused * 1e3:.0f} ms)")
     return f"{tag}: {rows_s}{dense_s}, saved in {seconds:.2f} s"
 
 
@@ -66,7 +69,7 @@ def print_summary(res: RunResult, path: str, echo: Callable[[str], Any] = click.
              f"{s.get('admissions_rejected', 0):,} rejected (no admission filter)")
         echo(f"  eviction     {t0['evictions']:,} rows evicted from {t0['kind']} to "
              f"{tiers[-1]['kind']}, {sum(t.get('promotions', 0) for t in tiers):,} promoted back")
-    echo(f"  checkpoints  {_tag_line(url, res.mid_tag, res.mid_seconds)}")
+    echo(f"  checkpoints  {_tag_line(url, res.mid_tag, res.mid_write_seconds, res.mid_seconds)}")
     echo(f"               {_tag_line(url, res.final_tag, res.final_seconds)} (incremental)")
     echo(f"               store {url} holds {human_bytes(_dir_bytes(url.split('://', 1)[1]))}")
     echo(f"  spill        {spill}: {human_bytes(_dir_bytes(spill))}")

@@ -9,8 +9,8 @@ locking rule: docs/internals.md.
 from __future__ import annotations
 
 import bisect
-import contextlib
 import itertools
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -112,6 +112,13 @@ class RowArena:
     kind = "DRAM"
     #: Whether ``values`` and ``slots`` are device tensors rather than host numpy arrays.
     on_device = False
+    #: The open snapshot of these rows (a :class:`~tensorkv.embedding.snapshot.Tier0Snapshot`)
+    #: or None. Every method that writes a row's value, slots, freq, version or change
+    #: sequence calls :meth:`before_write` first, which copies the row for the snapshot if it
+    #: still needs it; nothing else writes rows.
+    snap: Any = None
+    #: The row arrays of the last snapshot, reused by the next (see ``Tier0Snapshot``).
+    snap_spare: Any = None
 
     def __init__(
         self,
@@ -142,9 +149,10 @@ class RowArena:
         self.max_load = float(max_load)
         self.max_rows = int(capacity) if capacity is not None else None
         self._initial = int(capacity) if capacity is not None else config.TABLE_INITIAL_CAPACITY
-        #: Held while the row arrays are reallocated; a tiered table sets it to the lock its
-        #: background writer holds while it reads detached rows.
-        self.resize_guard: Any = contextlib.nullcontext()
+        #: Held while the row arrays are reallocated or replaced, and by whoever reads rows
+        #: without the table's lock (a snapshot's export); a tiered table sets it to the lock
+        #: its background writer holds while it reads detached rows.
+        self.resize_guard: Any = threading.Lock()
         prefault_enabled()  # a malformed TENSORKV_PREFAULT raises here, not mid-growth
         try:
             self._alloc(self._initial)
@@ -215,6 +223,18 @@ class RowArena:
                   self.live, self.index, self.state)
         return int(sum(a.nbytes for a in arrays))
 
+    # --- snapshots ------------------------------------------------------------------------------
+    def before_write(self, rows: np.ndarray) -> None:
+        """Let an open snapshot copy ``rows`` before they are written (a no-op without one)."""
+        snap = self.snap
+        if snap is not None:
+            snap.preserve(rows)
+
+    def copy_rows(self, rows: np.ndarray) -> tuple[np.ndarray, ...]:
+        """Host copies of ``rows``: values (storage dtype), slots, freq, version, seq."""
+        return (self.gather(rows).view(self.np_dtype), self.gather_slots(rows),
+                self.freq[rows], self.version[rows], self.seq[rows])
+
     def _grow_rows(self, need: int) -> None:
         cap = self.capacity
         new = max(need, int(cap * ROW_GROWTH) + 1)
@@ -239,6 +259,8 @@ class RowArena:
         new = max(int(rows), self.high_water, 1)
         if new >= self.capacity:
             return self.capacity
+        if self.snap is not None:
+            self.snap.preserve_from(new)
         self._resize_rows(new)
         return new
 
@@ -322,6 +344,7 @@ class RowArena:
                     need = min(need, self.max_rows)
                 self._grow_rows(max(need, self.capacity + 1))
         new_rows = rows[is_new]
+        self.before_write(new_rows)  # a reused row may still hold a snapshot's data
         self.freq[new_rows] = 0
         return rows, is_new
 
@@ -362,6 +385,7 @@ class RowArena:
             self._grow_rows(need)
         rows = np.empty(n, np.int64)
         got = hk.hold_rows(rows, self.state, self.row_key, self.capacity)
+        self.before_write(rows[:got])  # filled later, from another thread
         return rows[:got]
 
     def free_rows(self, rows: np.ndarray) -> None:
@@ -385,6 +409,7 @@ class RowArena:
         live = self.live[:hw].view(np.bool_)
         src = np.flatnonzero(live[n:]) + n
         dst = np.flatnonzero(~live[:n])
+        self.before_write(dst)
         self._move_rows(src, dst)
         hk.index_set_rows(self.index, self.row_key[dst], dst)
         self.live[n:hw] = 0
@@ -434,12 +459,44 @@ class RowArena:
 
     def scatter(self, rows: np.ndarray, values: np.ndarray) -> None:
         """Write float value rows (in order; a later duplicate wins), rounding to the dtype."""
-        ak.scatter_rows(self.values, rows, self.to_raw(values))
+        self.before_write(rows)
+        self._scatter_values(rows, values)
 
     def scatter_slots(self, rows: np.ndarray, slots: np.ndarray) -> None:
         """Write slot rows."""
         if self.slot_width:
-            ak.scatter_rows(self.slots, rows, slots)
+            self.before_write(rows)
+            self._scatter_slots(rows, slots)
+
+    def _scatter_values(self, rows: np.ndarray, values: np.ndarray) -> None:
+        ak.scatter_rows(self.values, rows, self.to_raw(values))
+
+    def _scatter_slots(self, rows: np.ndarray, slots: np.ndarray) -> None:
+        ak.scatter_rows(self.slots, rows, slots)
+
+    # --- per-row metadata (every write goes through these) ---------------------------------------
+    def bump_freq(self, rows: np.ndarray, mseq: int) -> None:
+        """Count one sighting per occurrence of each row (``-1`` skipped); stamp ``mseq``."""
+        self.before_write(rows)
+        ak.bump_freq(self.freq, self.seq, rows, mseq)
+
+    def set_meta(self, rows: np.ndarray, step: int, mseq: int) -> None:
+        """Record the last-update ``step`` and change sequence ``mseq`` of ``rows``."""
+        self.before_write(rows)
+        ak.set_meta(self.version, self.seq, rows, step, mseq)
+
+    def add_freq(self, rows: np.ndarray, counts: np.ndarray) -> None:
+        """Add ``counts`` to the frequency of distinct ``rows``."""
+        self.before_write(rows)
+        self.freq[rows] += counts
+
+    def set_fields(self, rows: np.ndarray, freq: np.ndarray, version: np.ndarray,
+                   seq: int) -> None:
+        """Set the frequency and version of ``rows`` (a later duplicate wins), and ``seq``."""
+        self.before_write(rows)
+        self.freq[rows] = freq
+        self.version[rows] = version
+        self.seq[rows] = seq
 
     def keys(self) -> np.ndarray:
         """All stored keys, in row order."""
@@ -473,6 +530,8 @@ class RowArena:
 
     def clear(self) -> None:
         """Drop every key and shrink back to the initial capacity."""
+        if self.snap is not None:  # the arrays go: an open snapshot copies what it still needs
+            self.snap.preserve_from(0)
         with self.resize_guard:
             self._alloc(self._initial)
 
@@ -497,6 +556,11 @@ class RowArena:
         slot_init
             float32 initial value of each optimizer slot (one per slot).
         """
+        self.before_write(rows)
+        self._init_rows(initializer, rows, keys, seed, slot_init)
+
+    def _init_rows(self, initializer: Any, rows: np.ndarray, keys: np.ndarray, seed: int,
+                   slot_init: np.ndarray) -> None:
         if self.raw:
             self.scatter(rows, initializer.values(keys, self.dim, seed))
         else:
@@ -514,6 +578,11 @@ class RowArena:
         """
         if rows.size == 0:
             return
+        self.before_write(rows)
+        self._apply_optimizer(optimizer, rows, grads, step, parallel, split)
+
+    def _apply_optimizer(self, optimizer: Any, rows: np.ndarray, grads: np.ndarray, step: int,
+                         parallel: bool | None, split: Any) -> None:
         if self.raw:
             vals, slots = self.gather_f32(rows), self.gather_slots(rows)
             optimizer.apply(vals, slots, np.arange(rows.size, dtype=np.int64), grads, step)
@@ -545,6 +614,14 @@ class RowArena:
         that copies the value and slot fields whole; ``split(fn, n)`` shares the copy with
         the helper thread (each row written by one range).
         """
+        if self.snap is not None:
+            for _, _, rows in pieces:
+                self.before_write(rows)
+        self._write_records(layout, word, pieces, split)
+
+    def _write_records(self, layout: Any, word: np.dtype,
+                       pieces: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
+                       split: Any = None) -> None:
         args = (layout.values_offset // word.itemsize, layout.slots_offset // word.itemsize,
                 self.values.view(word), self.slots.view(word), self.freq, self.version,
                 self.seq)

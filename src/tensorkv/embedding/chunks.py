@@ -5,7 +5,7 @@ Checkpoints store these rows as table blocks (docs/format.md, "Table blocks").
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -134,4 +134,27 @@ def nonfinite_rows(values: np.ndarray, slots: np.ndarray | None = None,
     return bad
 
 
-__all__ = ["ChunkArrays", "ExportChunk", "check_chunk", "is_single_chunk", "nonfinite_rows"]
+#: ``place(keys, fields)`` of :meth:`EmbeddingTable.export_into`: given a chunk's keys and the
+#: ``(dtype, row shape)`` of keys, values, slots, freq and version, the groups ``(index, outs)``
+#: to fill.
+Place = Callable[
+    [np.ndarray, tuple[tuple[np.dtype, tuple[int, ...]], ...]],
+    Sequence[tuple[np.ndarray, Sequence[np.ndarray]]],
+]
+
+
+def place_chunks(place: Place, chunks: Iterable[Any]) -> Iterator[int]:
+    """``export_into`` over exported chunks: each chunk's rows copied with ``np.take``."""
+    for ch in chunks:
+        arrays = [np.asarray(x) for x in tuple(ch)[:5]]
+        if arrays[0].shape[0] == 0:
+            continue
+        specs = tuple((x.dtype, tuple(x.shape[1:])) for x in arrays)
+        for idx, outs in place(arrays[0], specs):
+            for src, out in zip(arrays, outs, strict=True):
+                np.take(src, idx, axis=0, out=out)
+        yield int(arrays[0].shape[0])
+
+
+__all__ = ["ChunkArrays", "ExportChunk", "Place", "check_chunk", "is_single_chunk",
+           "nonfinite_rows", "place_chunks"]

@@ -9,42 +9,22 @@ See docs/tiers.md ("Tier chains").
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 
 from tensorkv.embedding.arena import RowArena
-from tensorkv.embedding.chunks import ExportChunk
+from tensorkv.embedding.chunks import ExportChunk, Place, place_chunks
 from tensorkv.embedding.filters import Eviction
 from tensorkv.embedding.locks import RWLock
+from tensorkv.embedding.snapshot import RowsSnapshot, Tier0Snapshot
+from tensorkv.errors import SnapshotInProgressError
 from tensorkv.kernels import arena as ak
 
 _NO_KEYS = np.empty(0, np.int64)
 #: Lookups of more keys are not remembered by :meth:`ArenaRows.note_lookup` (a copy each).
 HINT_MAX_KEYS = 1 << 20
-
-#: ``place(keys, fields)`` of :meth:`EmbeddingTable.export_into`: given a chunk's keys and the
-#: ``(dtype, row shape)`` of keys, values, slots, freq and version, the groups ``(index, outs)``
-#: to fill.
-Place = Callable[
-    [np.ndarray, tuple[tuple[np.dtype, tuple[int, ...]], ...]],
-    Sequence[tuple[np.ndarray, Sequence[np.ndarray]]],
-]
-
-
-def place_chunks(place: Place, chunks: Iterable[ExportChunk]) -> Iterator[int]:
-    """``export_into`` over exported chunks: each chunk's rows copied with ``np.take``."""
-    for ch in chunks:
-        arrays = [np.asarray(x) for x in tuple(ch)[:5]]
-        if arrays[0].shape[0] == 0:
-            continue
-        specs = tuple((x.dtype, tuple(x.shape[1:])) for x in arrays)
-        for idx, outs in place(arrays[0], specs):
-            for src, out in zip(arrays, outs, strict=True):
-                np.take(src, idx, axis=0, out=out)
-        yield int(arrays[0].shape[0])
-
 
 class ArenaRows:
     """A table's rows, all in one arena (a DRAM table).
@@ -244,6 +224,35 @@ class ArenaRows:
         yield from self._tier0_chunks(chunk_rows, since, take)
         yield from place_chunks(place, self.export_lower(chunk_rows,
                                                          -1 if since is None else int(since)))
+
+    # --- snapshots -----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def frozen(self) -> Iterator[None]:
+        """No operation runs inside (it waits for those running and holds new ones off)."""
+        with self.op, self.lock.write():
+            self.quiesce()
+            yield
+
+    def quiesce(self) -> None:
+        """Settle background work that changes rows (inside :meth:`frozen`; none here)."""
+
+    def open_snapshot(self, meta: dict[str, Any]) -> RowsSnapshot | None:
+        """The snapshot of the rows now (inside :meth:`frozen`); None: this backend has none.
+
+        A subclass that brings its own ``export`` returns None unless it implements this
+        too: the table then falls back to a :class:`~tensorkv.embedding.snapshot.LiveSnapshot`.
+        """
+        if type(self).export is not ArenaRows.export or \
+                type(self).export_into is not ArenaRows.export_into:
+            return None
+        a = self.arena
+        if a.snap is not None:
+            raise SnapshotInProgressError(
+                "this table has a snapshot open already (a save still writing it); release it "
+                "first, or wait for the save (SaveHandle.result())")
+        t0 = Tier0Snapshot(a)
+        a.snap = t0
+        return RowsSnapshot(meta, t0, in_place=self.exports_in_place)
 
     # --- lifecycle -----------------------------------------------------------------------------
     def sync(self) -> None:

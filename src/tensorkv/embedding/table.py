@@ -32,7 +32,6 @@ from tensorkv.errors import (
     ShapeError,
     import_optional,
 )
-from tensorkv.kernels import arena as ak
 
 _STAT_NAMES = ("hits", "misses", "inserts", "collisions", "evictions", "admissions_rejected",
                "gradients_dropped", "nonfinite_skipped", "removed")
@@ -364,7 +363,7 @@ class EmbeddingTable(TableIO):
             if misses == 0 and insert:
                 with self._meta_lock:
                     self._mseq += 1
-                    self._rows.meta_write(ak.bump_freq, a.freq, a.seq, rows, self._mseq)
+                    self._rows.meta_write(a.bump_freq, rows, self._mseq)
                     self._stats["hits"] += n
                 self._rows.note_lookup(k, rows, moves)
                 return self._result(raw, out)
@@ -430,13 +429,13 @@ class EmbeddingTable(TableIO):
             fresh = new_rows[is_new]
             self._init_rows(fresh, mk[is_new])
             self._mseq += 1
-            ak.set_meta(a.version, a.seq, fresh, self._step, self._mseq)
+            a.set_meta(fresh, self._step, self._mseq)
             self._stats["inserts"] += fresh.size
             rows[miss] = new_rows
             if prior is not None:
                 assert self.admission is not None
                 uk, first = np.unique(mk, return_index=True)
-                a.freq[new_rows[first]] += prior[first]
+                a.add_freq(new_rows[first], prior[first])
                 self.admission.forget(uk)
         # the missing keys' rows straight into the result (the others are in it already)
         a.gather(rows if missed.size == k.shape[0] else np.where(found >= 0, -1, rows), out)
@@ -446,7 +445,7 @@ class EmbeddingTable(TableIO):
             self._rows.note_lookup(k, rows, a.moves)
         with self._meta_lock:
             self._mseq += 1
-            ak.bump_freq(a.freq, a.seq, rows, self._mseq)
+            a.bump_freq(rows, self._mseq)
             self._stats["hits"] += n_hits
             self._stats["misses"] += n_misses
 
@@ -621,7 +620,7 @@ class EmbeddingTable(TableIO):
             a.apply_optimizer(self.optimizer, rows, sums, self._step,
                               parallel=self._rows.parallel, split=self._rows.split)
             self._mseq += 1
-            self._rows.meta_write(ak.set_meta, a.version, a.seq, rows, self._step, self._mseq)
+            self._rows.meta_write(a.set_meta, rows, self._step, self._mseq)
             ev = self.eviction
             if ev is not None and ev.every_n_steps and self._step % ev.every_n_steps == 0:
                 self._evict_locked()
@@ -665,7 +664,7 @@ class EmbeddingTable(TableIO):
                 self._stats["inserts"] += int(is_new.sum())
                 a.scatter(rows, v)
                 self._mseq += 1
-                ak.set_meta(a.version, a.seq, rows, self._step, self._mseq)
+                a.set_meta(rows, self._step, self._mseq)
             self._rows.after(k)
         return int(k.shape[0])
 

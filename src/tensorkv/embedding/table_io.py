@@ -7,6 +7,7 @@ out to keep ``table.py`` small). How checkpoints store a table: docs/format.md.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Self, cast
@@ -22,6 +23,7 @@ from tensorkv.embedding.chunks import (
     nonfinite_rows,
 )
 from tensorkv.embedding.rows import ArenaRows, Place
+from tensorkv.embedding.snapshot import LiveSnapshot, TableSnapshot
 from tensorkv.embedding.tiers.base import check_chunk_rows
 from tensorkv.errors import ConfigError, NonFiniteValueError, UnsupportedOperationError
 
@@ -59,6 +61,7 @@ class TableIO:
     _step: int
     _mseq: int
     _stats: dict[str, int]
+    _frozen_by: int | None = None  # the thread inside freeze()
 
     @property
     def arena(self) -> RowArena:  # pragma: no cover - defined by the table
@@ -83,9 +86,65 @@ class TableIO:
             Only rows changed after this :attr:`mutation_seq` (incremental checkpoints).
 
         Each chunk is copied under the shared lock; a writer running between chunks may make
-        the export a mix of before/after states, so pause training for a snapshot.
+        the export a mix of before/after states. For one state while other threads train,
+        export :meth:`snapshot` instead (what ``tensorkv.save`` does).
         """
         return self._rows.export(check_chunk_rows(chunk_rows), since)
+
+    # --- snapshots ----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def freeze(self) -> Iterator[None]:
+        """Hold every operation of this table off (and settle its background work) inside.
+
+        Operations running when it is entered finish first; operations started meanwhile
+        wait. Re-entering it on the thread that holds it does nothing. ``tensorkv.save``
+        freezes every table it saves at once (in a fixed order) to take their snapshots at
+        one moment; keep it short.
+        """
+        me = threading.get_ident()
+        if getattr(self, "_frozen_by", None) == me:
+            yield
+            return
+        with self._rows.frozen():
+            self._frozen_by = me
+            try:
+                yield
+            finally:
+                self._frozen_by = None
+
+    def snapshot(self) -> TableSnapshot:
+        """One state of the table, to export while other threads go on using it.
+
+        Takes :meth:`freeze` for as long as it copies tier 0's keys (10 bytes per row of
+        tier 0); from then on every write first copies the rows the snapshot has not read yet
+        (tier 0's rows, and the records of rows below tier 0), so the snapshot's
+        :meth:`~tensorkv.embedding.snapshot.TableSnapshot.export` yields exactly the rows,
+        slots, frequencies and versions of that moment, and its ``meta`` the step, mutation
+        sequence and optimizer state. One snapshot per table at a time; release it (or use it
+        as a context manager) to stop the copying. docs/format.md ("What a tag is a snapshot
+        of") has the details and the memory it uses.
+
+        Raises
+        ------
+        SnapshotInProgressError
+            The table has a snapshot open already.
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> from tensorkv import EmbeddingTable
+        >>> t = EmbeddingTable(4, seed=1)
+        >>> _ = t.lookup(np.arange(3))
+        >>> with t.snapshot() as snap:
+        ...     _ = t.lookup(np.arange(3, 10))      # changes after the snapshot
+        ...     rows = list(snap.export())
+        >>> sum(len(ch.keys) for ch in rows), len(t)
+        (3, 10)
+        """
+        with self.freeze():
+            snap: TableSnapshot | None = self._rows.open_snapshot(self.state_dict_meta())
+            return LiveSnapshot(self) if snap is None else snap
+
 
     @property
     def exports_in_place(self) -> bool:
@@ -196,10 +255,8 @@ class TableIO:
                     a.scatter(rows, values)
                     if self.num_slots:
                         a.scatter_slots(rows, slots)
-                    a.freq[rows] = freq
-                    a.version[rows] = version
                     self._mseq += 1
-                    a.seq[rows] = self._mseq
+                    a.set_fields(rows, freq, version, self._mseq)
                     self._stats["nonfinite_skipped"] += n_skip
                 self._rows.after(keys, protect=False)
             total += keys.shape[0]

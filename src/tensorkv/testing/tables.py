@@ -37,6 +37,7 @@ import pytest
 
 import tensorkv
 from tensorkv.errors import ConfigError, NonFiniteGradientError, NonFiniteValueError
+from tensorkv.testing.snapshots import SnapshotTests
 from tensorkv.testing.tablecheck import (
     ROW_FIELDS,
     assert_bits_equal,
@@ -59,6 +60,7 @@ FEATURES = frozenset({
 CHECKS = frozenset({
     "reads", "string_keys", "training", "optimizer_objects", "initializers", "nan",
     "mutations", "eviction", "admission", "export", "dtypes", "checkpoint", "randomized",
+    "snapshot",
 })  # fmt: skip
 """Every group of tests :attr:`TableTests.checks` can name."""
 
@@ -66,7 +68,7 @@ TableFactory = Callable[..., Any]
 
 
 # --------------------------------------------------------------------------- the suite
-class TableTests:
+class TableTests(SnapshotTests):
     """The EmbeddingTable contract as pytest tests; subclasses provide ``make_table``.
 
     Class attributes tune the suite.
@@ -101,7 +103,8 @@ class TableTests:
         checks"``), without claiming that the implementation cannot do them. Groups:
         ``"reads"``, ``"string_keys"``, ``"training"``, ``"optimizer_objects"``,
         ``"initializers"``, ``"nan"``, ``"mutations"``, ``"eviction"``, ``"admission"``,
-        ``"export"``, ``"dtypes"``, ``"checkpoint"``, ``"randomized"``.
+        ``"export"``, ``"dtypes"``, ``"checkpoint"``, ``"randomized"``, ``"snapshot"``
+        (:class:`~tensorkv.testing.snapshots.SnapshotTests`).
     ``random_seeds``, ``random_ops``
         Seeds of :meth:`TableTests.test_random_operations` (one test each) and operations per
         sequence (default ``(0, 1, 2)`` and 150).
@@ -610,6 +613,30 @@ class TableTests:
         kw = self.random_table_kwargs(seed)
         t, ref = pair(**kw)
         rng = np.random.default_rng(1000 + seed)
+        ops = self.random_operations(t, ref, rng, kw)
+        weights = np.array([w for _, w in ops])
+        done = []
+        for i in range(self.random_ops):
+            fn = ops[int(rng.choice(len(ops), p=weights / weights.sum()))][0]
+            done.append(fn.__name__[3:])
+            try:
+                fn()
+                assert t.mutation_seq == ref.mutation_seq and t.step == ref.step
+                if i % 3 == 2 or i == self.random_ops - 1:
+                    self.same(t, ref)
+            except AssertionError as exc:
+                raise AssertionError(
+                    f"after operation {i} of seed {seed} ({' '.join(done[-8:])}): {exc}"
+                ) from exc
+        self.check_exercised(t)
+
+    def random_operations(self, t: Any, ref: Any, rng: np.random.Generator,
+                          kw: dict[str, Any]) -> list[tuple[Callable[[], None], float]]:
+        """``(operation, weight)`` pairs of :meth:`test_random_operations` on ``t`` and ``ref``.
+
+        Each operation runs on both tables and compares what they return; those the
+        implementation does not support (:attr:`supports`) are left out.
+        """
         dim = self.dim
         words = [f"w{i}" for i in range(12)]
         sup = self.supports
@@ -718,20 +745,5 @@ class TableTests:
             (op_prefetch, 1.5, "prefetch"), (op_flush, 1, None), (op_clear, 0.15, "clear"),
             (op_lookup_out, 0.5, None), (op_wide_batch, 0.5, None), (op_set_step, 0.3, None),
         ]
-        ops = [o for o in ops if o[2] is None or o[2] in sup]
-        weights = np.array([w for _, w, _ in ops])
-        done = []
-        for i in range(self.random_ops):
-            fn = ops[int(rng.choice(len(ops), p=weights / weights.sum()))][0]
-            done.append(fn.__name__[3:])
-            try:
-                fn()
-                assert t.mutation_seq == ref.mutation_seq and t.step == ref.step
-                if i % 3 == 2 or i == self.random_ops - 1:
-                    self.same(t, ref)
-            except AssertionError as exc:
-                raise AssertionError(
-                    f"after operation {i} of seed {seed} ({' '.join(done[-8:])}): {exc}"
-                ) from exc
-        self.check_exercised(t)
+        return [(fn, w) for fn, w, need in ops if need is None or need in sup]
 

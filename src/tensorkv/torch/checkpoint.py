@@ -16,9 +16,10 @@ import torch
 from torch import nn
 
 from tensorkv.checkpoint import load as kv_load
-from tensorkv.checkpoint import save as kv_save
 from tensorkv.checkpoint import tag_info
+from tensorkv.checkpoint.handle import SaveHandle
 from tensorkv.checkpoint.objects import module_state, module_tables
+from tensorkv.checkpoint.save import begin_save
 from tensorkv.errors import CheckpointError
 from tensorkv.torch.optim import Optimizer
 
@@ -48,8 +49,14 @@ def _dense(optimizer: Optimizer | torch.optim.Optimizer | None) -> torch.optim.O
 
 
 def save(model: nn.Module, url: Any, tag: str | None = None, *,
-         optimizer: Optimizer | torch.optim.Optimizer | None = None, **kwargs: Any) -> str:
+         optimizer: Optimizer | torch.optim.Optimizer | None = None,
+         **kwargs: Any) -> str | SaveHandle:
     """:func:`tensorkv.save` of ``model`` plus the dense optimizer's state.
+
+    The model's tables, its ``state_dict()`` and the optimizer's state are taken at one
+    moment (between two training steps, see ``step_scope``); with ``blocking=False`` the
+    call returns a :class:`~tensorkv.checkpoint.handle.SaveHandle` once they are, and the
+    data is written in the background while training goes on.
 
     Parameters
     ----------
@@ -62,17 +69,24 @@ def save(model: nn.Module, url: Any, tag: str | None = None, *,
         A :class:`tensorkv.torch.Optimizer` (its dense optimizer is saved; tables carry their
         own optimizer state) or a ``torch.optim.Optimizer``.
     **kwargs
-        Passed to :func:`tensorkv.save` (``step``, ``incremental``, ``metadata``...).
+        Passed to :func:`tensorkv.save` (``step``, ``incremental``, ``metadata``,
+        ``blocking``, ``step_scope``...).
 
     Returns
     -------
-    str
-        The tag.
+    str or SaveHandle
+        The tag (``blocking=True``, the default), or the save in flight.
     """
-    entries = _entries(model)
+    if not isinstance(model, nn.Module):
+        raise CheckpointError(f"model={type(model).__name__} must be a torch nn.Module")
+    tables = module_tables(model)
     dense = _dense(optimizer)
     metadata = dict(kwargs.pop("metadata", None) or {})
-    if dense is not None:
+
+    def state() -> tuple[dict[str, Any], dict[str, Any] | None]:  # inside the snapshot
+        entries: dict[str, Any] = module_state(model)
+        if dense is None:
+            return entries, None
         sd = dense.state_dict()
         plain: dict[str, dict[str, Any]] = {}
         for pid, st in sd["state"].items():
@@ -84,11 +98,12 @@ def save(model: nn.Module, url: Any, tag: str | None = None, *,
         meta = {"param_groups": sd["param_groups"], "plain": plain,
                 "tensors": sorted(n[len(PREFIX):] for n in entries if n.startswith(PREFIX))}
         try:
-            metadata[META_KEY] = json.loads(json.dumps(meta))
+            return entries, {META_KEY: json.loads(json.dumps(meta))}
         except (TypeError, ValueError) as e:
             raise CheckpointError(f"the dense optimizer's state holds a value JSON cannot keep "
                                   f"({e}); only tensors and plain numbers can be saved") from None
-    return kv_save(entries, url, tag, metadata=metadata, **kwargs)
+
+    return begin_save("dict", tables, state, url, tag, metadata=metadata, **kwargs)
 
 
 def load(model: nn.Module, url: Any, tag: str = "latest", *,

@@ -71,6 +71,9 @@ class DynamicModule(nn.Module):
         self._grad_lock = threading.Lock()
         self._pending: list[tuple[np.ndarray, np.ndarray]] = []
         self._fused = False
+        #: The step scope a training forward pass opens (closed by ``Optimizer.step()``), so
+        #: saves snapshot between steps; set by ``tensorkv.torch.Optimizer``.
+        self.step_scope: Any = None
 
     @property
     def fused(self) -> bool:
@@ -158,6 +161,8 @@ class DynamicModule(nn.Module):
         recorded (``eval()``, ``no_grad``).
         """
         train = self.training and torch.is_grad_enabled()
+        if train and self.step_scope is not None:
+            self.step_scope.open()  # a step begins: saves wait for Optimizer.step() to end it
         uniq, inverse, has_pad = dedup(keys, self.padding_idx)
         u, table = uniq.shape[0], self.table
         if str(table.device) == "cpu":

@@ -7,6 +7,7 @@ table's own sparse optimizer, and steps the dense optimizer. See docs/torch.md.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -14,6 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from tensorkv.checkpoint.steps import StepScope, default_scope
 from tensorkv.embedding import EmbeddingTable
 from tensorkv.errors import ConfigError, NonFiniteGradientError
 from tensorkv.torch.modules import DynamicModule
@@ -43,6 +45,14 @@ class Optimizer:
         of the dense step (the others step; :attr:`nonfinite_skipped` counts them). Default:
         the tables' policy, ``"skip"`` when every table of the model has
         ``nan_policy="skip"``, else ``"raise"``.
+    step_scope
+        True (default): a training step, from a dynamic module's first forward pass to the
+        end of :meth:`step`, holds the process's default step scope, so ``tensorkv.save``
+        (from any thread) snapshots the model between two steps: the tables and the dense
+        parameters of one step. A :class:`~tensorkv.checkpoint.steps.StepScope`: that scope
+        (pass the same to ``save(step_scope=...)``). False: no scope. Run forward and
+        :meth:`step` on one thread; evaluate under ``model.eval()`` or ``torch.no_grad()``
+        (no step is opened then).
 
     Notes
     -----
@@ -56,7 +66,8 @@ class Optimizer:
     """
 
     def __init__(self, model: nn.Module, dense: torch.optim.Optimizer | None = None, *,
-                 fused: bool = False, nan_policy: str | None = None) -> None:
+                 fused: bool = False, nan_policy: str | None = None,
+                 step_scope: StepScope | bool = True) -> None:
         if not isinstance(model, nn.Module):
             raise ConfigError(f"model={type(model).__name__} must be a torch nn.Module")
         if dense is not None and not isinstance(dense, torch.optim.Optimizer):
@@ -69,8 +80,17 @@ class Optimizer:
             raise ConfigError("the model holds no DynamicEmbedding/DynamicEmbeddingBag and no "
                               "dense optimizer was given; pass dense=torch.optim.X(...)")
         self.fused = bool(fused)
+        if step_scope is True:
+            self.step_scope: StepScope | None = default_scope()
+        elif step_scope is False or step_scope is None:
+            self.step_scope = None
+        elif isinstance(step_scope, StepScope):
+            self.step_scope = step_scope
+        else:
+            raise ConfigError(f"step_scope={step_scope!r} must be True, False or a StepScope")
         for m in self.modules:
             m.fused = self.fused
+            m.step_scope = self.step_scope
         if nan_policy is None:
             skip = bool(self.modules) and all(
                 getattr(m.table, "nan_policy", "raise") == "skip" for m in self.modules)
@@ -99,10 +119,19 @@ class Optimizer:
             m.discard_gradients()
 
     def step(self, closure: Callable[[], Any] | None = None) -> None:
-        """Apply the waiting table gradients, then step the dense optimizer."""
+        """Apply the waiting table gradients, then step the dense optimizer; ends the step."""
         if closure is not None:
             raise ConfigError("closure= is not supported: compute the loss and call backward() "
                               "before step()")
+        scope = self.step_scope
+        try:  # the dense step too: a save copies the parameters before or after it
+            with scope.step() if scope is not None else contextlib.nullcontext():
+                self._step()
+        finally:
+            if scope is not None:
+                scope.close()
+
+    def _step(self) -> None:
         bad = self._nonfinite_dense()
         if bad and self.nan_policy == "raise":
             raise self._dense_error(bad)

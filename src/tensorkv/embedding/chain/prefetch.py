@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from tensorkv.embedding.chain import guard
 from tensorkv.embedding.chain.pending import distinct, find_keys, key_map
 from tensorkv.embedding.tiers.base import RowSink
 
@@ -130,7 +131,7 @@ def fetch(chain: TierChain, keys: np.ndarray, held: np.ndarray,
                 def alloc(found: np.ndarray, base: int = base) -> np.ndarray:
                     return held[base:base + int(found.sum())]
 
-                found = tier.read_into(left, alloc, sink, take=True)
+                found = guard.take_into(chain, tier, left, alloc, sink)
                 n = int(found.sum())
                 if n:
                     got = left[found]

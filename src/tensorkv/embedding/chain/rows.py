@@ -15,13 +15,16 @@ from typing import Any
 
 import numpy as np
 
+from tensorkv.embedding.chain.guard import LowerSnapshot
 from tensorkv.embedding.chain.specs import StorageOption
 from tensorkv.embedding.chain.tierchain import TierChain
 from tensorkv.embedding.chunks import ExportChunk
 from tensorkv.embedding.filters import Eviction
 from tensorkv.embedding.locks import RWLock
 from tensorkv.embedding.rows import ArenaRows
+from tensorkv.embedding.snapshot import RowsSnapshot, Tier0Snapshot
 from tensorkv.embedding.tiers.base import RecordLayout
+from tensorkv.errors import SnapshotInProgressError
 
 
 class SettlingLock:
@@ -134,10 +137,10 @@ class ChainRows(ArenaRows):
             raise
 
     def meta_write(self, kernel: Callable[..., Any], *args: Any) -> None:
-        """Hold a metadata kernel for the batch's demotion task (run at once without helper).
+        """Hold a metadata write (an arena method) for the batch's demotion task.
 
-        The arrays in ``args`` stay tier 0's until the writes run: tier 0 grows only after a
-        settle.
+        Run at once without a helper thread. Tier 0's arrays stay put until the writes run:
+        tier 0 grows only after a settle.
         """
         if self._defer is None:
             kernel(*args)
@@ -194,6 +197,30 @@ class ChainRows(ArenaRows):
 
     def clear_lower(self) -> None:  # noqa: D102
         self.chain.clear()
+
+    # --- snapshots -----------------------------------------------------------------------------
+    def quiesce(self) -> None:
+        """Finish a deferred demotion and take a prefetch over (inside the table's barrier)."""
+        self.chain.settle()
+        self.chain.join_prefetch()
+
+    def open_snapshot(self, meta: dict[str, Any]) -> RowsSnapshot:
+        """Tier 0's rows (those held for write-backs and prefetches too) and the lower tiers'.
+
+        Call inside :meth:`frozen`.
+        """
+        chain, a = self.chain, self.arena
+        if a.snap is not None or chain.snap is not None:
+            raise SnapshotInProgressError(
+                "this table has a snapshot open already (a save still writing it); release it "
+                "first, or wait for the save (SaveHandle.result())")
+        with chain.lock:
+            rows, keys, stale = chain.snapshot_parts()
+            t0 = Tier0Snapshot(a, rows, keys)
+            low = LowerSnapshot(chain, np.concatenate([keys, stale])) if chain.lowers else None
+            a.snap = t0
+            chain.snap = low
+        return RowsSnapshot(meta, t0, low)
 
     # --- lifecycle -----------------------------------------------------------------------------
     def sync(self) -> None:

@@ -16,7 +16,7 @@ from typing import Any, TypeGuard
 import numpy as np
 
 from tensorkv.embedding.arena import HostRows, RowArena
-from tensorkv.embedding.chain import prefetch
+from tensorkv.embedding.chain import guard, prefetch
 from tensorkv.embedding.chain.pending import Pending, distinct, find_keys, key_map
 from tensorkv.embedding.chain.writeback import WriteQueue
 from tensorkv.embedding.chunks import ExportChunk
@@ -106,6 +106,10 @@ class TierChain:
         # lookup i moved down wait for the prefetch, so its job runs first on the queue
         self._prefetching = False
         self._deferred: list[Pending] = []
+        # an open snapshot of the lower tiers (:class:`~tensorkv.embedding.chain.guard.
+        # LowerSnapshot`): every change below tier 0 goes through :mod:`.guard`, which settles
+        # the keys it touches first
+        self.snap: guard.LowerSnapshot | None = None
         names = ["tier0"] + [f"tier{i + 1}" for i in range(len(self.lowers))]
         self.counters = {n: dict.fromkeys(("hits", "misses", "promotions", "evictions"), 0)
                          for n in names}
@@ -225,7 +229,7 @@ class TierChain:
     def drop_lower(self, keys: np.ndarray) -> None:
         """Background job: delete promoted keys' copies from every lower tier."""
         for tier, _ in self.lowers:  # readers ignore these copies until the list drops them
-            getattr(tier, "discard", tier.delete)(keys)
+            guard.delete(self, tier, keys, discard=True)
         with self.lock:
             self.stale = [s for s in self.stale if s is not keys]
 
@@ -339,7 +343,7 @@ class TierChain:
                 placed.append(new_rows)
                 return new_rows
 
-            found = tier.read_into(q, alloc, sink, take=True)
+            found = guard.take_into(self, tier, q, alloc, sink)
             if placed:
                 pos = left[found]
                 rows[pos] = placed[0]
@@ -475,6 +479,22 @@ class TierChain:
         """Whole records of tier-0 rows (padding zeroed)."""
         return RowSource(self.arena, self.layout, self.arena.row_key[rows], rows).pack()
 
+    def records_of(self, keys: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """Records of tier-0 ``rows`` under ``keys`` (held rows too; any thread)."""
+        return RowSource(self.arena, self.layout, keys, rows, self.pack_lock).pack()
+
+    def snapshot_parts(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(rows, keys, stale)`` for a snapshot of the chain.
+
+        Rows held in tier 0 without a key in its index (pending write-backs, fetched rows)
+        and their keys, and the keys whose lower-tier copies are stale. Call under the chain
+        lock, with no demotion or prefetch running (the table's barrier).
+        """
+        held = [p for p in self._held() if p.live.any()]
+        rows = np.concatenate([p.rows[p.live] for p in held]) if held else np.empty(0, np.int64)
+        keys = np.concatenate([p.keys[p.live] for p in held]) if held else np.empty(0, np.int64)
+        return rows, keys, self._stale()
+
     def _move_down(self, p: Pending) -> None:
         """Queue the write of detached rows ``p``; block while too much is pending."""
         self._queue_down(p, p.keys.size)
@@ -528,16 +548,16 @@ class TierChain:
             sel = np.flatnonzero(p.live)
         keys = p.keys[sel]
         if sel.size:  # the tier packs the rows, holding pack_lock while it reads them
-            tier.put_rows(keys, RowSource(self.arena, self.layout, keys, p.rows[sel],
-                                          self.pack_lock))
+            guard.put_rows(self, tier, keys, RowSource(self.arena, self.layout, keys,
+                                                       p.rows[sel], self.pack_lock))
         with self.lock:
             dead = ~p.live[sel]
         if dead.any():  # promoted while in flight: the landed copies are stale
-            tier.delete(keys[dead])
+            guard.delete(self, tier, keys[dead])
         with self.lock:
             late = ~p.live[sel] & ~dead  # promoted while the delete above ran
             if late.any():
-                tier.delete(keys[late])
+                guard.delete(self, tier, keys[late])
             self.pending = [q for q in self.pending if q is not p]
             self.pending_bytes -= p.nbytes
             self.landed.append(p)
@@ -560,10 +580,7 @@ class TierChain:
             order = np.lexsort((allk, alls))[:n_move]
             mk = allk[order]
             with self.lock:
-                found, recs = tier.get(mk)
-                self.lowers[ti + 1][0].put(mk[found], recs[found])
-                tier.delete(mk[found])
-                self.counters[f"tier{ti + 1}"]["evictions"] += int(found.sum())
+                self.counters[f"tier{ti + 1}"]["evictions"] += guard.move_down(self, ti, mk)
             ti += 1
 
     def pack_tier0(self, spread: float = 2.0, release: bool = False) -> int:
@@ -694,14 +711,13 @@ class TierChain:
         n = 0
         for tier, _ in self.lowers:
             if keys.size:
-                n += tier.delete(keys)
+                n += guard.delete(self, tier, keys)
         return n
 
     def clear(self) -> None:
         """Drop every row below tier 0 (call after :meth:`sync`, with tier 0 cleared)."""
         self.sync()
-        for tier, _ in self.lowers:
-            tier.clear()
+        guard.clear(self)
         self.landed = []  # their rows belonged to the arena that was just cleared
         self.tick[:] = 0
         if self.recency is not None:
@@ -721,6 +737,7 @@ class TierChain:
         try:
             self.sync()
         finally:
+            guard.closing(self)  # an open snapshot keeps the rows it has not read yet
             self.closed = True
             for tier, _ in self.lowers:
                 tier.close()

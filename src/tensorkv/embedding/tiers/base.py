@@ -378,7 +378,14 @@ class LowerTier(ABC):
 
     @abstractmethod
     def scan(self, chunk_rows: int = 65536) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """Yield ``(keys, records)`` chunks covering every row once."""
+        """Yield ``(keys, records)`` chunks covering every row once.
+
+        Writes may run between chunks (snapshots of a tiered table read the tier while the
+        table trains): every row that none of them touches while the scan runs must be
+        yielded with its record, at least once (a key may come twice); rows written or
+        deleted meanwhile may be yielded or not, with either record. Compaction and other
+        internal moves must keep this (``TierTests`` checks it).
+        """
 
     def scores(self, field: str) -> tuple[np.ndarray, np.ndarray]:
         """``(keys, values)``: one int64 header field of every stored row.

@@ -181,14 +181,13 @@ class HBMArena(RowArena):
         data = torch.from_numpy(np.ascontiguousarray(np.asarray(src)[pos], dtype=np.float32))
         tensor.index_copy_(0, self._rows_t(rows[pos]), data.to(self.device))
 
-    def scatter(self, rows: np.ndarray, values: np.ndarray) -> None:
+    def _scatter_values(self, rows: np.ndarray, values: np.ndarray) -> None:
         """Write value rows from host data (in order; a later duplicate wins)."""
         self._scatter(self.values, rows, values)
 
-    def scatter_slots(self, rows: np.ndarray, slots: np.ndarray) -> None:
+    def _scatter_slots(self, rows: np.ndarray, slots: np.ndarray) -> None:
         """Write slot rows from host data."""
-        if self.slot_width:
-            self._scatter(self.slots, rows, slots)
+        self._scatter(self.slots, rows, slots)
 
     # --- device-side and table helpers ----------------------------------------------------------
     def lookup_torch(self, keys: np.ndarray, fill: Any = None):
@@ -210,8 +209,8 @@ class HBMArena(RowArena):
         """The rows of ``keys`` gathered on the device; absent keys from host ``values``."""
         return self.lookup_torch(keys, fill=values)
 
-    def init_rows(self, initializer, rows: np.ndarray, keys: np.ndarray, seed: int,
-                  slot_init: np.ndarray) -> None:
+    def _init_rows(self, initializer, rows: np.ndarray, keys: np.ndarray, seed: int,
+                   slot_init: np.ndarray) -> None:
         """Write initial values (computed on the host, as the DRAM table does) and slots."""
         if rows.size == 0:
             return
@@ -255,8 +254,8 @@ class HBMArena(RowArena):
         done.record()
         self._stage[name] = (self._stage[name][0], done)
 
-    def apply_optimizer(self, optimizer: Any, rows: np.ndarray, grads: np.ndarray, step: int,
-                        parallel: bool | None = None, split: Any = None) -> None:
+    def _apply_optimizer(self, optimizer: Any, rows: np.ndarray, grads: np.ndarray, step: int,
+                         parallel: bool | None = None, split: Any = None) -> None:
         """One optimizer step on ``rows`` (unique), bit-identical to the DRAM table.
 
         Gathers the rows' values and slots to host float32 (pinned buffers on CUDA), runs
@@ -265,8 +264,6 @@ class HBMArena(RowArena):
         """
         rows = np.ascontiguousarray(rows, dtype=np.int64)
         m = rows.size
-        if m == 0:  # the DRAM table does not call the optimizer for an empty step either
-            return
         rt = self._rows_t(rows)
         v, vt = self._download("values", self.values, rt)
         if self.slot_width:
@@ -288,9 +285,9 @@ class HBMArena(RowArena):
         return HostRows(self.row_key[live], self.freq[live], self.version[live],
                         self.gather(live))
 
-    def write_records(self, layout: Any, word: np.dtype,
-                      pieces: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
-                      split: Any = None) -> None:
+    def _write_records(self, layout: Any, word: np.dtype,
+                       pieces: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
+                       split: Any = None) -> None:
         """Copy records into device rows (unpacked on the host, then uploaded)."""
         for src, src_rows, rows in pieces:
             f = layout.unpack(np.ascontiguousarray(src[src_rows, :layout.record_bytes]))
