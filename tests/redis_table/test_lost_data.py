@@ -249,6 +249,30 @@ def test_flushall_then_another_process_creates_the_tag_again(own_server, tag):
     trainer.close(), serving.close(), other.close()
 
 
+def test_store_mode_2_tag_refused_after_a_flush(own_server, tag, tmp_path):
+    """A tag that holds no rows (``table_store_mode=2``) does not load into a table that
+    Redis re-created empty after a FLUSHALL: a new process resuming from it is refused,
+    nothing changes, and a table with the rows of the save loads it."""
+    url = f"redis://127.0.0.1:{own_server.port}/0"
+    opts = {"model_tag_runtime": tag, "storage_slice": 4, "table_store_mode": 2,
+            "table_kwargs": ADAGRAD}
+    t = redis_table(url, 4, **opts)
+    train([t], 5)
+    ckpt = f"lmdb://{tmp_path}/ck"
+    tensorkv.save({"emb": t}, ckpt, tag="v1")
+    again = redis_table(url, 4, **opts)  # the same rows: loads
+    tensorkv.load({"emb": again}, ckpt, tag="v1")
+    assert again.step == t.step
+    again.close()
+    own_server.flushall()
+    fresh = redis_table(url, 4, **opts)  # sees no trace: a new table, another epoch
+    with pytest.raises(TableLostError, match="epoch") as info:
+        tensorkv.load({"emb": fresh}, ckpt, tag="v1")
+    assert "table_store_mode=0" in str(info.value)
+    assert fresh.step == 0 and len(fresh) == 0
+    t.close(), fresh.close()
+
+
 @pytest.mark.parametrize("bucket", [0, 1])
 def test_bucket_lost_between_the_read_and_the_commit(where, tag, monkeypatch, bucket):
     """A bucket (the commit's first, or another) evicted while an operation computes: its

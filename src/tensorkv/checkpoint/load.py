@@ -437,6 +437,10 @@ def load(
         # Tables restored by a bulk import (new tables, and targets that support it) and the
         # dense tensors are read, verified and copied in one pass (checkpoint/bulk.py); other
         # targets (tiered tables) get staged rows and import_ them.
+        for n in tnames:  # a table whose rows the tag does not hold must still have them
+            check = getattr(tables_t.get(n), "check_restore_meta", None)
+            if check is not None:
+                check(doc["tables"][n]["meta"])
         fast = [n for n in tnames if n not in tables_t or
                 getattr(tables_t[n], "can_bulk_import", False)]
         slow = [n for n in tnames if n not in fast]

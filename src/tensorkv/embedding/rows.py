@@ -282,5 +282,8 @@ class ArenaRows:
     def add_meta(self, meta: dict[str, Any]) -> None:
         """Add the storage description to the table's metadata (none here)."""
 
+    def check_restore(self, meta: dict[str, Any]) -> None:
+        """Refuse a checkpoint's table metadata that needs rows these rows lost (none here)."""
+
 
 __all__ = ["ArenaRows", "Place", "place_chunks"]

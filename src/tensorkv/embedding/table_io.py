@@ -272,6 +272,17 @@ class TableIO:
         """
         return bool(getattr(self._rows, "rows_in_checkpoint", True))
 
+    def check_restore_meta(self, meta: dict[str, Any]) -> None:
+        """Refuse to load a tag's table metadata that needs rows this table has lost.
+
+        Called by ``tensorkv.load`` before anything changes: a tag of a Redis-resident table
+        saved with ``table_store_mode=2`` holds no rows, so it loads only into a table whose
+        Redis rows are those of the save (the same epoch); else ``TableLostError``.
+        """
+        check = getattr(self._rows, "check_restore", None)
+        if check is not None:
+            check(meta)
+
     @property
     def can_bulk_import(self) -> bool:
         """Whether :meth:`bulk_import` serves this table (rows all in a host row arena)."""

@@ -34,7 +34,7 @@ from tensorkv.embedding.tiers import redis_lua as lua
 from tensorkv.embedding.tiers.base import RecordLayout, RowSink, RowSource
 from tensorkv.embedding.tiers.redis_options import RedisTableOptions
 from tensorkv.embedding.tiers.redis_rows import RedisRowEngine
-from tensorkv.errors import ReadOnlyError, RowLockError, StoreUnavailableError
+from tensorkv.errors import ReadOnlyError, RowLockError, StoreUnavailableError, TableLostError
 
 _NO_KEYS = np.empty(0, np.int64)
 _LOADED = -1  # the change sequence of a row read from Redis and not changed since
@@ -457,8 +457,32 @@ class RedisRows(ArenaRows):
         """The Redis URL."""
         return [str(self.engine.store.url)]
 
-    def add_meta(self, meta: dict[str, Any]) -> None:  # noqa: D102
+    def add_meta(self, meta: dict[str, Any]) -> None:
+        """The storage options, and the epoch of the rows a tag without rows relies on."""
         meta["storage"] = self.storage.to_dict()
+        if self.options.table_store_mode == 2:
+            meta["redis_epoch"] = self.engine.runtime.epoch
+
+    def check_restore(self, meta: dict[str, Any]) -> None:
+        """Refuse a ``table_store_mode=2`` tag whose rows Redis no longer holds.
+
+        Such a tag holds the step and optimizer state only; its rows are those Redis held
+        under the epoch it records. A table with another epoch (Redis lost the rows and the
+        table was created again, or it was emptied with ``on_lost="start_empty"``) would
+        pair that state with other rows, so the load raises ``TableLostError``.
+        """
+        saved = meta.get("redis_epoch")
+        now = self.engine.runtime.epoch
+        if self.options.table_store_mode != 2 or saved is None or saved == now:
+            return
+        o = self.options
+        raise TableLostError(
+            f"the tag's rows of table {o.table_name!r} live in Redis under model tag "
+            f"{o.model_tag_runtime!r} and epoch {saved}, but that table now has epoch {now}: "
+            "Redis lost the rows (a restart without persistence, a flush, an eviction) or the "
+            "table was emptied or created again since the save. Nothing was loaded. Restore "
+            "the rows from a tag saved with table_store_mode=0 (or from the Redis backup), "
+            "then load again (docs/redis_table.md, 'Lost data')")
 
 
 def open_redis_rows(storage: Any, *, dim: int, dtype: str, num_slots: int,
