@@ -71,9 +71,7 @@ class DynamicModule(nn.Module):
         self._grad_lock = threading.Lock()
         self._pending: list[tuple[np.ndarray, np.ndarray]] = []
         self._fused = False
-        #: The step scope a training forward pass opens (closed by ``Optimizer.step()``), so
-        #: saves snapshot between steps; set by ``tensorkv.torch.Optimizer``.
-        self.step_scope: Any = None
+        self._step_scope: Any = None
 
     @property
     def fused(self) -> bool:
@@ -87,6 +85,19 @@ class DynamicModule(nn.Module):
     @fused.setter
     def fused(self, value: bool) -> None:
         self._fused = bool(value)
+
+    @property
+    def step_scope(self) -> Any:
+        """The step scope a training forward pass opens (closed by ``Optimizer.step()``).
+
+        Set by ``tensorkv.torch.Optimizer`` so saves snapshot between steps: a way of
+        training, not part of the module's configuration (nor of its layer hash).
+        """
+        return self._step_scope
+
+    @step_scope.setter
+    def step_scope(self, value: Any) -> None:
+        self._step_scope = value
 
     # --- state_dict ---------------------------------------------------------------------------
     def get_extra_state(self) -> dict[str, Any]:
