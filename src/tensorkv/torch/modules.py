@@ -188,14 +188,22 @@ class DynamicModule(nn.Module):
         u = uniq.shape[0]
 
         def sink(grad: torch.Tensor) -> None:
-            g = grad.detach()[:u].to("cpu", torch.float32).contiguous().numpy()
-            if self.fused:
-                self.table.apply_gradients(uniq, g, unique=True)
-                return
-            with self._grad_lock:
-                self._pending.append((uniq, g))
+            self.accept_gradients(uniq, grad.detach()[:u].to("cpu", torch.float32)
+                                  .contiguous().numpy())
 
         return sink
+
+    def accept_gradients(self, ids: np.ndarray, grads: np.ndarray) -> None:
+        """Take one backward pass's IndexedSlices: distinct ``ids`` and their summed ``grads``.
+
+        They wait for the optimizer step, or with :attr:`fused` go to the table at once. A
+        collection (:mod:`tensorkv.torch.collection`) hands each feature's rows in here.
+        """
+        if self.fused:
+            self.table.apply_gradients(ids, grads, unique=True)
+            return
+        with self._grad_lock:
+            self._pending.append((ids, grads))
 
     def _enter(self) -> None:
         if not self._busy.acquire(blocking=False):
