@@ -231,6 +231,9 @@ class _Collection(nn.Module):
             mode = getattr(m, "mode", "")
             groups.setdefault((m.dim, mode), _Group(m.dim, mode, [])).features.append((f, m))
         self._groups = list(groups.values())
+        #: Every feature in one group, in output order: values() is a transpose of its block.
+        self._one_group = (not self._alone and len(self._groups) == 1
+                           and [f for f, _ in self._groups[0].features] == self._names)
 
     # --- the public surface ---------------------------------------------------------------------
     def feature_names(self) -> list[str]:
@@ -379,16 +382,34 @@ class DynamicEmbeddingBagCollection(_Collection):
         try:
             train = self.training and torch.is_grad_enabled()
             out: dict[str, torch.Tensor] = {}
+            blocks = []
             for g in self._groups:
-                out.update(self._pool(g, [js[f] for f, _ in g.features], train))
+                block = self._pool(g, [js[f] for f, _ in g.features], train)
+                blocks.append(block)
+                if isinstance(block, dict):
+                    out.update(block)
+                else:  # one view per feature, one backward node for all
+                    out.update(zip([f for f, _ in g.features],
+                                   block.view(len(g.features), -1, g.dim).unbind(0),
+                                   strict=True))
             for f, m in self._alone:
                 j = js[f]
                 out[f] = m(j.ids, j.starts, per_sample_weights=j.weights)
-            return KeyedTensor(self._names, out)
+            values = None
+            if self._one_group and isinstance(blocks[0], torch.Tensor):
+                block, nf, dim = blocks[0], len(self._names), self._groups[0].dim
+                b = block.shape[0] // nf if nf else 0
+
+                def values() -> torch.Tensor:  # [features, batch, dim] -> [batch, features * dim]
+                    return block.view(nf, b, dim).transpose(0, 1).reshape(b, nf * dim)
+
+            return KeyedTensor(self._names, out, values)
         finally:
             self._busy.release()
 
-    def _pool(self, group: _Group, js: list[Jagged], train: bool) -> dict[str, torch.Tensor]:
+    def _pool(self, group: _Group, js: list[Jagged],
+              train: bool) -> torch.Tensor | dict[str, torch.Tensor]:
+        """The group's pooled bags: ``[features * batch, dim]``, or a dict by feature."""
         blk = self._rows(group, js, train)
         b = js[0].batch
         bases = torch.zeros(len(js), dtype=torch.int64)
@@ -411,7 +432,7 @@ class DynamicEmbeddingBagCollection(_Collection):
                                   blk.sink, single)
         else:  # torch's own backward (max; weights that need a gradient), feature by feature
             return self._pool_each(group, js, blk)
-        return {f: out[i * b:(i + 1) * b] for i, (f, _) in enumerate(group.features)}
+        return out
 
     def _pool_each(self, group: _Group, js: list[Jagged], blk: _Block) -> dict[str, torch.Tensor]:
         """Each feature pooled by its own torch call on its own rows, as a separate module.

@@ -20,7 +20,7 @@ sample in every feature) before anything is looked up, so a bad input changes no
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -250,9 +250,11 @@ class KeyedTensor:
     them; ``keys()``, ``length_per_key()`` and ``offset_per_key()`` describe the columns.
     """
 
-    def __init__(self, keys: list[str], tensors: dict[str, torch.Tensor]) -> None:
+    def __init__(self, keys: list[str], tensors: dict[str, torch.Tensor],
+                 values: Callable[[], torch.Tensor] | None = None) -> None:
         self._keys = list(keys)
         self._tensors = tensors
+        self._make_values = values
         self._values: torch.Tensor | None = None
 
     def keys(self) -> list[str]:
@@ -262,7 +264,8 @@ class KeyedTensor:
     def values(self) -> torch.Tensor:
         """The pooled features concatenated: ``[batch, sum(dims)]``."""
         if self._values is None:
-            self._values = torch.cat([self._tensors[k] for k in self._keys], 1)
+            self._values = (self._make_values() if self._make_values is not None else
+                            torch.cat([self._tensors[k] for k in self._keys], 1))
         return self._values
 
     def to_dict(self) -> dict[str, torch.Tensor]:
