@@ -94,7 +94,12 @@ def _starts_from_lengths(name: str, lengths: Any, n: int) -> torch.Tensor:
     return starts
 
 
-def _check_starts(name: str, offsets: Any, n: int, with_end: bool) -> torch.Tensor:
+def check_offsets(name: str, offsets: Any, n: int, with_end: bool) -> torch.Tensor:
+    """``offsets`` of ``n`` ids checked (1-D ints from 0, not decreasing, within the ids).
+
+    ``with_end``: the last entry is the end of the last bag (TorchRec's), dropped from the
+    result. Returns the start of each bag as int64.
+    """
     off = torch.as_tensor(offsets)
     if off.dim() != 1 or off.dtype not in (torch.int64, torch.int32):
         raise ShapeError(f"feature {name!r}: offsets must be a 1-D integer tensor; got "
@@ -142,7 +147,7 @@ def _one(name: str, x: Any) -> Jagged:
                              f"{tuple(ids.shape)}")
         n = ids.shape[0]
         starts = (_starts_from_lengths(name, x["lengths"], n) if "lengths" in x
-                  else _check_starts(name, x["offsets"], n, with_end=True))
+                  else check_offsets(name, x["offsets"], n, with_end=True))
         return Jagged(ids, starts, _weights(name, x.get("weights"), n), None)
     if isinstance(x, (tuple, list)) and len(x) in (2, 3):
         ids = _ids(name, x[0])
@@ -150,7 +155,7 @@ def _one(name: str, x: Any) -> Jagged:
             raise ShapeError(f"feature {name!r}: (ids, offsets) needs 1-D ids; got "
                              f"{tuple(ids.shape)}")
         n = ids.shape[0]
-        starts = _check_starts(name, x[1], n, with_end=False)
+        starts = check_offsets(name, x[1], n, with_end=False)
         return Jagged(ids, starts, _weights(name, x[2] if len(x) == 3 else None, n), None)
     raise ShapeError(f"feature {name!r}: {type(x).__name__} is not a feature input; give an ids "
                      "tensor, (ids, offsets[, per_sample_weights]) or {'values': ids, "
@@ -181,7 +186,7 @@ def _from_keyed_jagged(kjt: Any) -> dict[str, Jagged]:
             _call(kjt, "offsets"))
         if offsets is None:
             raise ShapeError("the KeyedJaggedTensor has neither lengths nor offsets")
-        starts = _check_starts("<all>", offsets, n, with_end=True)
+        starts = check_offsets("<all>", offsets, n, with_end=True)
         ends = torch.cat([starts[1:], torch.tensor([n])])
         lengths = ends - starts
     lengths = torch.as_tensor(lengths).to("cpu", torch.int64)
@@ -299,4 +304,4 @@ class KeyedTensor:
         return f"KeyedTensor(keys={self._keys}, widths={self.length_per_key()})"
 
 
-__all__ = ["Jagged", "KeyedTensor", "is_keyed_jagged", "parse_features"]
+__all__ = ["Jagged", "KeyedTensor", "check_offsets", "is_keyed_jagged", "parse_features"]

@@ -183,7 +183,7 @@ def pool_each(group: FeatureGroup, js: list[Jagged], blk: Block) -> dict[str, to
             inv = torch.where(torch.eq(blk.inverse[i0:i1], blk.pad_row or 0), b - a, inv)
         offsets: torch.Tensor | None = j.starts
         if j.shape is not None:  # an ids tensor: its [batch, ids] form
-            inv, offsets = inv.reshape(j.shape[0], -1), None
+            inv, offsets = inv.reshape(j.shape if len(j.shape) == 2 else (-1, 1)), None
         out[f] = F.embedding_bag(inv, piece, offsets, mode=group.mode,
                                  per_sample_weights=j.weights,
                                  padding_idx=b - a if padded else None)
