@@ -127,7 +127,8 @@ def forms(sizes: list[int], dim: int, dense_lr: float, table_lr: float) -> dict[
 
 def tables(model: Any) -> list[Any]:
     """The dynamic tables of a form's model."""
-    return [m.table for m in model.modules() if hasattr(m, "table") and hasattr(m, "take_gradients")]
+    return [m.table for m in model.modules()
+            if hasattr(m, "table") and hasattr(m, "take_gradients")]
 
 
 def phases(model: Any, opt: Any, batches: list[tuple[Any, Any, Any]], warmup: int) -> dict[

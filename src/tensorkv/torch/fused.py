@@ -75,7 +75,7 @@ def fused_rows(group: FeatureGroup, js: list[Jagged], train: bool) -> Block:
     """Every feature's distinct rows in one block (see the module docstring)."""
     feats = group.features
     ids = js[0].ids if len(js) == 1 else torch.cat([j.ids for j in js])
-    keys = ids.numpy()
+    keys = np.ascontiguousarray(ids.numpy())
     ns = np.fromiter((j.n for j in js), np.int64, len(js))
     ends = np.cumsum(ns)
     pads = np.fromiter((m.padding_idx if m.padding_idx is not None else 0

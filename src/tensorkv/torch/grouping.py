@@ -60,8 +60,12 @@ def _resolve(x: Any) -> Any:
     if isinstance(x, Deferred):
         real = x.__dict__.get("_real")
         if real is None:
-            x._lazy.run()
+            x._lazy.run(x.__dict__["_queue"])
             real = x.__dict__["_real"]
+            if real is None:
+                raise RuntimeError(
+                    "this grouped module's output has no value: the fused lookup it waited "
+                    "for failed (see the error it raised then); call the module again")
         return real
     return x
 
@@ -75,39 +79,53 @@ class _Waiting:
     ref: weakref.ref
 
 
+class _Queue:
+    """The lookups waiting on one thread."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.items: list[_Waiting] = []
+
+
 class LazyGroup:
     """The waiting lookups of a model's grouped modules (one list per thread)."""
 
     def __init__(self) -> None:
         self._local = threading.local()
 
-    def _waiting(self) -> list[_Waiting]:
-        w = getattr(self._local, "waiting", None)
-        if w is None:
-            w = self._local.waiting = []
-        return w
+    def _queue(self) -> _Queue:
+        q = getattr(self._local, "queue", None)
+        if q is None:
+            q = self._local.queue = _Queue()
+        return q
 
     def pending(self) -> int:
         """Lookups waiting on this thread."""
-        return sum(1 for w in self._waiting() if w.ref() is not None)
+        return sum(1 for w in self._queue().items if w.ref() is not None)
 
     def defer(self, module: DynamicModule, jagged: Jagged, shape: tuple[int, ...]) -> Deferred:
         """Queue ``module``'s lookup of ``jagged`` and return its output-to-be."""
         train = module.training and torch.is_grad_enabled()
-        waiting = self._waiting()
-        if waiting and waiting[0].train != train:  # one grad mode per fused pass
-            self.run()
-            waiting = self._waiting()
+        queue = self._queue()
+        with queue.lock:
+            mixed = bool(queue.items) and queue.items[0].train != train
+        if mixed:  # one grad mode per fused pass
+            self.run(queue)
         out = torch.empty(shape).as_subclass(Deferred)
-        out.__dict__["_lazy"] = self
-        out.__dict__["_real"] = None
-        waiting.append(_Waiting(module, jagged, train, shape, weakref.ref(out)))
+        out.__dict__.update(_lazy=self, _queue=queue, _real=None)
+        with queue.lock:
+            queue.items.append(_Waiting(module, jagged, train, shape, weakref.ref(out)))
         return out
 
-    def run(self) -> None:
-        """Compute every waiting output of this thread (fused by dim, mode and batch)."""
-        waiting = [(w, w.ref()) for w in self._waiting()]
-        self._local.waiting = []
+    def run(self, queue: _Queue | None = None) -> None:
+        """Compute every waiting output of a thread (this one's by default).
+
+        The lookups are fused by dim, mode and batch size, in call order.
+        """
+        queue = self._queue() if queue is None else queue
+        with queue.lock:
+            items, queue.items = queue.items, []
+        waiting = [(w, w.ref()) for w in items]
         live = [(w, d) for w, d in waiting if d is not None]
         if not live:
             return
@@ -118,17 +136,17 @@ class LazyGroup:
             key = (m.dim, getattr(m, "mode", ""), w.jagged.batch if hasattr(m, "mode") else 0)
             groups.setdefault(key, []).append((w, d))
         with torch.enable_grad() if train else torch.no_grad():
-            for (dim, mode, _), items in groups.items():
+            for (dim, mode, _), members in groups.items():
                 group = FeatureGroup(dim, mode, [(str(i), w.module)
-                                                 for i, (w, _) in enumerate(items)])
-                js = [w.jagged for w, _ in items]
+                                                 for i, (w, _) in enumerate(members)])
+                js = [w.jagged for w, _ in members]
                 if mode:
                     block = pool_group(group, js, train)
                     outs = (list(block.values()) if isinstance(block, dict) else
-                            list(block.view(len(items), -1, dim).unbind(0)))
+                            list(block.view(len(members), -1, dim).unbind(0)))
                 else:
                     outs = list(gather_group(group, js, train).values())
-                for (w, d), o in zip(items, outs, strict=True):
+                for (w, d), o in zip(members, outs, strict=True):
                     d.__dict__["_real"] = o.reshape(w.shape)
 
 
