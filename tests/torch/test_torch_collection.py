@@ -405,3 +405,23 @@ def test_torchrec_pooling_enum_names_are_accepted():
     col = DynamicEmbeddingBagCollection([EmbeddingBagConfig("a", 4, pooling=PoolingType())])
     assert col.embedding_bags["a"].mode == "mean"
     assert col.groups() == [["a"]]
+
+
+def test_passes_accumulated_before_a_step_match_separate_modules():
+    """Two backward passes, one step: a shared table sums its features' items in their order."""
+    col, ref = make_collection(optimizer=tensorkv.Adagrad(lr=0.1)), Separate(
+        optimizer=tensorkv.Adagrad(lr=0.1))
+    opt_c, opt_r = Optimizer(col), Optimizer(ref)
+    rng = np.random.default_rng(9)
+    for _ in range(2):
+        for _ in range(2):
+            batch = make_batch(rng)
+            sum((v * v).sum() for v in col(batch).to_dict().values()).backward()
+            sum((v * v).sum() for v in ref(batch).values()).backward()
+        want = [it for f in TABLES["t_shared"][3] for it in pending(ref.mods[f])]
+        assert pending(col.embedding_bags["t_shared"]) == want
+        opt_c.step()
+        opt_r.step()
+    for name, (*_, feats) in TABLES.items():
+        assert table_rows(col.embedding_bags[name].table) == table_rows(
+            ref.mods[feats[0]].table), name

@@ -170,3 +170,37 @@ def test_an_output_made_on_another_thread_is_computed_where_it_is_used():
     assert model.embs[0].lazy.pending() == 0  # this thread's queue is empty
     assert box["out"].shape == (1, DIM)  # the other thread's waiting lookup runs now
     assert 35 in model.embs[0].table
+
+
+class TwoColumns(torch.nn.Module):
+    """One bag called on two columns, as a model may share a table between features."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1)
+        self.emb = torch.nn.EmbeddingBag(20, DIM, mode="sum")
+
+    def forward(self, x):
+        return torch.cat([self.emb(x[:, :1]), self.emb(x[:, 1:2])], 1)
+
+
+def test_a_module_called_twice_accumulates_like_convert():
+    grouped = convert(TwoColumns(), optimizer=tensorkv.Adagrad(lr=0.1), group=True)
+    plain = convert(TwoColumns(), optimizer=tensorkv.Adagrad(lr=0.1))
+    opt_g, opt_p = Optimizer(grouped), Optimizer(plain)
+    rng = np.random.default_rng(3)
+    for _ in range(2):
+        for _ in range(2):  # two backward passes before one step
+            x = torch.from_numpy(rng.integers(0, 8, (5, 2)))
+            w = torch.from_numpy(rng.standard_normal((5, 2 * DIM)).astype(np.float32))
+            (grouped(x) * w).sum().backward()
+            (plain(x) * w).sum().backward()
+        items = [(k.tobytes(), g.tobytes()) for k, g in grouped.emb.take_gradients()]
+        want = plain.emb.take_gradients()
+        assert items == [(k.tobytes(), g.tobytes()) for k, g in want]
+        grouped.emb.restore_gradients([(np.frombuffer(k, np.int64), np.frombuffer(
+            g, np.float32).reshape(-1, DIM)) for k, g in items])
+        plain.emb.restore_gradients(want)
+        opt_g.step()
+        opt_p.step()
+    assert table_rows(grouped.emb.table) == table_rows(plain.emb.table)

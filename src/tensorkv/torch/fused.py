@@ -69,6 +69,10 @@ class FeatureGroup:
     dim: int
     mode: str
     features: list[tuple[str, DynamicModule]]
+    #: How the row gradients reach the modules: ``"tables"`` as separate modules sharing a
+    #: table (each feature its source, in feature order), ``"calls"`` as one module called
+    #: once per feature (backward order: the last call's first).
+    order: str = "tables"
 
 
 def fused_rows(group: FeatureGroup, js: list[Jagged], train: bool) -> Block:
@@ -111,7 +115,7 @@ def fused_rows(group: FeatureGroup, js: list[Jagged], train: bool) -> Block:
     sink = None
     if train:
         rows.requires_grad_(True)
-        sink = _sink(parts)
+        sink = _sink(parts, group.order == "calls")
     # torch pools with another kernel when given a padding_idx: features whose batch holds
     # their padding id are pooled apart from those without, as separate modules pool them
     starts = np.concatenate([[0], ends])
@@ -127,15 +131,22 @@ def fused_rows(group: FeatureGroup, js: list[Jagged], train: bool) -> Block:
                   [(int(bounds[f]), int(bounds[f + 1]), int(starts[f]), int(starts[f + 1]),
                     bool(padded[f])) for f in range(len(feats))])
 
-def _sink(parts: list[tuple[DynamicModule, np.ndarray, int, int]]) -> Any:
+def _sink(parts: list[tuple[DynamicModule, np.ndarray, int, int]], calls: bool) -> Any:
     """The group's gradient receiver: each feature's slice of rows goes to its module."""
+    sources: list[int] = []
+    seen: dict[int, int] = {}
+    for m, *_ in parts:  # a feature's place among the features of its table
+        sources.append(seen.get(id(m), 0))
+        seen[id(m)] = sources[-1] + 1
 
     def sink(grad: torch.Tensor) -> None:
         g = grad.detach().to("cpu", torch.float32).contiguous().numpy()
-        # separate modules' fused updates run in backward order, the last feature's first
-        order = reversed(parts) if parts and parts[0][0].fused else parts
-        for m, uniq, a, b in order:
-            m.accept_gradients(uniq, g[a:b])
+        # separate modules' fused updates, and one module's calls, go in backward order
+        backward = calls or bool(parts and parts[0][0].fused)
+        order = range(len(parts) - 1, -1, -1) if backward else range(len(parts))
+        for i in order:
+            m, uniq, a, b = parts[i]
+            m.accept_gradients(uniq, g[a:b], 0 if calls else sources[i])
 
     return sink
 

@@ -138,7 +138,8 @@ class LazyGroup:
         with torch.enable_grad() if train else torch.no_grad():
             for (dim, mode, _), members in groups.items():
                 group = FeatureGroup(dim, mode, [(str(i), w.module)
-                                                 for i, (w, _) in enumerate(members)])
+                                                 for i, (w, _) in enumerate(members)],
+                                     order="calls")
                 js = [w.jagged for w, _ in members]
                 if mode:
                     block = pool_group(group, js, train)
