@@ -184,6 +184,7 @@ class _Collection(nn.Module):
             mode = getattr(m, "mode", "")
             groups.setdefault((m.dim, mode), FeatureGroup(m.dim, mode, [])).features.append((f, m))
         self._groups = list(groups.values())
+        self._widths = [self.table_of(f).dim for f in self._names]
         #: Every feature in one group, in output order: values() is a transpose of its block.
         self._one_group = (not self._alone and len(self._groups) == 1
                            and [f for f, _ in self._groups[0].features] == self._names)
@@ -265,21 +266,11 @@ class DynamicEmbeddingBagCollection(_Collection):
         self._enter()
         try:
             train = self.training and torch.is_grad_enabled()
-            out: dict[str, torch.Tensor] = {}
-            blocks = []
-            for g in self._groups:
-                block = pool_group(g, [js[f] for f, _ in g.features], train)
-                blocks.append(block)
-                if isinstance(block, dict):
-                    out.update(block)
-                else:  # one view per feature, one backward node for all
-                    out.update(zip([f for f, _ in g.features],
-                                   block.view(len(g.features), -1, g.dim).unbind(0),
-                                   strict=True))
-            for f, m in self._alone:
-                j = js[f]
-                out[f] = m(j.ids, j.starts, per_sample_weights=j.weights)
-            values = None
+            blocks = [pool_group(g, [js[f] for f, _ in g.features], train)
+                      for g in self._groups]
+            alone = {f: m(js[f].ids, js[f].starts, per_sample_weights=js[f].weights)
+                     for f, m in self._alone}
+            widths = self._widths
             if self._one_group and isinstance(blocks[0], torch.Tensor):
                 block, nf, dim = blocks[0], len(self._names), self._groups[0].dim
                 b = block.shape[0] // nf if nf else 0
@@ -287,7 +278,18 @@ class DynamicEmbeddingBagCollection(_Collection):
                 def values() -> torch.Tensor:  # [features, batch, dim] -> [batch, features * dim]
                     return block.view(nf, b, dim).transpose(0, 1).reshape(b, nf * dim)
 
-            return KeyedTensor(self._names, out, values)
+                def tensors() -> dict[str, torch.Tensor]:  # views, one backward node
+                    return dict(zip(self._names, block.view(nf, b, dim).unbind(0), strict=True))
+
+                return KeyedTensor(self._names, tensors, values, widths)
+            out: dict[str, torch.Tensor] = dict(alone)
+            for g, blk in zip(self._groups, blocks, strict=True):
+                if isinstance(blk, dict):
+                    out.update(blk)
+                else:  # one view per feature, one backward node for all
+                    out.update(zip([f for f, _ in g.features],
+                                   blk.view(len(g.features), -1, g.dim).unbind(0), strict=True))
+            return KeyedTensor(self._names, {f: out[f] for f in self._names}, None, widths)
         finally:
             self._busy.release()
 

@@ -255,12 +255,24 @@ class KeyedTensor:
     them; ``keys()``, ``length_per_key()`` and ``offset_per_key()`` describe the columns.
     """
 
-    def __init__(self, keys: list[str], tensors: dict[str, torch.Tensor],
-                 values: Callable[[], torch.Tensor] | None = None) -> None:
+    def __init__(self, keys: list[str],
+                 tensors: dict[str, torch.Tensor] | Callable[[], dict[str, torch.Tensor]],
+                 values: Callable[[], torch.Tensor] | None = None,
+                 widths: list[int] | None = None) -> None:
         self._keys = list(keys)
-        self._tensors = tensors
+        self._given = tensors  # a dict, or what makes it (when first asked for)
+        self._made: dict[str, torch.Tensor] | None = tensors if isinstance(tensors, dict) \
+            else None
         self._make_values = values
         self._values: torch.Tensor | None = None
+        self._widths = widths
+
+    @property
+    def _tensors(self) -> dict[str, torch.Tensor]:
+        if self._made is None:
+            assert callable(self._given)
+            self._made = self._given()
+        return self._made
 
     def keys(self) -> list[str]:
         """Feature names, in column order."""
@@ -279,6 +291,8 @@ class KeyedTensor:
 
     def length_per_key(self) -> list[int]:
         """Each feature's width (its dim)."""
+        if self._widths is not None:
+            return list(self._widths)
         return [int(self._tensors[k].shape[1]) for k in self._keys]
 
     def offset_per_key(self) -> list[int]:
@@ -292,7 +306,7 @@ class KeyedTensor:
         return self._tensors[key]
 
     def __contains__(self, key: object) -> bool:
-        return key in self._tensors
+        return key in self._keys
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._keys)
