@@ -38,10 +38,10 @@ def table_rows(table) -> tuple[bytes, ...]:
     chunks = list(table.export(chunk_rows=1 << 20))
     if not chunks:
         return (table.step,)
-    [ch] = chunks
-    order = np.argsort(ch.keys)
-    return tuple(np.asarray(a)[order].tobytes()
-                 for a in (ch.keys, ch.values, ch.slots, ch.freq, ch.version)) + (table.step,)
+    cols = [np.concatenate([np.asarray(getattr(ch, f)) for ch in chunks])
+            for f in ("keys", "values", "slots", "freq", "version")]
+    order = np.argsort(cols[0])
+    return tuple(a[order].tobytes() for a in cols) + (table.step,)
 
 
 def make_collection(optimizer=None, **kw):
@@ -425,3 +425,41 @@ def test_passes_accumulated_before_a_step_match_separate_modules():
     for name, (*_, feats) in TABLES.items():
         assert table_rows(col.embedding_bags[name].table) == table_rows(
             ref.mods[feats[0]].table), name
+
+
+def test_redis_resident_tables_train_like_separate_modules(redis_server):
+    """Tables living in Redis (given through table=) serve a collection as separate modules."""
+    import uuid
+
+    run = uuid.uuid4().hex[:8]
+
+    def table(who, name, dim):
+        opt = tensorkv.StorageOption("REDIS", storage_path=f"redis://127.0.0.1:"
+                                     f"{redis_server.port}/0",
+                                     redis_options={"model_tag_runtime": f"{run}{who}{name}"})
+        return tensorkv.EmbeddingTable(dim, storage=opt, optimizer=tensorkv.Adagrad(lr=0.1),
+                                       seed=len(name))
+
+    dims = {"r1": 4, "r2": 4}
+    col = DynamicEmbeddingBagCollection(
+        [EmbeddingBagConfig(n, d, pooling="sum", table=table("c", n, d)) for n, d in dims.items()])
+    ref = torch.nn.ModuleDict({n: DynamicEmbeddingBag(d, "sum", table=table("r", n, d))
+                               for n, d in dims.items()})
+    opt_c, opt_r = Optimizer(col), Optimizer(ref)
+    rng = np.random.default_rng(10)
+    try:
+        for _ in range(3):
+            x = {n: torch.from_numpy(rng.integers(0, 9, (5, 2))) for n in dims}
+            got = col(x).to_dict()
+            want = {n: ref[n](x[n]) for n in dims}
+            for n in dims:
+                assert torch.equal(got[n], want[n])
+            sum((v * v).sum() for v in got.values()).backward()
+            sum((v * v).sum() for v in want.values()).backward()
+            opt_c.step()
+            opt_r.step()
+        for n in dims:
+            assert table_rows(col.embedding_bags[n].table) == table_rows(ref[n].table), n
+    finally:
+        for m in (*col.embedding_bags.values(), *ref.values()):
+            m.table.close()
