@@ -204,3 +204,12 @@ def test_a_module_called_twice_accumulates_like_convert():
         opt_g.step()
         opt_p.step()
     assert table_rows(grouped.emb.table) == table_rows(plain.emb.table)
+
+
+def test_grouped_modules_are_configured_as_converted_ones():
+    """A model repository's layer configuration (hence hash) does not see the waiting group."""
+    from tensorkv.repository.capture import module_config
+
+    g, p = convert(DLRMish(), group=True), convert(DLRMish())
+    assert module_config(g.embs[0], False) == module_config(p.embs[0], False)
+    assert module_config(g.tok, False) == module_config(p.tok, False)

@@ -154,7 +154,11 @@ class LazyGroup:
 class GroupedEmbeddingBag(DynamicEmbeddingBag):
     """A :class:`DynamicEmbeddingBag` whose lookups wait to be fused (see the module notes)."""
 
-    lazy: LazyGroup
+    @property
+    def lazy(self) -> LazyGroup:
+        """The group whose fused pass serves this module's lookups."""
+        lazy: LazyGroup = self.__dict__["_lazy"]
+        return lazy
 
     def forward(self, input: Any, offsets: torch.Tensor | None = None,  # noqa: A002
                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
@@ -180,7 +184,11 @@ class GroupedEmbeddingBag(DynamicEmbeddingBag):
 class GroupedEmbedding(DynamicEmbedding):
     """A :class:`DynamicEmbedding` whose lookups wait to be fused (see the module notes)."""
 
-    lazy: LazyGroup
+    @property
+    def lazy(self) -> LazyGroup:
+        """The group whose fused pass serves this module's lookups."""
+        lazy: LazyGroup = self.__dict__["_lazy"]
+        return lazy
 
     def forward(self, ids: Any) -> torch.Tensor:
         """Rows of ``ids``, ``[*ids.shape, dim]``: a :class:`Deferred` output."""
@@ -196,7 +204,8 @@ def grouped(module: DynamicModule, lazy: LazyGroup) -> DynamicModule:
     """``module`` (a new dynamic module) as its grouped class, waiting in ``lazy``."""
     cls = GroupedEmbeddingBag if isinstance(module, DynamicEmbeddingBag) else GroupedEmbedding
     module.__class__ = cls
-    module.__dict__["lazy"] = lazy  # a plain attribute: no submodule, not in state_dict
+    # private: no submodule, not in state_dict, not in a model repository's layer config
+    module.__dict__["_lazy"] = lazy
     return module
 
 
