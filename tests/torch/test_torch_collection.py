@@ -295,7 +295,7 @@ def test_embedding_collection_matches_separate_modules():
 
 
 def test_tiered_tables_train_like_separate_tiered_modules(tmp_path):
-    opts = {"storage": "DRAM_SSDHASH", "storage_size": ["2KiB"]}
+    opts = {"storage": "DRAM_SSDHASH", "storage_size": ["512B"]}  # tier 0 < the rows
     col = make_collection(storage_path=str(tmp_path / "c"), **opts)
     ref = Separate(storage_path=str(tmp_path / "r"), **opts)
     opt_c, opt_r = Optimizer(col), Optimizer(ref)
@@ -310,6 +310,8 @@ def test_tiered_tables_train_like_separate_tiered_modules(tmp_path):
         for name, (*_, feats) in TABLES.items():
             assert table_rows(col.embedding_bags[name].table) == table_rows(
                 ref.mods[feats[0]].table), name
+        st = col.embedding_bags["t_wide"].table.stats()
+        assert st["tier0_rows"] < st["rows"]  # rows live in the SSDHASH tier too
     finally:
         for m in (*col.embedding_bags.values(), *ref.mods.values()):
             m.table.close()
