@@ -16,7 +16,11 @@ def test_train_smoke_reports_every_form_and_phase():
     cases = [r.case for r in report.results]
     for case in ("DRAM samples/s", "DRAM embedding cost", "DRAM+SSDHASH samples/s",
                  "dense only samples/s", "DRAM step: lookup", "DRAM step: inserts",
-                 "DRAM step: backward", "DRAM step: optimizer"):
+                 "DRAM step: backward", "DRAM step: optimizer", "26 static samples/s",
+                 "26 DynamicEmbeddingBag embedding cost", "collection samples/s",
+                 "collection embedding cost", "convert(group=True) samples/s",
+                 "collection step: lookup", "collection step: dedup",
+                 "26 DynamicEmbeddingBag step: backward"):
         assert case in cases
     for r in report.results:  # a cost (a difference of two times) may be noise in a tiny run
         assert r.value > 0 or "cost" in r.case

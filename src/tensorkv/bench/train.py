@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from tensorkv.bench import train_features as tf
 from tensorkv.bench.common import Report
 from tensorkv.bench.dlrm import DLRM, N_CAT, SyntheticCTR, constant_embedding
 
@@ -44,10 +45,11 @@ def _steps(forms: dict[str, Any], batches: list[Any], warmup: int) -> dict[str, 
 
     f = torch.nn.functional.binary_cross_entropy_with_logits
     times: dict[str, list[float]] = {name: [] for name in forms}
-    for i, (dense, keys, rows, labels) in enumerate(batches):
+    for i, (dense, keys, rows, labels, *frows) in enumerate(batches):
         for name, (model, opt, use_rows) in forms.items():
+            ids = frows[0] if use_rows == "frows" else rows if use_rows else keys
             t0 = time.perf_counter()
-            out = model(dense, rows if use_rows else keys)
+            out = model(dense, ids)
             loss = f(out, labels)
             opt.zero_grad()
             loss.backward()
@@ -122,7 +124,7 @@ def _phases(batches: list[Any], warmup: int) -> dict[str, float]:
     model.embedding.register_forward_hook(post)
     f = torch.nn.functional.binary_cross_entropy_with_logits
     inserts0 = 0
-    for i, (dense, keys, _, labels) in enumerate(batches):
+    for i, (dense, keys, _, labels, *_) in enumerate(batches):
         if i == warmup:
             inserts0 = table.stats()["inserts"]
             seen.clear()
@@ -152,7 +154,7 @@ def _phases(batches: list[Any], warmup: int) -> dict[str, float]:
 
 
 def run(quick: bool, report: Report, *, batch: int | None = None, steps: int | None = None,
-        warmup: int | None = None, tiered: bool = True) -> None:
+        warmup: int | None = None, tiered: bool = True, features: bool = True) -> None:
     """Run the workload (see the module docstring).
 
     Parameters
@@ -165,6 +167,9 @@ def run(quick: bool, report: Report, *, batch: int | None = None, steps: int | N
         Untimed steps first (default 10; quick 3).
     tiered
         Also time the DRAM+SSDHASH form.
+    features
+        Also time the per-feature forms (one table per feature,
+        :mod:`tensorkv.bench.train_features`) and split their steps.
     """
     import torch
 
@@ -181,8 +186,10 @@ def run(quick: bool, report: Report, *, batch: int | None = None, steps: int | N
     all_keys = np.concatenate([b.keys.ravel() for b in raw])
     uniq, inverse = np.unique(all_keys, return_inverse=True)
     rows = inverse.reshape(len(raw), batch, N_CAT)
+    frows, sizes = tf.feature_rows(np.stack([b.keys for b in raw]))
     batches = [(torch.from_numpy(b.dense), torch.from_numpy(b.keys), torch.from_numpy(r),
-                torch.from_numpy(b.labels)) for b, r in zip(raw, rows, strict=True)]
+                torch.from_numpy(b.labels), torch.from_numpy(fr))
+               for b, r, fr in zip(raw, rows, frows, strict=True)]
     report.params.update(batch=batch, steps=steps, warmup=warmup, distinct_ids=int(uniq.size),
                          torch=torch.__version__, torch_threads=torch.get_num_threads())
 
@@ -195,6 +202,8 @@ def run(quick: bool, report: Report, *, batch: int | None = None, steps: int | N
         "static": (static, _StaticOptimizer(static, static_emb), True),
         "dense only": (const, _StaticOptimizer(const, None), False),
     }
+    if features:
+        forms.update(tf.forms(sizes, DIM, DENSE_LR, TABLE_LR))
     tiered_form: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="tensorkv-bench-train-") as tmp:
         if tiered:
@@ -215,8 +224,7 @@ def run(quick: bool, report: Report, *, batch: int | None = None, steps: int | N
             t.update(_steps(tiered_form, batches, warmup) if tiered_form else {})
         finally:
             for model, _, _ in (*forms.values(), *tiered_form.values()):
-                table = getattr(model.embedding, "table", None)
-                if table is not None:
+                for table in tf.tables(model):
                     table.close()
     rate = {name: batch / s for name, s in t.items()}
     report.add("DRAM samples/s", "samples/s", rate["DRAM"], "static nn.EmbeddingBag",
@@ -237,9 +245,42 @@ def run(quick: bool, report: Report, *, batch: int | None = None, steps: int | N
                    cost_static * 1e3)
     report.add("dense only samples/s", "samples/s", rate["dense only"], "static nn.EmbeddingBag",
                rate["static"], note="upper bound: no embedding work")
+    if features:
+        _report_features(report, t, batches, sizes, warmup)
     ph = _phases(batches, warmup)
     report.params["new_ids_per_step"] = ph.pop("new ids")
     whole = ph["forward"] + ph["backward"] + ph["optimizer"]
     for name in ("lookup", "inserts", "embedding forward", "forward", "backward", "optimizer"):
         report.add(f"DRAM step: {name}", "ms/step", ph[name] * 1e3, "DRAM whole step",
                    whole * 1e3, note="share of the step")
+
+
+def _report_features(report: Report, t: dict[str, float], batches: list[Any],
+                     sizes: list[int], warmup: int) -> None:
+    """The per-feature forms against the 26 static tables, and their step breakdowns."""
+    base = "26 static nn.EmbeddingBag"
+    rate = {name: len(batches[0][3]) / s for name, s in t.items()}
+    cost_static = t["26 static"] - t["dense only"]
+    report.add("26 static samples/s", "samples/s", rate["26 static"], "static nn.EmbeddingBag",
+               rate["static"], note="one table per feature")
+    goals = {"collection": "goal >= 1.15", "convert(group=True)": "goal >= 1.15"}
+    for name in ("26 DynamicEmbeddingBag", "collection", "convert(group=True)"):
+        report.add(f"{name} samples/s", "samples/s", rate[name], base, rate["26 static"],
+                   note=goals.get(name, ""))
+        report.add(f"{name} embedding cost", "ms/step", (t[name] - t["dense only"]) * 1e3,
+                   base, cost_static * 1e3,
+                   note="step minus dense-only step" + ("; goal <= 0.5" if name in goals
+                                                        else ""))
+    for name in ("26 DynamicEmbeddingBag", "collection"):
+        model, opt, use = tf.forms(sizes, DIM, DENSE_LR, TABLE_LR)[name]
+        try:
+            ph = tf.phases(model, opt, [(b[0], b[4] if use == "frows" else b[1], b[3])
+                                        for b in batches], warmup)
+        finally:
+            for table in tf.tables(model):
+                table.close()
+        for part in ("dedup", "lookup", "inserts", "embedding forward", "backward",
+                     "optimizer"):
+            report.add(f"{name} step: {part}", "ms/step", ph[part], "its whole step",
+                       ph["step"], note="the rest: copies, pooling"
+                       if part == "embedding forward" else "")

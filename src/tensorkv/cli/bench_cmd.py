@@ -23,7 +23,7 @@ from tensorkv.config import parse_scalar
 from tensorkv.errors import BenchmarkError
 
 #: Modules of tensorkv.bench that are machinery, not workloads.
-NOT_WORKLOADS = frozenset({"common", "dlrm", "redis_server"})
+NOT_WORKLOADS = frozenset({"common", "dlrm", "redis_server", "train_features"})
 #: run() arguments that are not ``-p`` parameters.
 _POSITIONAL = ("quick", "report")
 

@@ -15,9 +15,17 @@ except ImportError as e:  # pragma: no cover - exercised in a subprocess without
         'pip install "tensorkv[torch]"') from e
 
 from tensorkv.torch.checkpoint import load, save
+from tensorkv.torch.collection import (
+    DynamicEmbeddingBagCollection,
+    DynamicEmbeddingCollection,
+    EmbeddingBagConfig,
+    EmbeddingConfig,
+)
 from tensorkv.torch.convert import convert
+from tensorkv.torch.features import KeyedTensor
 from tensorkv.torch.modules import DynamicEmbedding, DynamicEmbeddingBag, DynamicModule
 from tensorkv.torch.optim import Optimizer
 
-__all__ = ["DynamicEmbedding", "DynamicEmbeddingBag", "DynamicModule", "Optimizer", "convert",
-           "load", "save"]
+__all__ = ["DynamicEmbedding", "DynamicEmbeddingBag", "DynamicEmbeddingBagCollection",
+           "DynamicEmbeddingCollection", "DynamicModule", "EmbeddingBagConfig", "EmbeddingConfig",
+           "KeyedTensor", "Optimizer", "convert", "load", "save"]

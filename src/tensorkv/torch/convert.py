@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from tensorkv.errors import ConfigError
+from tensorkv.torch.grouping import LazyGroup, from_torchrec, grouped, is_torchrec_collection
 from tensorkv.torch.modules import DynamicEmbedding, DynamicEmbeddingBag, DynamicModule
 from tensorkv.torch.state import weight_rows
 
@@ -41,7 +42,8 @@ def _refuse(name: str, module: nn.Embedding | nn.EmbeddingBag) -> None:
 
 
 def convert(model: nn.Module, *, storage: Any = None, optimizer: Any = None,
-            include: Iterable[str] | None = None, **table_kwargs: Any) -> nn.Module:
+            include: Iterable[str] | None = None, group: bool = False,
+            **table_kwargs: Any) -> nn.Module:
     """Replace ``nn.Embedding`` / ``nn.EmbeddingBag`` modules by dynamic ones, in place.
 
     Parameters
@@ -57,6 +59,13 @@ def convert(model: nn.Module, *, storage: Any = None, optimizer: Any = None,
     include
         Dotted names (as in ``model.named_modules()``) of the modules to convert; default
         every embedding module.
+    group
+        Serve the new modules' lookups together: each returns its output when it is first
+        used, and every lookup waiting then runs as one fused pass (one dedup, one pooling,
+        one backward scatter for all the features; :mod:`tensorkv.torch.grouping`), with the
+        results of separate modules. TorchRec's ``EmbeddingBagCollection`` /
+        ``EmbeddingCollection`` become tensorkv's collections (their tables, features and
+        rows; ``include`` names them as a whole).
     **table_kwargs
         Further :class:`~tensorkv.EmbeddingTable` options (``initializer`` for ids beyond the
         old rows, ``admission``, ``eviction``, ``seed``...).
@@ -81,6 +90,9 @@ def convert(model: nn.Module, *, storage: Any = None, optimizer: Any = None,
     """
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model={type(model).__name__} must be a torch nn.Module")
+    if group:
+        return convert_grouped(model, storage=storage, optimizer=optimizer, include=include,
+                               **table_kwargs)
     found: dict[str, nn.Embedding | nn.EmbeddingBag] = {
         n: m for n, m in model.named_modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))}
     names = list(found) if include is None else list(include)
@@ -94,6 +106,40 @@ def convert(model: nn.Module, *, storage: Any = None, optimizer: Any = None,
         _refuse(name, found[name])
     for name in names:
         new = _dynamic(name, found[name], storage, optimizer, table_kwargs)
+        parent_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), attr, new)
+    return model
+
+
+def convert_grouped(model: nn.Module, *, storage: Any = None, optimizer: Any = None,
+                    include: Iterable[str] | None = None, **table_kwargs: Any) -> nn.Module:
+    """``convert(model, group=True)``: see :func:`convert`."""
+    collections = {n: m for n, m in model.named_modules() if is_torchrec_collection(m)}
+    inside = tuple(n + "." for n in collections)
+    found: dict[str, Any] = {
+        n: m for n, m in model.named_modules()
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and not n.startswith(inside)}
+    found.update(collections)
+    names = list(found) if include is None else list(include)
+    unknown = sorted(set(names) - set(found))
+    if unknown:
+        raise ConfigError(f"include names {unknown}, which are not embedding modules (or "
+                          f"TorchRec collections) of the model; they are {sorted(found)}")
+    if "" in names:
+        raise ConfigError("the model itself is an embedding module; convert a model holding it")
+    for name in names:
+        if name not in collections:
+            _refuse(name, found[name])
+    lazy = LazyGroup()
+    for name in names:
+        if name in collections:
+            kwargs = dict(table_kwargs)
+            if kwargs.get("storage_path") is not None:
+                kwargs["storage_path"] = os.path.join(os.fspath(kwargs["storage_path"]), name)
+            new: nn.Module = from_torchrec(found[name], {"storage": storage,
+                                                         "optimizer": optimizer, **kwargs})
+        else:
+            new = grouped(_dynamic(name, found[name], storage, optimizer, table_kwargs), lazy)
         parent_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent_name), attr, new)
     return model
@@ -120,4 +166,4 @@ def _dynamic(name: str, old: nn.Embedding | nn.EmbeddingBag, storage: Any, optim
     return new
 
 
-__all__ = ["convert"]
+__all__ = ["convert", "convert_grouped"]

@@ -9,6 +9,7 @@ docs/torch.md.
 
 from __future__ import annotations
 
+import bisect
 import threading
 from typing import Any
 
@@ -70,6 +71,7 @@ class DynamicModule(nn.Module):
         self._busy = threading.Lock()
         self._grad_lock = threading.Lock()
         self._pending: list[tuple[np.ndarray, np.ndarray]] = []
+        self._sources: list[int] = []  # each pending item's source (kept sorted, stable)
         self._fused = False
         self._step_scope: Any = None
 
@@ -130,7 +132,7 @@ class DynamicModule(nn.Module):
         ``[len(ids), dim]`` sums of their gradients in one backward pass.
         """
         with self._grad_lock:
-            out, self._pending = self._pending, []
+            out, self._pending, self._sources = self._pending, [], []
         return out
 
     def pending_gradients(self) -> int:
@@ -141,12 +143,13 @@ class DynamicModule(nn.Module):
     def discard_gradients(self) -> None:
         """Drop the accumulated gradients (``Optimizer.zero_grad`` calls this)."""
         with self._grad_lock:
-            self._pending = []
+            self._pending, self._sources = [], []
 
     def restore_gradients(self, items: list[tuple[np.ndarray, np.ndarray]]) -> None:
         """Put gradients taken by :meth:`take_gradients` back in front (a step that failed)."""
         with self._grad_lock:
             self._pending = list(items) + self._pending
+            self._sources = [-1] * len(items) + self._sources
 
     # --- reads --------------------------------------------------------------------------------
     def _keys(self, ids: Any) -> tuple[np.ndarray, tuple[int, ...]]:
@@ -199,14 +202,26 @@ class DynamicModule(nn.Module):
         u = uniq.shape[0]
 
         def sink(grad: torch.Tensor) -> None:
-            g = grad.detach()[:u].to("cpu", torch.float32).contiguous().numpy()
-            if self.fused:
-                self.table.apply_gradients(uniq, g, unique=True)
-                return
-            with self._grad_lock:
-                self._pending.append((uniq, g))
+            self.accept_gradients(uniq, grad.detach()[:u].to("cpu", torch.float32)
+                                  .contiguous().numpy())
 
         return sink
+
+    def accept_gradients(self, ids: np.ndarray, grads: np.ndarray, source: int = 0) -> None:
+        """Take one backward pass's IndexedSlices: distinct ``ids`` and their summed ``grads``.
+
+        They wait for the optimizer step, or with :attr:`fused` go to the table at once. A
+        collection (:mod:`tensorkv.torch.collection`) hands each feature's rows in here, with
+        ``source`` the feature's place among the features of this table: the waiting items
+        are kept in ``source`` order (then arrival), as separate modules' would be.
+        """
+        if self.fused:
+            self.table.apply_gradients(ids, grads, unique=True)
+            return
+        with self._grad_lock:
+            at = bisect.bisect_right(self._sources, source)
+            self._pending.insert(at, (ids, grads))
+            self._sources.insert(at, source)
 
     def _enter(self) -> None:
         if not self._busy.acquire(blocking=False):
