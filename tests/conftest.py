@@ -1,4 +1,5 @@
-"""Fixtures shared by every test package: no progress bars, real redis-servers (plain, TLS, ACL)."""
+"""Fixtures shared by every test package: no progress bars, real redis-servers (plain, TLS, ACL,
+Sentinel)."""
 
 import os
 import sys
@@ -30,7 +31,14 @@ def redis_acl_server(request):
     return servers.session_server(request, servers.RedisServer, username="app", password="s3cret")
 
 
+@pytest.fixture(scope="session")
+def redis_sentinel(request):
+    """A master, a replica and three sentinels (quorum 2) for service ``mymaster``."""
+    return servers.session_server(request, servers.RedisSentinel)
+
+
 @pytest.fixture(autouse=True)
 def _no_redis_config_env(monkeypatch):
-    """Keep a TENSORKV_REDIS_CONFIG_PATH from the caller's shell out of the tests."""
-    monkeypatch.delenv("TENSORKV_REDIS_CONFIG_PATH", raising=False)
+    """Keep the Redis config variables of the caller's shell (ours, TFRA's) out of the tests."""
+    for name in ("TENSORKV_REDIS_CONFIG_PATH", "TFRA_REDIS_CONFIG_PATH"):
+        monkeypatch.delenv(name, raising=False)

@@ -57,7 +57,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("stores",),
     ("embedding",),
     ("checkpoint",),
-    ("torch", "repository", "distributed", "viewer"),
+    ("torch", "repository", "distributed", "viewer", "compat"),
     (ROOT,),
     ("testing",),
     ("bench",),

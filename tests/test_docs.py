@@ -83,6 +83,9 @@ REWRITES = [
     Rewrite("docs/distributed.md", r"start_local_ray\(num_cpus=2\)",
             'start_local_ray(num_cpus=2, _temp_dir="/tmp/tensorkv-ray")',
             "Ray's socket paths must stay under 108 bytes; the block's TMPDIR is longer"),
+    Rewrite("docs/coming_from.md", r"start_local_ray\(num_cpus=2\)",
+            'start_local_ray(num_cpus=2, _temp_dir="/tmp/tensorkv-ray")',
+            "Ray's socket paths must stay under 108 bytes; the block's TMPDIR is longer"),
 ]
 
 #: Shell commands, by program (``python -m MODULE`` counts as program MODULE; a path before

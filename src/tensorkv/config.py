@@ -4,9 +4,14 @@
 Environment variable                   Default     Meaning
 =====================================  ==========  =========================================
 ``TENSORKV_EVICTION_THREADS``          1           threads in the shared tier write-back pool
+                                                   (DeepRec's name:
+                                                   ``TF_MULTI_TIER_EV_EVICTION_THREADS``)
 ``TENSORKV_SSDHASH_ASYNC_COMPACTION``  0           1: SSDHASH compacts on its own thread
+                                                   (DeepRec's: ``TF_SSDHASH_ASYNC_COMPACTION``)
 ``TENSORKV_REDIS_CONFIG_PATH``         (unset)     JSON file with Redis connection options
                                                    (and Redis-resident table options)
+``TFRA_REDIS_CONFIG_PATH``             (unset)     TFRA's name of the table's config file,
+                                                   read after ``TENSORKV_REDIS_CONFIG_PATH``
 ``TENSORKV_PROGRESS``                  auto        ``0`` disables progress bars everywhere
 ``TENSORKV_PARALLEL_KERNELS``          1           ``0``: optimizer kernels always run serial
 ``TENSORKV_ASSIST_THREAD``             1           ``0``: tiered tables never share kernels
@@ -94,9 +99,13 @@ LOOKUP_PARALLEL_MIN_KEYS = 1 << 13  # keys of one index probe before it runs on 
 ENV_PARALLEL_KERNELS = "TENSORKV_PARALLEL_KERNELS"  # 0: optimizer kernels always run serially
 
 # --- tier chains -------------------------------------------------------------------------------
+DEEPREC_TIER_SIZE = 1 << 30  # bytes a tier holds when storage_size gives it none (DeepRec's)
 ENV_EVICTION_THREADS = "TENSORKV_EVICTION_THREADS"
 ENV_ASSIST_THREAD = "TENSORKV_ASSIST_THREAD"
 ENV_SSDHASH_ASYNC_COMPACTION = "TENSORKV_SSDHASH_ASYNC_COMPACTION"
+# DeepRec's names of the two above; where both are set and differ, ours win with a warning
+ENV_TF_EVICTION_THREADS = "TF_MULTI_TIER_EV_EVICTION_THREADS"
+ENV_TF_SSDHASH_ASYNC_COMPACTION = "TF_SSDHASH_ASYNC_COMPACTION"
 
 # --- checkpoints -------------------------------------------------------------------------------
 CHECKPOINT_CHUNK_BYTES = 4 * 1024 * 1024  # bytes per dense tensor chunk
@@ -206,14 +215,42 @@ def parse_size(value: int | str, *, what: str = "size") -> int:
     )
 
 
+def _env_twin(ours: str, theirs: str, read: Any) -> Any:
+    """Our variable ``ours`` or DeepRec's twin ``theirs`` (None: neither set).
+
+    Both set to different values: ours wins, and a warning names both.
+    """
+    def get(name: str) -> Any:
+        raw = os.environ.get(name)
+        return None if raw is None or raw.strip() == "" else read(name)
+
+    a, b = get(ours), get(theirs)
+    if a is not None and b is not None and a != b:
+        import warnings
+
+        warnings.warn(f"{ours}={os.environ[ours]!r} and {theirs}={os.environ[theirs]!r} "
+                      f"differ; using {ours}", UserWarning, stacklevel=3)
+    return a if a is not None else b
+
+
 def eviction_threads() -> int:
-    """Threads in the shared write-back pool (``TENSORKV_EVICTION_THREADS``, default 1)."""
-    return env_int(ENV_EVICTION_THREADS, 1, minimum=1)
+    """Threads in the shared write-back pool, default 1.
+
+    ``TENSORKV_EVICTION_THREADS``, else DeepRec's ``TF_MULTI_TIER_EV_EVICTION_THREADS``.
+    """
+    value = _env_twin(ENV_EVICTION_THREADS, ENV_TF_EVICTION_THREADS,
+                      lambda name: env_int(name, 1, minimum=1))
+    return 1 if value is None else int(value)
 
 
 def ssdhash_async_compaction() -> bool:
-    """Whether SSDHASH compacts on its own thread (``TENSORKV_SSDHASH_ASYNC_COMPACTION``)."""
-    return env_bool(ENV_SSDHASH_ASYNC_COMPACTION, False)
+    """Whether SSDHASH compacts on its own thread, default no.
+
+    ``TENSORKV_SSDHASH_ASYNC_COMPACTION``, else DeepRec's ``TF_SSDHASH_ASYNC_COMPACTION``.
+    """
+    value = _env_twin(ENV_SSDHASH_ASYNC_COMPACTION, ENV_TF_SSDHASH_ASYNC_COMPACTION,
+                      lambda name: env_bool(name, False))
+    return bool(value)
 
 
 def malloc_retain() -> bool:

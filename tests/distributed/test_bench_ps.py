@@ -30,24 +30,3 @@ def test_bench_ps_train_tiny(ray_cluster):
     auc = report.results[0]
     assert auc.metric == "AUC" and 0 <= auc.value <= 1 and 0 <= auc.baseline_value <= 1
     assert report.params["rows"] > 0
-
-
-def test_dense_server_steps_adam_on_pushed_gradients():
-    """The dense half of bench ps-train, in process: Adam on the gradients a worker pushes."""
-    import numpy as np
-    import torch
-
-    from tensorkv.bench.ps_train import DenseServer
-
-    server = DenseServer(seed=0)
-    w0 = server.pull()
-    grads = [np.ones_like(w) for w in w0]
-    assert server.push(grads) == 1 and server.push(grads) == 2
-    ref = [torch.tensor(w, requires_grad=True) for w in w0]
-    opt = torch.optim.Adam(ref, lr=server.opt.defaults["lr"])
-    for _ in range(2):
-        for p, g in zip(ref, grads, strict=True):
-            p.grad = torch.from_numpy(g)
-        opt.step()
-    for got, want in zip(server.pull(), ref, strict=True):
-        np.testing.assert_array_equal(got, want.detach().numpy())

@@ -23,12 +23,6 @@ def redis_cluster(request):
     return servers.session_server(request, servers.RedisCluster, replicas=1)
 
 
-@pytest.fixture(scope="session")
-def redis_sentinel(request):
-    """A master, a replica and three sentinels (quorum 2) for service ``mymaster``."""
-    return servers.session_server(request, servers.RedisSentinel)
-
-
 @pytest.fixture
 def key_prefix() -> str:
     """A namespace no other test in this session uses."""

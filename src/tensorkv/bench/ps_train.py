@@ -3,11 +3,12 @@
 Worker actors train the model of ``tensorkv demo`` (:mod:`tensorkv.bench.dlrm`) on the
 synthetic click data: its embedding rows live in a :class:`~tensorkv.distributed.ParameterServer`
 (one Adagrad table over ``shards`` shard actors, a ``DynamicEmbeddingBag`` in every worker),
-its dense layers in a small dense-server actor (Adam; workers pull the weights before each
-step and push their gradients after it). Worker ``r`` of ``W`` trains batches ``r, r + W,
-...``, all workers at once. The baseline is the same model trained on the same batches in
-one process. Reported: the AUC of both on held-out batches (goal: within 0.002), and the
-samples/s of both. Starts a local Ray (``num_cpus`` = the machine's) unless one runs.
+its dense layers on the parameter server too (``ps.dense``: Adam run by the server, each
+worker's ``Optimizer.step()`` pushes its dense gradients and pulls the new weights). Worker
+``r`` of ``W`` trains batches ``r, r + W, ...``, all workers at once. The baseline is the
+same model trained on the same batches in one process. Reported: the AUC of both on
+held-out batches (goal: within 0.002), and the samples/s of both. Starts a local Ray
+(``num_cpus`` = the machine's) unless one runs.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from tensorkv.bench.common import Report
-from tensorkv.bench.dlrm import DLRM, SyntheticCTR, auc, constant_embedding
+from tensorkv.bench.dlrm import DLRM, SyntheticCTR, auc
 
 DIM = 16
 TABLE_LR = 0.05
@@ -32,86 +33,48 @@ def _bce(out: Any, labels: Any) -> Any:
     return torch.nn.functional.binary_cross_entropy_with_logits(out, labels)
 
 
-class DenseServer:
-    """The dense layers and their Adam optimizer (a Ray actor in :func:`train_distributed`)."""
-
-    def __init__(self, seed: int, dim: int = DIM, lr: float = DENSE_LR) -> None:
-        import torch
-
-        torch.set_num_threads(1)
-        self.model = DLRM(constant_embedding(dim, 1), dim=dim, seed=seed)
-        self.params = list(self.model.parameters())
-        self.opt = torch.optim.Adam(self.params, lr=lr)
-        self.version = 0
-
-    def pull(self) -> list[np.ndarray]:
-        """The current weights."""
-        return [p.detach().numpy().copy() for p in self.params]
-
-    def push(self, grads: list[np.ndarray]) -> int:
-        """One Adam step with a worker's gradients; the number of steps so far."""
-        import torch
-
-        for p, g in zip(self.params, grads, strict=True):
-            p.grad = torch.from_numpy(np.array(g))
-        self.opt.step()
-        self.version += 1
-        return self.version
-
-
-def _set_weights(params: list[Any], weights: list[np.ndarray]) -> None:
+def _model(ps: Any, table: str, seed: int, dim: int = DIM) -> tuple[Any, Any]:
+    """The DLRM over the parameter server's table, and its dense optimizer on the server."""
     import torch
 
-    with torch.no_grad():
-        for p, w in zip(params, weights, strict=True):
-            p.copy_(torch.from_numpy(np.array(w)))
+    from tensorkv.torch import DynamicEmbeddingBag
+
+    rows: Any = ps.table(table)  # a ShardedEmbeddingTable, taken as a table
+    model = DLRM(DynamicEmbeddingBag(dim, mode="sum", table=rows), dim=dim, seed=seed)
+    return model, ps.dense(model, torch.optim.Adam, lr=DENSE_LR)
 
 
 class Worker:
-    """One data-parallel worker (a Ray actor): its model's rows on the parameter server."""
+    """One data-parallel worker (a Ray actor): rows and dense weights on the parameter server."""
 
-    def __init__(self, ps_name: str, table: str, dense: Any, seed: int, dim: int = DIM) -> None:
+    def __init__(self, ps_name: str, table: str, seed: int) -> None:
         import torch
 
         from tensorkv.distributed import ParameterServer
-        from tensorkv.torch import DynamicEmbeddingBag, Optimizer
+        from tensorkv.torch import Optimizer
 
         torch.set_num_threads(1)
         self.ps = ParameterServer(name=ps_name)
-        rows: Any = self.ps.table(table)  # a ShardedEmbeddingTable, taken as a table
-        emb = DynamicEmbeddingBag(dim, mode="sum", table=rows)
-        self.model = DLRM(emb, dim=dim, seed=seed)
-        self.params = list(self.model.parameters())
-        self.opt = Optimizer(self.model)  # the table's Adagrad; the dense server has Adam
-        self.dense = dense
+        self.model, dense = _model(self.ps, table, seed)
+        self.opt = Optimizer(self.model, dense=dense)  # rows: Adagrad; dense: the server's
 
     def train(self, steps: list[int], batch: int, data_seed: int) -> dict[str, Any]:
         """Train the given batch numbers; losses and the predictions made before each update."""
         import torch
 
-        ray = __import__("ray")
         data = SyntheticCTR(data_seed)
         losses, preds, labels = [], [], []
-        pending = None
         t0 = time.perf_counter()
         for s in steps:
             b = data.batch(s, batch)
-            _set_weights(self.params, ray.get(self.dense.pull.remote()))
             out = self.model(torch.from_numpy(b.dense), torch.from_numpy(b.keys))
             loss = _bce(out, torch.from_numpy(b.labels))
             self.opt.zero_grad()
-            for p in self.params:
-                p.grad = None
             loss.backward()
-            self.opt.step()  # sparse gradients to the parameter server
-            if pending is not None:
-                ray.get(pending)
-            pending = self.dense.push.remote([p.grad.numpy() for p in self.params])
+            self.opt.step()  # sparse gradients to the shards, dense ones to the dense server
             losses.append(float(loss.item()))
             preds.append(out.detach().numpy())
             labels.append(b.labels)
-        if pending is not None:
-            ray.get(pending)
         return {"losses": losses, "seconds": time.perf_counter() - t0,
                 "preds": np.concatenate(preds) if preds else np.empty(0),
                 "labels": np.concatenate(labels) if labels else np.empty(0)}
@@ -165,24 +128,22 @@ def train_distributed(steps: int, batch: int, eval_batches: int, *, workers: int
 
     from tensorkv import Adagrad
     from tensorkv.distributed import ParameterServer
-    from tensorkv.torch import DynamicEmbeddingBag
 
     ps = ParameterServer(shards, name=f"bench-{uuid.uuid4().hex[:8]}")
     try:
         table: Any = ps.table("emb", DIM, optimizer=Adagrad(lr=TABLE_LR), seed=seed)
-        dense: Any = ray.remote(num_cpus=0)(DenseServer).remote(seed)
-        actors: list[Any] = [ray.remote(num_cpus=0)(Worker).remote(ps.name, "emb", dense, seed)
+        model, dense = _model(ps, "emb", seed)  # creates the dense server: its first weights
+        actors: list[Any] = [ray.remote(num_cpus=0)(Worker).remote(ps.name, "emb", seed)
                              for _ in range(workers)]
         t0 = time.perf_counter()
         outs = ray.get([a.train.remote(list(range(r, steps, workers)), batch, data_seed)
                         for r, a in enumerate(actors)])
         seconds = time.perf_counter() - t0
-        model = DLRM(DynamicEmbeddingBag(DIM, mode="sum", table=table), dim=DIM, seed=seed)
-        _set_weights(list(model.parameters()), ray.get(dense.pull.remote()))
+        dense.pull()  # the trained dense weights into the evaluation model
         result = {"auc": _evaluate(model, SyntheticCTR(data_seed), steps, eval_batches, batch),
                   "seconds": seconds, "rows": len(table),
                   "losses": [o["losses"] for o in outs]}
-        for a in [*actors, dense]:
+        for a in actors:
             ray.kill(a)
         return result
     finally:

@@ -111,7 +111,7 @@ def ls_cmd(url: str, providers: tuple[str, ...], where: tuple[str, ...], as_json
 @click.argument("model_id")
 @_json_opt
 def show_cmd(url: str, providers: tuple[str, ...], model_id: str, as_json: bool) -> None:
-    """Show a model: metadata, graph size and its tensors."""
+    """Show a model: metadata, its graph's layers (by module path) and its tensors."""
     with _open(url, providers) as r:
         m = r.manifest(model_id)
     if as_json:
@@ -120,7 +120,12 @@ def show_cmd(url: str, providers: tuple[str, ...], model_id: str, as_json: bool)
     click.echo(f"model {m['id']}  name={m['name'] or '-'}  parent={m['parent'] or '-'}  "
                f"created {_when(m['created'])}")
     click.echo(f"metrics: {json.dumps(m['metrics'])}")
-    click.echo(f"graph: {len(m['graph']['nodes'])} nodes")
+    nodes = m["graph"]["nodes"]
+    click.echo(f"graph: {len(nodes)} nodes")
+    hashes = m.get("hashes") or [""] * len(nodes)
+    click.echo(f"{'layer':40} {'type':30} hash")
+    for node, h in zip(nodes, hashes, strict=False):
+        click.echo(f"{node['name']:40} {node.get('type', ''):30} {h[:12]}")
     click.echo(f"{'tensor':40} {'dtype':9} {'shape':20} {'size':>9}  id")
     for name, e in m["tensors"].items():
         click.echo(f"{name:40} {e['dtype']:9} {str(tuple(e['shape'])):20} "

@@ -179,6 +179,7 @@ class ParameterServer:
                                recover_timeout=recover_timeout, shared_memory=shared_memory,
                                on_lost=self._lost)
         self._tables: dict[str, ShardedEmbeddingTable] = {}
+        self._dense: dict[str, Any] = {}  # dense servers this object made or attached to
         if self.owner:
             _LIVE.add(self)
 
@@ -440,6 +441,61 @@ class ParameterServer:
             t.channel = ch
             t.rebase()
 
+    # --- dense parameters -----------------------------------------------------------------------
+    def dense(self, model: Any, optimizer: Any = None, *, mode: str = "async",
+              workers: int | None = None, name: str = "dense", **options: Any) -> Any:
+        """Serve ``model``'s dense parameters from the parameter server.
+
+        Parameters
+        ----------
+        model
+            An ``nn.Module`` (its parameters that require a gradient) or a list of
+            parameters. The first process to call this for ``name`` puts its values on the
+            server; every later one (another worker) gets the server's values copied in.
+        optimizer
+            The dense optimizer class run by the server (default ``torch.optim.Adam``), with
+            ``options`` as its keyword arguments (``lr=1e-3`` ...).
+        mode
+            ``"async"``: each worker's push is one step; ``"sync"``: one step per round of
+            ``workers`` pushes, with their mean gradient (docs/distributed.md).
+        workers
+            Sync mode: the workers of a round (required there).
+        name
+            The dense server's name (one per model).
+
+        Returns
+        -------
+        tensorkv.distributed.dense.RemoteDense
+            A ``torch.optim.Optimizer`` for ``tensorkv.torch.Optimizer(model, dense=...)``:
+            its ``step()`` pushes the gradients and pulls the new parameters.
+        """
+        import torch
+
+        from tensorkv.distributed.dense import MODES, DenseServer, RemoteDense
+
+        ray = ray_module()
+        if mode not in MODES:
+            raise ConfigError(f"mode={mode!r} must be one of {', '.join(MODES)}")
+        if mode == "sync" and (isinstance(workers, bool) or not isinstance(workers, int)
+                               or workers < 1):
+            raise ConfigError(f"mode='sync' steps once per round of pushes: give workers=N "
+                              f"(the data-parallel workers), not {workers!r}")
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise ConfigError(f"name={name!r} must be 1-64 letters, digits, '-', '_' or '.'")
+        params = ([p for p in model.parameters() if p.requires_grad]
+                  if isinstance(model, torch.nn.Module) else list(model))
+        if not params:
+            raise ConfigError("the model has no dense parameters to serve")
+        cls = torch.optim.Adam if optimizer is None else optimizer
+        if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+            raise ConfigError(f"optimizer={optimizer!r} must be a torch.optim.Optimizer class, "
+                              "e.g. torch.optim.Adam (its options as keywords: lr=1e-3)")
+        actor = ray.remote(num_cpus=0)(DenseServer).options(
+            name=f"tensorkv-ps-{self.name}-dense-{name}", namespace=NAMESPACE,
+            get_if_exists=True).remote(cls, options, mode, workers or 1)
+        actor = self._dense.setdefault(name, actor)  # the creator's handle keeps it alive
+        return RemoteDense(params, actor, mode)
+
     # --- operations ----------------------------------------------------------------------------
     def status(self) -> list[dict[str, Any]]:
         """Per shard: tables (rows, bytes, tiers), requests served, requests/s, checkpoint."""
@@ -460,6 +516,9 @@ class ParameterServer:
                 ray.get(a.close.remote(), timeout=30)
             with contextlib.suppress(Exception):
                 ray.kill(a, no_restart=True)
+        for d in self._dense.values():
+            with contextlib.suppress(Exception):
+                ray.kill(d, no_restart=True)
         with contextlib.suppress(Exception):
             ray.kill(self._registry, no_restart=True)
 

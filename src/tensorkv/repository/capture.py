@@ -118,20 +118,43 @@ def _module_node(name: str, target: str, module: Any, names: set[str],
                 _own_params(module, target, names, recurse=whole), inputs)
 
 
+def _unique(want: str, taken: set[str]) -> str:
+    """``want``, or ``want#2``, ``want#3``... (a module called more than once)."""
+    name, k = want, 1
+    while name in taken:
+        k += 1
+        name = f"{want}#{k}"
+    taken.add(name)
+    return name
+
+
 def trace_fx(model: Any) -> Graph:
-    """The graph of ``model`` from ``torch.fx.symbolic_trace`` (raises what fx raises)."""
+    """The graph of ``model`` from ``torch.fx.symbolic_trace`` (raises what fx raises).
+
+    Module and attribute nodes are named by the module paths the user wrote
+    (``encoder.layers.0.fc1``, not fx's ``encoder_layers_0_fc1`` or ``_0``); a module called
+    twice gets ``#2`` on its second node. Other nodes keep fx's names (``relu``, ``add_1``).
+    Names are labels: a node's layer hash never covers them.
+    """
     fx = import_optional("torch.fx", "capturing a model graph", "torch")
     gm = fx.symbolic_trace(model)
     names = set(module_state(model))  # a dynamic module's rows are not exported for this
     nodes: list[Node] = []
     n_inputs = 0
-    for n in gm.graph.nodes:
-        inputs = tuple(a.name for a in n.all_input_nodes)
+    fx_nodes = list(gm.graph.nodes)
+    # module paths first, so that another node whose fx name equals a path yields to it
+    taken: set[str] = set()
+    rename = {n.name: _unique(n.target, taken) for n in fx_nodes
+              if n.op in ("call_module", "get_attr")}
+    rename.update({n.name: _unique(n.name, taken) for n in fx_nodes if n.name not in rename})
+    for n in fx_nodes:
+        name = rename[n.name]
+        inputs = tuple(rename[a.name] for a in n.all_input_nodes)
         if n.op == "placeholder":
-            nodes.append(Node(n.name, "input", "input", {"index": n_inputs}))
+            nodes.append(Node(name, "input", "input", {"index": n_inputs}))
             n_inputs += 1
         elif n.op == "call_module":
-            nodes.append(_module_node(n.name, n.target, gm.get_submodule(n.target), names,
+            nodes.append(_module_node(name, n.target, gm.get_submodule(n.target), names,
                                       inputs, whole=True))
         elif n.op == "get_attr":
             t = gm
@@ -141,12 +164,12 @@ def trace_fx(model: Any) -> Graph:
             if n.target in names and hasattr(t, "shape"):
                 params = (Param("", n.target, tuple(int(s) for s in t.shape),
                                 str(t.dtype).replace("torch.", "")),)
-            nodes.append(Node(n.name, "attr", "tensor", {}, params, inputs))
+            nodes.append(Node(name, "attr", "tensor", {}, params, inputs))
         else:
             target = n.target if isinstance(n.target, str) else _qualname(n.target)
             op = {"call_function": "function", "call_method": "method"}.get(n.op, n.op)
             cfg = {"args": _jsonable(n.args), "kwargs": _jsonable(dict(n.kwargs))}
-            nodes.append(Node(n.name, op, target, cfg, (), inputs))
+            nodes.append(Node(name, op, target, cfg, (), inputs))
     return Graph(nodes)
 
 

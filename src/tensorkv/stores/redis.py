@@ -229,6 +229,8 @@ class RedisStore(KVStore):
             "socket_connect_timeout": o.connect_timeout,
             "socket_timeout": o.socket_timeout,
         }
+        if o.socket_keepalive:
+            kw["socket_keepalive"] = True
         if self._tls:
             kw.update(
                 ssl=True,
@@ -278,7 +280,8 @@ class RedisStore(KVStore):
                     pool_kw["connection_class"] = redis.SSLConnection
                 if o.max_connections:
                     pool: Any = redis.BlockingConnectionPool(
-                        max_connections=o.max_connections, timeout=o.socket_timeout, **pool_kw
+                        max_connections=o.max_connections,
+                        timeout=o.pool_timeout or o.socket_timeout, **pool_kw
                     )
                 else:
                     pool = redis.ConnectionPool(**pool_kw)
@@ -287,7 +290,7 @@ class RedisStore(KVStore):
             elif self.mode == "sentinel":
                 from redis.sentinel import Sentinel
 
-                skw = {k: v for k, v in kw.items() if k not in ("username", "password")}
+                skw = o.sentinel_kwargs(kw)
                 skw["retry"] = Retry(NoBackoff(), 0)
                 ckw = dict(kw, retry=self._retry())
                 if o.max_connections:
@@ -323,11 +326,11 @@ class RedisStore(KVStore):
     def _errors(self, *, opening: bool = False) -> Iterator[None]:
         """Translate redis-py exceptions into tensorkv's hierarchy (and gate connections)."""
         gate = None if opening else self._gate
-        if gate is not None and not gate.acquire(timeout=self.options.socket_timeout):
+        o, wait = self.options, self.options.pool_timeout or self.options.socket_timeout
+        if gate is not None and not gate.acquire(timeout=wait):
             raise StoreUnavailableError(
-                f"all max_connections={self.options.max_connections} connections to "
-                f"{self._where()} stayed busy for socket_timeout={self.options.socket_timeout} s"
-            )
+                f"all max_connections={o.max_connections} connections to {self._where()} "
+                f"stayed busy for {'pool' if o.pool_timeout else 'socket'}_timeout={wait} s")
         try:
             yield
         except TensorKVError:

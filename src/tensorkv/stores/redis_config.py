@@ -19,6 +19,7 @@ from typing import Any
 
 from tensorkv import config
 from tensorkv.errors import ConfigError
+from tensorkv.stores.tfra_config import translate
 
 _CERT_REQS = ("none", "optional", "required")
 
@@ -64,6 +65,17 @@ class RedisOptions:
     wait_timeout
         Seconds ``flush()`` waits for ``wait_replicas`` acknowledgements before it raises
         :class:`~tensorkv.errors.ReplicationError`.
+    socket_keepalive
+        Turn on TCP keep-alive on every connection (TFRA's ``redis_connect_keep_alive``).
+    pool_timeout
+        With ``max_connections``: seconds a thread waits for a free connection (None: the
+        ``socket_timeout``); TFRA's ``redis_wait_timeout``.
+    sentinel_username, sentinel_password
+        Credentials of the Sentinels themselves (``username``/``password`` are the data
+        servers'); TFRA's ``redis_sentinel_user``/``redis_sentinel_password``.
+    sentinel_connect_timeout, sentinel_socket_timeout
+        Seconds to connect to, and wait for a reply from, a Sentinel (None: the
+        ``connect_timeout``/``socket_timeout``).
     """
 
     prefix: bytes = b""
@@ -84,6 +96,23 @@ class RedisOptions:
     readonly: bool = False
     wait_replicas: int = 0
     wait_timeout: float = config.REDIS_WAIT_TIMEOUT
+    socket_keepalive: bool = False
+    pool_timeout: float | None = None
+    sentinel_username: str | None = None
+    sentinel_password: str | None = None
+    sentinel_connect_timeout: float | None = None
+    sentinel_socket_timeout: float | None = None
+
+    def sentinel_kwargs(self, conn: dict[str, Any]) -> dict[str, Any]:
+        """Connection keywords for the Sentinels, from the data servers' ``conn``."""
+        kw = {k: v for k, v in conn.items() if k not in ("username", "password")}
+        if self.sentinel_password is not None:
+            kw.update(username=self.sentinel_username, password=self.sentinel_password)
+        if self.sentinel_connect_timeout is not None:
+            kw["socket_connect_timeout"] = self.sentinel_connect_timeout
+        if self.sentinel_socket_timeout is not None:
+            kw["socket_timeout"] = self.sentinel_socket_timeout
+        return kw
 
 
 #: Options naming where the JSON config file is; accepted by ``from_url`` but not in a file.
@@ -103,9 +132,12 @@ TABLE_FILE_KEYS = frozenset({
 })
 
 _STR_OPTIONS = {"ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs", "username",
-                "password", "config", "config_env"}
-_BOOL_OPTIONS = {"read_from_replicas", "ssl_check_hostname", "readonly"}
-_FLOAT_OPTIONS = {"connect_timeout", "socket_timeout", "retry_backoff", "wait_timeout"}
+                "password", "config", "config_env", "sentinel_username", "sentinel_password"}
+_BOOL_OPTIONS = {"read_from_replicas", "ssl_check_hostname", "readonly", "socket_keepalive"}
+_FLOAT_OPTIONS = {"connect_timeout", "socket_timeout", "retry_backoff", "wait_timeout",
+                  "pool_timeout", "sentinel_connect_timeout", "sentinel_socket_timeout"}
+_NULLABLE = {"max_connections", "pool_timeout", "sentinel_connect_timeout",
+             "sentinel_socket_timeout"}
 _INT_OPTIONS = {"keys_sending_size", "max_connections", "retries", "wait_replicas"}
 
 
@@ -166,7 +198,7 @@ def convert_option(name: str, value: Any, where: str) -> Any:
             return str(value).encode()
         raise ConfigError(f"Redis option prefix={value!r} ({where}) must be a str or bytes")
     if value is None:
-        if name in _STR_OPTIONS - {"ssl_cert_reqs"} or name == "max_connections":
+        if name in _STR_OPTIONS - {"ssl_cert_reqs"} or name in _NULLABLE:
             return None
         raise ConfigError(f"Redis option {name} ({where}) may not be null")
     if name in _STR_OPTIONS:
@@ -252,6 +284,8 @@ def load_config_file(path: str, source: str) -> dict[str, Any]:
     """Read a JSON config file into a dict of converted options."""
     data = read_json_object(path, source)
     where = f"config file {path}"
+    # TFRA's keys: its connection options become ours; the servers come from the store's URL
+    data = translate(data, servers=False, where=where)
     data = {k: v for k, v in data.items() if k not in TABLE_FILE_KEYS}
     check_names(data, where, allow_config=False)
     return {k: convert_option(k, v, where) for k, v in data.items()}

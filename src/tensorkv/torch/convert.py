@@ -7,7 +7,7 @@ row excepted), so the converted model computes the same outputs. See docs/torch.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -42,8 +42,8 @@ def _refuse(name: str, module: nn.Embedding | nn.EmbeddingBag) -> None:
 
 
 def convert(model: nn.Module, *, storage: Any = None, optimizer: Any = None,
-            include: Iterable[str] | None = None, group: bool = False,
-            **table_kwargs: Any) -> nn.Module:
+            include: Iterable[str] | None = None, group: bool = False, ps: Any = None,
+            ps_tables: Mapping[str, str] | None = None, **table_kwargs: Any) -> nn.Module:
     """Replace ``nn.Embedding`` / ``nn.EmbeddingBag`` modules by dynamic ones, in place.
 
     Parameters
@@ -66,6 +66,16 @@ def convert(model: nn.Module, *, storage: Any = None, optimizer: Any = None,
         results of separate modules. TorchRec's ``EmbeddingBagCollection`` /
         ``EmbeddingCollection`` become tensorkv's collections (their tables, features and
         rows; ``include`` names them as a whole).
+    ps
+        A :class:`~tensorkv.distributed.ParameterServer`: each converted module's table is a
+        sharded table on it (``ps.table(name, dim, ...)``), named by the module's path, so
+        every worker that converts the same model trains the same rows. The process that
+        creates a table copies the module's old rows into it; one that finds the table
+        there attaches to it and copies nothing (a late worker never overwrites trained
+        rows). None: local tables.
+    ps_tables
+        With ``ps``: module path -> table name, to rename tables or share one between
+        modules (the first module to create it copies its rows).
     **table_kwargs
         Further :class:`~tensorkv.EmbeddingTable` options (``initializer`` for ids beyond the
         old rows, ``admission``, ``eviction``, ``seed``...).
@@ -92,7 +102,7 @@ def convert(model: nn.Module, *, storage: Any = None, optimizer: Any = None,
         raise ConfigError(f"model={type(model).__name__} must be a torch nn.Module")
     if group:
         return convert_grouped(model, storage=storage, optimizer=optimizer, include=include,
-                               **table_kwargs)
+                               ps=ps, ps_tables=ps_tables, **table_kwargs)
     found: dict[str, nn.Embedding | nn.EmbeddingBag] = {
         n: m for n, m in model.named_modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))}
     names = list(found) if include is None else list(include)
@@ -104,15 +114,18 @@ def convert(model: nn.Module, *, storage: Any = None, optimizer: Any = None,
         raise ConfigError("the model itself is an embedding module; convert a model holding it")
     for name in names:
         _refuse(name, found[name])
+    tables = _ps_names(ps, ps_tables, names)
     for name in names:
-        new = _dynamic(name, found[name], storage, optimizer, table_kwargs)
+        new = _dynamic(name, found[name], storage, optimizer, table_kwargs, ps, tables)
         parent_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent_name), attr, new)
     return model
 
 
 def convert_grouped(model: nn.Module, *, storage: Any = None, optimizer: Any = None,
-                    include: Iterable[str] | None = None, **table_kwargs: Any) -> nn.Module:
+                    include: Iterable[str] | None = None, ps: Any = None,
+                    ps_tables: Mapping[str, str] | None = None,
+                    **table_kwargs: Any) -> nn.Module:
     """``convert(model, group=True)``: see :func:`convert`."""
     collections = {n: m for n, m in model.named_modules() if is_torchrec_collection(m)}
     inside = tuple(n + "." for n in collections)
@@ -130,6 +143,11 @@ def convert_grouped(model: nn.Module, *, storage: Any = None, optimizer: Any = N
     for name in names:
         if name not in collections:
             _refuse(name, found[name])
+        elif ps is not None:
+            raise ConfigError(f"{name!r} is a TorchRec collection: convert(group=True, ps=...) "
+                              "puts nn.Embedding/EmbeddingBag modules on a parameter server, "
+                              "not collections; leave it out with include=[...]")
+    tables = _ps_names(ps, ps_tables, [n for n in names if n not in collections])
     lazy = LazyGroup()
     for name in names:
         if name in collections:
@@ -139,28 +157,61 @@ def convert_grouped(model: nn.Module, *, storage: Any = None, optimizer: Any = N
             new: nn.Module = from_torchrec(found[name], {"storage": storage,
                                                          "optimizer": optimizer, **kwargs})
         else:
-            new = grouped(_dynamic(name, found[name], storage, optimizer, table_kwargs), lazy)
+            new = grouped(_dynamic(name, found[name], storage, optimizer, table_kwargs, ps,
+                                   tables), lazy)
         parent_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent_name), attr, new)
     return model
 
 
+def _ps_names(ps: Any, ps_tables: Mapping[str, str] | None, names: list[str]) -> dict[str, str]:
+    """Module path -> parameter-server table name (empty without ``ps``), checked."""
+    if ps is None:
+        if ps_tables is not None:
+            raise ConfigError("ps_tables names tables on a parameter server: give ps= too")
+        return {}
+    if not all(callable(getattr(ps, a, None)) for a in ("table", "tables")):
+        raise ConfigError(f"ps={ps!r} must be a tensorkv.distributed.ParameterServer, e.g. "
+                          "ParameterServer(2) or ParameterServer(name='...') to attach")
+    given = dict(ps_tables or {})
+    unknown = sorted(set(given) - set(names))
+    if unknown:
+        raise ConfigError(f"ps_tables names modules {unknown} that are not converted; the "
+                          f"converted modules are {sorted(names)}")
+    for path, table in given.items():
+        if not isinstance(table, str) or not table:
+            raise ConfigError(f"ps_tables[{path!r}]={table!r} must be a non-empty table name")
+    return {n: given.get(n, n) for n in names}
+
+
 def _dynamic(name: str, old: nn.Embedding | nn.EmbeddingBag, storage: Any, optimizer: Any,
-             table_kwargs: dict[str, Any]) -> DynamicModule:
+             table_kwargs: dict[str, Any], ps: Any = None,
+             tables: dict[str, str] | None = None) -> DynamicModule:
     kwargs = dict(table_kwargs)
     if kwargs.get("storage_path") is not None:
         kwargs["storage_path"] = os.path.join(os.fspath(kwargs["storage_path"]), name)
     pad = old.padding_idx
+    fresh = True
+    if ps is not None and tables is not None:
+        table_name = tables[name]
+        fresh = table_name not in ps.tables()
+        if storage is not None:
+            kwargs["storage"] = storage
+        if optimizer is not None:
+            kwargs["optimizer"] = optimizer
+        module_kwargs: dict[str, Any] = {"table": ps.table(table_name, old.embedding_dim,
+                                                            **kwargs)}
+    else:
+        module_kwargs = {"storage": storage, "optimizer": optimizer, **kwargs}
     new: DynamicModule
     if isinstance(old, nn.EmbeddingBag):
         new = DynamicEmbeddingBag(old.embedding_dim, old.mode,
                                   include_last_offset=old.include_last_offset, padding_idx=pad,
-                                  storage=storage, optimizer=optimizer, **kwargs)
+                                  **module_kwargs)
     else:
-        new = DynamicEmbedding(old.embedding_dim, padding_idx=pad, storage=storage,
-                               optimizer=optimizer, **kwargs)
+        new = DynamicEmbedding(old.embedding_dim, padding_idx=pad, **module_kwargs)
     ids, weight = weight_rows(old.weight, pad)
-    if ids.size:
+    if ids.size and fresh:
         new.table.upsert(ids, weight)
     new.train(old.training)
     return new

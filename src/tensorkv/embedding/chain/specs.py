@@ -231,7 +231,8 @@ def spec_from_dict(d: dict[str, Any]) -> TierSpec:
 _KV_SCHEMES = {"LEVELDB": "leveldb", "ROCKSDB": "rocksdb", "LMDB": "lmdb", "REDIS": "redis"}
 _TOPS = {"DRAM": ("DRAM",), "HBM": ("HBM",), "HBM_DRAM": ("HBM", "DRAM")}
 _LOWERS = {"": (), "PMEM": ("PMEM",), "SSDHASH": ("SSDHASH",), "PMEM_SSDHASH": ("PMEM", "SSDHASH"),
-           **{k: (k,) for k in _KV_SCHEMES}}  # fmt: skip
+           **{k: (k,) for k in _KV_SCHEMES},
+           **{f"PMEM_{k}": ("PMEM", k) for k in _KV_SCHEMES if k != "REDIS"}}  # fmt: skip
 STORAGE_TYPES: dict[str, tuple[str, ...]] = {
     (top + ("_" + low if low else "")): t + lo
     for top, t in _TOPS.items()
@@ -256,18 +257,23 @@ class StorageOption:
     storage_type
         A DeepRec-style name such as ``"DRAM"``, ``"HBM_DRAM"``, ``"DRAM_SSDHASH"``,
         ``"DRAM_LEVELDB"``, ``"DRAM_PMEM_SSDHASH"``, ``"HBM_DRAM_SSDHASH"``, ``"DRAM_ROCKSDB"``,
-        ``"DRAM_LMDB"``, ``"DRAM_REDIS"`` (case-insensitive). Ignored when ``tiers`` is given.
+        ``"DRAM_LMDB"``, ``"DRAM_REDIS"``, ``"DRAM_PMEM_LEVELDB"``, ``"HBM_DRAM_PMEM_LEVELDB"``
+        (case-insensitive; every one of DeepRec's 13 names, docs/tiers.md lists them all).
+        Ignored when ``tiers`` is given.
         ``"REDIS"``: a table whose rows live in Redis, shared by every process that opens
         the same options (docs/redis_table.md); ``storage_path`` is the Redis URL or a JSON
         config file.
     storage_path
-        Directory of the on-device tier(s) (for two such tiers, ``pmem.tier`` and ``ssdhash/``
-        inside it), or a store URL; for ``*_REDIS`` the Redis URL. A relative path is
-        resolved against the working directory now (``stats()`` and errors give the absolute
-        one); None (not for ``*_REDIS``): a fresh temporary directory, removed on close.
+        Directory of the on-device tier(s) (for two such tiers, ``pmem.tier`` and
+        ``ssdhash/`` or ``leveldb/``... inside it), or a store URL; for ``*_REDIS`` the Redis
+        URL. A relative path is resolved against the working directory now (``stats()`` and
+        errors give the absolute one); None (not for ``*_REDIS``): a fresh temporary
+        directory, removed on close.
     storage_size
-        Capacity of each tier in order, in bytes or strings like ``"4GiB"``; tiers without an
-        entry are unbounded.
+        Capacity of each tier in order, in bytes or strings like ``"4GiB"`` (DeepRec's
+        ``storage_size``). A tier without an entry holds DeepRec's default, 1 GiB
+        (:data:`tensorkv.config.DEEPREC_TIER_SIZE`), except the last tier, which has nowhere
+        to move rows to and is unbounded. ``None`` inside the list: that tier is unbounded.
     cache_strategy
         How tier 0 picks rows to move down: ``"lfu"`` (frequency) or ``"lru"`` (recency).
     tiers
@@ -364,6 +370,7 @@ class StorageOption:
                 f"storage_size has {len(sizes)} entries but {name} has {len(kinds)} tiers "
                 f"({', '.join(kinds)}); give at most one size per tier"
             )
+        sizes += [config.DEEPREC_TIER_SIZE] * (len(kinds) - 1 - len(sizes))
         sizes += [None] * (len(kinds) - len(sizes))
         device = [k for k in kinds if k not in ("HBM", "DRAM")]
         if "REDIS" in device and path is None:
@@ -387,9 +394,13 @@ class StorageOption:
                     )
                 specs.append(KV(path, size))
             elif path is not None and "://" in os.fspath(path):
+                if len(device) > 1:
+                    raise ConfigError(f"storage_type {name} keeps a PMEM tier beside {kind} and "
+                                      f"takes a directory as storage_path, not the URL {path!r}")
                 specs.append(KV(os.fspath(path), size))
             else:  # a directory (absolute by now), or None: a temporary one
-                specs.append(KV(f"{_KV_SCHEMES[kind]}://{path or ''}", size))
+                where = _inside(path, kind.lower(), len(device))
+                specs.append(KV(f"{_KV_SCHEMES[kind]}://{where or ''}", size))
         return specs
 
     def tier_specs(self) -> list[TierSpec]:

@@ -2,9 +2,11 @@
 
 :class:`RedisTableOptions` holds every setting of a table whose rows live in Redis;
 :func:`resolve_table_options` merges a JSON config file (found by the priority below) with
-explicit options. Config file priority: the environment variable named by ``config_env`` >
-``TENSORKV_REDIS_CONFIG_PATH`` > the path given (``storage_path`` ending in ``.json``, or
-``config=``). See docs/redis_table.md ("Options").
+explicit options; TFRA's keys and units are translated by :mod:`tensorkv.stores.tfra_config`.
+Config file priority: the environment variable named by ``config_env`` (TFRA:
+``redis_config_abs_dir_env``) > ``TENSORKV_REDIS_CONFIG_PATH`` > ``TFRA_REDIS_CONFIG_PATH`` >
+the path given (``storage_path`` ending in ``.json``, ``config=`` or TFRA's
+``redis_config_abs_dir``). See docs/redis_table.md ("Options").
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ from typing import Any
 
 from tensorkv import config
 from tensorkv.errors import ConfigError
+from tensorkv.stores import tfra_config
 from tensorkv.stores.redis_config import OPTION_NAMES as STORE_OPTION_NAMES
-from tensorkv.stores.redis_config import find_config_file, read_json_object
 
 CONSISTENCY_MODES = ("exact", "last_writer_wins")
 ON_LOST = ("raise", "start_empty")
@@ -178,7 +180,7 @@ class RedisTableOptions:
 
 
 TABLE_OPTION_NAMES = tuple(f.name for f in fields(RedisTableOptions) if f.name != "store_options")
-_CONFIG_KEYS = ("config", "config_env")
+_CONFIG_KEYS = ("config", "config_env", "redis_config_abs_dir", "redis_config_abs_dir_env")
 
 
 def _check_name(name: str, value: object) -> None:
@@ -208,19 +210,29 @@ def _check_tags(name: str, tags: Any, n: int) -> tuple[str, ...] | None:
     return tags
 
 
+def _one_of(opts: dict[str, Any], ours: str, theirs: str) -> Any:
+    """Pop tensorkv's option ``ours`` or TFRA's twin ``theirs`` (refuse both)."""
+    if ours in opts and theirs in opts:
+        raise ConfigError(f"{ours} and {theirs} (TFRA's name) are both given; keep one")
+    a, b = opts.pop(ours, None), opts.pop(theirs, None)
+    return a if a is not None else b
+
+
 def resolve_table_options(storage_path: str | os.PathLike[str] | None,
                           options: dict[str, Any] | None) -> RedisTableOptions:
     """Build :class:`RedisTableOptions` from ``storage_path`` and explicit ``options``.
 
     ``storage_path`` is the Redis URL or the path of a JSON config file (an object of option
-    names, its ``"url"`` included, plus Redis store options). The file actually read is, by
-    priority: the one named by the environment variable ``options["config_env"]``, then
-    ``TENSORKV_REDIS_CONFIG_PATH``, then ``options["config"]`` or a ``.json``
-    ``storage_path``. Explicit options override the file's.
+    names, its ``"url"`` included, plus Redis store options, or TFRA's config file). The file
+    actually read is, by priority: the one named by the environment variable
+    ``options["config_env"]`` (or ``redis_config_abs_dir_env``), then
+    ``TENSORKV_REDIS_CONFIG_PATH``, then ``TFRA_REDIS_CONFIG_PATH``, then ``options["config"]``
+    (or ``redis_config_abs_dir``) or a ``.json`` ``storage_path``. Explicit options override
+    the file's; an explicit URL overrides the servers a file names.
     """
     opts = dict(options or {})
-    given = opts.pop("config", None)
-    env = opts.pop("config_env", None)
+    given = _one_of(opts, "config", "redis_config_abs_dir")
+    env = _one_of(opts, "config_env", "redis_config_abs_dir_env")
     url = None
     if storage_path is not None:
         if not isinstance(storage_path, (str, os.PathLike)):
@@ -231,16 +243,22 @@ def resolve_table_options(storage_path: str | os.PathLike[str] | None,
             url = sp
         elif given is None:
             given = sp
-    found = find_config_file(given, env)
+    found = tfra_config.find_table_config(given, env)
     merged: dict[str, Any] = {}
     if found is not None:
-        merged.update(read_json_object(*found, what="Redis table config file"))
+        data = tfra_config.read_config(*found)
+        # a file without "url" is TFRA's: the keys it omits take TFRA's defaults
+        merged.update(tfra_config.translate(
+            data, tfra_defaults="url" not in data, where=f"config file {found[0]}",
+            servers=url is None and "url" not in opts))
+    merged.update(tfra_config.translate(opts, where="redis_options", servers=url is None))
     if url is not None:
         merged["url"] = url
-    merged.update(opts)
     if "url" not in merged:
-        raise ConfigError("a Redis-resident table needs its URL: storage_path='redis://host:6379/0'"
-                          " or a JSON config file with \"url\"")
+        raise ConfigError("a Redis-resident table needs its URL: storage_path="
+                          "'redis://host:6379/0', a JSON config file with \"url\", or TFRA's "
+                          "config file (redis_host_ip, redis_host_port...; found through "
+                          "TFRA_REDIS_CONFIG_PATH or redis_config_abs_dir)")
     store = {k: merged.pop(k) for k in list(merged)
              if k in STORE_OPTION_NAMES and k not in TABLE_OPTION_NAMES}
     unknown = sorted(set(merged) - set(TABLE_OPTION_NAMES))
@@ -248,7 +266,7 @@ def resolve_table_options(storage_path: str | os.PathLike[str] | None,
         raise ConfigError(
             f"unknown Redis table option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; "
             f"table options: {', '.join(TABLE_OPTION_NAMES)}; store options: "
-            f"{', '.join(STORE_OPTION_NAMES)}")
+            f"{', '.join(STORE_OPTION_NAMES)}; TFRA's keys: {', '.join(tfra_config.TFRA_KEYS)}")
     for name in ("redis_hash_tags_runtime", "redis_hash_tags_import"):
         if isinstance(merged.get(name), list):
             merged[name] = tuple(merged[name])
