@@ -75,7 +75,7 @@ def test_readme_architecture_names_every_package():
     parts = {f"{p.parent.name}/" for p in src.glob("*/__init__.py")}
     parts |= {p.name for p in src.glob("*.py") if p.name != "__init__.py"}
     named = set(re.findall(r"`([\w.]+/?)`", arch))
-    assert parts <= named, f"top-level packages or modules missing from Architecture: {parts - named}"
+    assert parts <= named, f"missing from the README's Architecture: {parts - named}"
 
 
 def test_readme_has_a_pytorch_example():
