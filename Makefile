@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 COV_FLOOR ?= 94
 COV_ARGS := --cov=tensorkv --cov-report=term-missing:skip-covered --cov-fail-under=$(COV_FLOOR)
 
-.PHONY: demo test venv install install-test redis-server chromium vendor lint bench-quick bench-kv clean
+.PHONY: demo test docs venv install install-test redis-server chromium vendor lint bench-quick bench-kv clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -71,6 +71,13 @@ lint: install-test
 	$(VENV)/bin/ruff check src tests
 	$(VENV)/bin/mypy
 
+# The documentation site (README, docs/, the API reference from the docstrings, the
+# changelog) into site/, strict: a warning, a broken link or anchor fails the build.
+# tests/test_api_docs.py runs the same build in `make test`. Open site/index.html.
+docs: venv
+	$(PIP) install -q -e ".[docs]"
+	$(VENV)/bin/mkdocs build --strict
+
 bench-quick: install
 	$(VENV)/bin/tensorkv bench kv --quick
 
@@ -80,4 +87,4 @@ bench-kv: install
 
 clean:
 	rm -rf $(VENV) tensorkv-data .pytest_cache .ruff_cache .mypy_cache .coverage htmlcov \
-		build dist src/*.egg-info
+		build dist site src/*.egg-info

@@ -53,3 +53,33 @@ def test_readme_backend_table_matches_capabilities():
         for scheme in urls[1:]:  # every scheme in a row has the same guarantees
             assert scheme_capabilities(scheme) == scheme_capabilities(urls[0]), (row[0], scheme)
     assert seen == set(schemes()), f"schemes missing from the README table: {set(schemes()) - seen}"
+
+
+def section(text: str, heading: str) -> str:
+    """The text of the ``## heading`` section, up to the next ``## ``."""
+    body = text.split(f"\n## {heading}\n", 1)[1]
+    return body.split("\n## ", 1)[0]
+
+
+def test_readme_links_every_doc():
+    docs = section(README.read_text(), "Documentation")
+    linked = set(re.findall(r"\]\(docs/([\w.-]+\.md)[#)]", docs))
+    on_disk = {p.name for p in (README.parent / "docs").glob("*.md")}
+    assert on_disk <= linked, f"docs not linked from the README's list: {on_disk - linked}"
+    assert "make docs" in docs and "](docs/reference/" in docs  # the API reference
+
+
+def test_readme_architecture_names_every_package():
+    arch = section(README.read_text(), "Architecture")
+    src = README.parent / "src" / "tensorkv"
+    parts = {f"{p.parent.name}/" for p in src.glob("*/__init__.py")}
+    parts |= {p.name for p in src.glob("*.py") if p.name != "__init__.py"}
+    named = set(re.findall(r"`([\w.]+/?)`", arch))
+    assert parts <= named, f"missing from the README's Architecture: {parts - named}"
+
+
+def test_readme_has_a_pytorch_example():
+    torch_section = section(README.read_text(), "PyTorch")
+    code = torch_section.split("```python\n", 1)[1].split("```", 1)[0]
+    for call in ("DynamicEmbeddingBag(", ".backward()", ".step()", "save("):
+        assert call in code, f"the README's PyTorch example no longer shows {call}"

@@ -44,6 +44,9 @@ def start_local_ray(num_cpus: int | None = None, *, dashboard: bool = False,
 
     Examples
     --------
+    Not run as a doctest (it starts a local Ray cluster, which takes seconds);
+    tests/distributed starts one the same way.
+
     >>> from tensorkv.distributed import start_local_ray            # doctest: +SKIP
     >>> start_local_ray(num_cpus=2)                                  # doctest: +SKIP
     True

@@ -94,11 +94,16 @@ class ParameterServer:
         two of its messages) before the shards finish or undo it (see
         :mod:`tensorkv.distributed.ops`). Set when the parameter server starts.
 
+    Notes
+    -----
     Without a running Ray, this starts a local one that listens on the loopback address only
     (:func:`~tensorkv.distributed.start_local_ray`); ``ray.init(...)`` first for a cluster.
 
     Examples
     --------
+    Not run as a doctest (it starts a local Ray cluster, which takes seconds);
+    tests/distributed runs the same calls.
+
     >>> import numpy as np                                           # doctest: +SKIP
     >>> from tensorkv.distributed import ParameterServer, start_local_ray  # doctest: +SKIP
     >>> start_local_ray(num_cpus=2)                                   # doctest: +SKIP

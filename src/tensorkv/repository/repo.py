@@ -82,8 +82,14 @@ class Repository:
 
     Examples
     --------
-    >>> repo = Repository("/tmp/models")  # doctest: +SKIP
-    >>> mid = repo.put(model, metrics={"val_acc": 0.93})  # doctest: +SKIP
+    >>> import torch
+    >>> repo = Repository("models")  # a path: an embedded LMDB store
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    >>> mid = repo.put(model, metrics={"val_acc": 0.93})
+    >>> state = repo.get(mid)  # the state dict, bit for bit
+    >>> all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    True
+    >>> repo.close()
     """
 
     def __init__(self, url_or_urls: str | KVStore | Sequence[str | KVStore] | None = None, *,

@@ -293,8 +293,13 @@ class KVStore(ABC):
 
         Examples
         --------
-        >>> with store.get_many_buffers([b"a", b"b"]) as (a, b):  # doctest: +SKIP
-        ...     total = sum(memoryview(v).nbytes for v in (a, b) if v is not None)
+        >>> import tensorkv
+        >>> store = tensorkv.open_store("memory://")
+        >>> store.put_many({b"a": b"12", b"b": b"345"})
+        >>> with store.get_many_buffers([b"a", b"b", b"c"]) as (a, b, c):
+        ...     sum(memoryview(v).nbytes for v in (a, b, c) if v is not None)
+        5
+        >>> store.close()
         """
         yield self.get_many(keys)
 
@@ -350,8 +355,15 @@ class KVStore(ABC):
 
         Examples
         --------
-        >>> store.compare_and_set(b"lock", None, b"me")  # doctest: +SKIP
+        >>> import tensorkv
+        >>> store = tensorkv.open_store("memory://")
+        >>> store.compare_and_set(b"lock", None, b"me")  # only if absent
         True
+        >>> store.compare_and_set(b"lock", None, b"you")  # taken: nothing written
+        False
+        >>> store.get(b"lock")
+        b'me'
+        >>> store.close()
         """
         self._check_writable()
         k = check_key(key)

@@ -75,15 +75,15 @@ class TableTests(SnapshotTests):
 
     Attributes
     ----------
-    ``dim``
+    dim
         Row width of the tables (default 5: odd, so 16-bit rows and records need padding).
-    ``optimizers``
+    optimizers
         Optimizer names :meth:`TableTests.test_apply_gradients` runs, one test each (default
         ``("sgd", "adagrad", "adam", "ftrl")``).
-    ``dtypes``
+    dtypes
         Storage dtypes :meth:`TableTests.test_storage_dtype` runs (default ``("float32",
         "float16", "bfloat16")``); narrow it for tables that hold float32 rows only.
-    ``supports``
+    supports
         What the implementation can do (default :data:`FEATURES`, all of them); a test needing a
         feature not in it is skipped with the reason ``"<feature> not supported"``. Features:
 
@@ -97,7 +97,7 @@ class TableTests(SnapshotTests):
         - ``"checkpoint"``: ``tensorkv.save`` / ``tensorkv.load`` of the table;
         - ``"prefetch"``: ``prefetch(keys)`` (a no-op for the reference);
         - ``"stats"``: ``stats()`` has the reference's counters (:data:`STAT_COUNTERS`).
-    ``checks``
+    checks
         Which groups of tests run (default :data:`CHECKS`, all of them): narrowing it keeps a
         slow implementation's run short (tests left out are skipped with the reason ``"not in
         checks"``), without claiming that the implementation cannot do them. Groups:
@@ -105,10 +105,14 @@ class TableTests(SnapshotTests):
         ``"initializers"``, ``"nan"``, ``"mutations"``, ``"eviction"``, ``"admission"``,
         ``"export"``, ``"dtypes"``, ``"checkpoint"``, ``"randomized"``, ``"snapshot"``
         (:class:`~tensorkv.testing.snapshots.SnapshotTests`).
-    ``random_seeds``, ``random_ops``
-        Seeds of :meth:`TableTests.test_random_operations` (one test each) and operations per
-        sequence (default ``(0, 1, 2)`` and 150).
+    random_seeds
+        Seeds of :meth:`TableTests.test_random_operations`, one test each (default
+        ``(0, 1, 2)``).
+    random_ops
+        Operations per sequence of :meth:`TableTests.test_random_operations` (default 150).
 
+    Notes
+    -----
     :meth:`TableTests.check_exercised` is a hook called with the table under test at the end of
     the training and randomized tests (default: does nothing); a tiered table's tests override
     it to assert that rows really moved through the lower tiers, so the comparison tested them.
