@@ -64,7 +64,7 @@ class ArenaRows:
 
         Called inside :attr:`op`, before anything changes. A backend that must not write
         (a read-only Redis table) raises here; one whose writes can fail after the table's
-        logic ran puts ``table``'s step back then (:mod:`tensorkv.embedding.chain.redis_rows`).
+        logic ran puts ``table``'s step back then (:mod:`tensorkv.embedding.redis.rows`).
         Nothing to do here.
         """
 

@@ -124,7 +124,7 @@ def open_rows(
     """Open the tiers of ``storage`` for rows of ``dim``: :class:`ChainRows`, or Redis rows.
 
     ``StorageOption("REDIS", ...)`` opens a table whose rows live in Redis
-    (:class:`~tensorkv.embedding.chain.redis_rows.RedisRows`).
+    (:class:`~tensorkv.embedding.redis.rows.RedisRows`).
 
     Parameters
     ----------
@@ -140,7 +140,7 @@ def open_rows(
         torch device of an HBM tier 0 (ignored for a DRAM tier 0).
     """
     if storage.redis is not None:  # rows live in Redis: a working set per operation
-        from tensorkv.embedding.chain.redis_rows import open_redis_rows
+        from tensorkv.embedding.redis.rows import open_redis_rows
 
         return open_redis_rows(storage, dim=dim, dtype=dtype, num_slots=num_slots,
                                capacity=capacity)

@@ -3,7 +3,7 @@
 Tier 0 is a working set: each operation reads its keys' rows from Redis into it (in exact
 mode after locking their buckets), the table runs its own logic there, and the operation's
 end commits the rows it changed (and deletes the rows it removed), all or nothing
-(:mod:`~tensorkv.embedding.tiers.redis_commit`), then empties it. So the table computes
+(:mod:`~tensorkv.embedding.redis.commit`), then empties it. So the table computes
 exactly as the DRAM table does, and nothing stays in memory between operations (but an
 optional read cache of a read-only table).
 
@@ -28,12 +28,13 @@ import numpy as np
 from tensorkv.embedding.arena import RowArena
 from tensorkv.embedding.chunks import ExportChunk
 from tensorkv.embedding.filters import Eviction
+from tensorkv.embedding.redis import commit as redis_commit
+from tensorkv.embedding.redis import lua
+from tensorkv.embedding.redis import migrate as redis_migrate
+from tensorkv.embedding.redis.engine import RedisRowEngine
+from tensorkv.embedding.redis.options import RedisTableOptions
 from tensorkv.embedding.rows import ArenaRows, Place, place_chunks
-from tensorkv.embedding.tiers import redis_commit, redis_migrate
-from tensorkv.embedding.tiers import redis_lua as lua
 from tensorkv.embedding.tiers.base import RecordLayout, RowSink, RowSource
-from tensorkv.embedding.tiers.redis_options import RedisTableOptions
-from tensorkv.embedding.tiers.redis_rows import RedisRowEngine
 from tensorkv.errors import ReadOnlyError, RowLockError, StoreUnavailableError
 
 _NO_KEYS = np.empty(0, np.int64)
@@ -105,7 +106,7 @@ class RedisRows(ArenaRows):
     Parameters
     ----------
     engine
-        The Redis side (:class:`~tensorkv.embedding.tiers.redis_rows.RedisRowEngine`).
+        The Redis side (:class:`~tensorkv.embedding.redis.engine.RedisRowEngine`).
     arena
         Tier 0: the working set of one operation.
     storage
