@@ -18,7 +18,8 @@ from tensorkv.embedding.chain.specs import DRAM, HBM, KV, PMEM, StorageOption
 from tensorkv.embedding.chain.tierchain import DEFAULT_MAX_PENDING_BYTES, TierChain
 from tensorkv.embedding.rows import ArenaRows
 from tensorkv.embedding.tiers.base import LowerTier, RecordLayout
-from tensorkv.embedding.tiers.hbm import DRAMTier, HBMArena
+from tensorkv.embedding.tiers.dram import DRAMTier
+from tensorkv.embedding.tiers.hbm_arena import HBMArena
 from tensorkv.embedding.tiers.ssdhash_files import make_dirs
 from tensorkv.errors import ConfigError, ShapeError, SpillDataExistsError
 
