@@ -103,15 +103,14 @@ class HBMArena(RowArena):
         """Bytes of the row tensors on the device."""
         return int((self.values.numel() + self.slots.numel()) * 4)
 
-    def _resize_row_arrays(self, new: int) -> None:
+    def _resized_row_arrays(self, new: int) -> list[Any]:
         torch = _torch()
-        cap = self.capacity
-        for name in ("values", "slots"):
-            old = getattr(self, name)
-            t = torch.zeros((new, old.shape[1]), dtype=old.dtype, device=self.device)
-            keep = min(cap, new)
+        keep = min(self.capacity, new)
+        fresh = [torch.zeros((new, old.shape[1]), dtype=old.dtype, device=self.device)
+                 for old in (self.values, self.slots)]  # both allocated before any copy
+        for t, old in zip(fresh, (self.values, self.slots), strict=True):
             t[:keep] = old[:keep]
-            setattr(self, name, t)
+        return fresh
 
     def _move_rows(self, src: np.ndarray, dst: np.ndarray) -> None:
         for name in ("freq", "version", "seq", "row_key", "live"):
