@@ -17,9 +17,10 @@ How the module graph is built (:func:`import_graph`):
 - the implicit import of parent packages' ``__init__`` is NOT an edge (importing
   ``tensorkv.a.b`` runs ``tensorkv/a/__init__.py`` too, but that is Python's mechanics, not a
   dependency written by the importer);
-- imports in the body of ``if TYPE_CHECKING:`` are marked type-only: the cycle check ignores
-  them (they never run), the layer and forbidden-import rules still count them (a type-level
-  dependency on a higher layer is still a dependency on its API);
+- imports in the body of ``if TYPE_CHECKING:`` are marked type-only, and every check counts
+  them: a type-only import that closes a circle is still two files that need each other to
+  be read (the fix is an interface in a leaf module both import), and a type-level
+  dependency on a higher layer is still a dependency on its API;
 - dynamic imports (``importlib.import_module("...")``, lazy ``__getattr__`` tables) are not
   seen.
 
@@ -257,18 +258,17 @@ def strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
     return components
 
 
-def runtime_graph() -> dict[str, set[str]]:
-    """Return importer -> imported modules over the imports that run (not TYPE_CHECKING)."""
+def module_graph() -> dict[str, set[str]]:
+    """Return importer -> imported modules over every import, type-only ones included."""
     graph: dict[str, set[str]] = {m: set() for m in modules()}
     for edge in import_graph():
-        if not edge.type_only:
-            graph[edge.importer].add(edge.target)
+        graph[edge.importer].add(edge.target)
     return graph
 
 
 def import_cycles() -> list[list[str]]:
     """Return each import cycle as the sorted modules of one strongly connected component."""
-    graph = runtime_graph()
+    graph = module_graph()
     return [c for c in strongly_connected(graph)
             if len(c) > 1 or c[0] in graph.get(c[0], ())]
 
@@ -306,7 +306,7 @@ def _touches(component: list[str], package: str) -> bool:
 @pytest.mark.parametrize("package", packages())
 def test_no_import_cycles(package):
     """No import cycle through any module of ``package`` (one case per top-level package)."""
-    graph = runtime_graph()
+    graph = module_graph()
     cycles = [c for c in import_cycles() if _touches(c, package)]
     lines = []
     for component in cycles:
@@ -314,8 +314,9 @@ def test_no_import_cycles(package):
         lines.append(f"  e.g. {' -> '.join(_shortest_cycle(component, graph))}")
         members = set(component)
         for edge in import_graph():
-            if edge.importer in members and edge.target in members and not edge.type_only:
-                lines.append(f"  {_where(edge)}: {edge.importer} -> {edge.target}")
+            if edge.importer in members and edge.target in members:
+                kind = " (type-only)" if edge.type_only else ""
+                lines.append(f"  {_where(edge)}: {edge.importer} -> {edge.target}{kind}")
     assert not cycles, f"import cycles through tensorkv.{package}:\n" + "\n".join(lines)
 
 

@@ -29,7 +29,7 @@ from tensorkv.errors import CheckpointError, CorruptRecordError
 from tensorkv.stores.base import KVStore
 
 if TYPE_CHECKING:
-    from tensorkv.checkpoint.tables import BlockWriter
+    from tensorkv.checkpoint.writer import BlockWriter
 
 KEYS_PER_PIECE = 512 * 1024  # int64 keys per key-list record (4 MiB)
 FULL = b"k"  # the shard's sorted key list at the tag

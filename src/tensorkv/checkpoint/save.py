@@ -26,7 +26,17 @@ from typing import Any, Literal, overload
 import numpy as np
 
 from tensorkv import config
-from tensorkv.checkpoint import claims, dense, keylists, layout, manifest, refs, runs, tables
+from tensorkv.checkpoint import (
+    claims,
+    dense,
+    keylists,
+    layout,
+    manifest,
+    refs,
+    runs,
+    tables,
+    writer,
+)
 from tensorkv.checkpoint.access import writeback_starter
 from tensorkv.checkpoint.handle import SaveHandle, release, reserve
 from tensorkv.checkpoint.objects import collect_parts
@@ -119,7 +129,7 @@ def save_table(
         otherwise the table is saved in full, with a warning.
     opts
         ``hash_tag``, ``bucket_bits``, ``block_rows`` (see :func:`save`) and optionally
-        ``after_write`` (see :class:`tensorkv.checkpoint.tables.BlockWriter`) and ``check``
+        ``after_write`` (see :class:`tensorkv.checkpoint.writer.BlockWriter`) and ``check``
         (called between chunks; raises to stop the save).
     on_bytes
         Called with the byte count of each batch written (progress), or None.
@@ -147,7 +157,7 @@ def _save_table(store: KVStore, tag: str, name: str, table: Any, shard: int,
     chunk_rows = opts["block_rows"] << bucket_bits
     check = opts.get("check")
     prefix = layout.table_prefix(tag, name, shard, hash_tag)
-    w = tables.BlockWriter(
+    w = writer.BlockWriter(
         store, prefix, hash_tag, on_bytes, opts.get("after_write"), owner=table
     )
     seq = snap.mutation_seq
@@ -503,7 +513,7 @@ def save(
     -----
     Memory kept after a save, with the saved table objects (released when they are): each
     table's sorted key set at the saved state (8 bytes per key), so the next incremental save
-    does not read it back, and record buffers, at most ``tables.KEEP_BYTES`` (320 MB) over all
+    does not read it back, and record buffers, at most ``writer.KEEP_BYTES`` (320 MB) over all
     tables, so the next save reuses memory instead of touching fresh pages. While a save
     writes, its snapshot holds memory: the dense tensors' copies, 10 bytes per row of tier 0,
     the rows training changes before the save has read them (at most one copy of tier 0),
@@ -736,7 +746,7 @@ def _write_records(
     Fills ``doc["dense"]`` and ``doc["tables"]``; a failure stops both writers first.
     """
     shard_i, nshards = shard
-    dense_w = tables.BlockWriter(store, b"", None, on_bytes, opts["after_write"])
+    dense_w = writer.BlockWriter(store, b"", None, on_bytes, opts["after_write"])
 
     doc["dense"] = {name: d.entry for name, d in dense_s.items()}  # hashed in the snapshot
 
