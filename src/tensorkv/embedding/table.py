@@ -528,11 +528,6 @@ class EmbeddingTable(TableIO):
             self.arena.check_room(max(0, int(n_keys) - len(self.arena)))
             self.arena.reserve(int(n_keys))
 
-    @property
-    def mutation_seq(self) -> int:
-        """Counter bumped by every mutating call; rows remember the value of their last change."""
-        return self._mseq
-
     def apply_gradients(self, keys: Any, grads: Any, step: int | None = None, *,
                         unique: bool = False) -> int:
         """Apply one sparse optimizer step to the rows of ``keys``.
@@ -642,7 +637,7 @@ class EmbeddingTable(TableIO):
                 f"values have shape {v.shape} and dtype {v.dtype}; {k.shape[0]} keys need a "
                 f"float array of shape ({k.shape[0]}, {self.dim})"
             )
-        keep = self._keep_finite(k, nonfinite_rows(v, None, self.arena.np_dtype), "upsert")
+        keep = self.keep_finite(k, nonfinite_rows(v, None, self.arena.np_dtype), "upsert")
         n_skip = 0
         if keep is not None:
             k, v, n_skip = k[keep], v[keep], k.shape[0] - int(keep.sum())

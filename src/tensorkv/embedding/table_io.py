@@ -29,7 +29,6 @@ from tensorkv.errors import ConfigError, NonFiniteValueError, UnsupportedOperati
 
 if TYPE_CHECKING:
     from tensorkv.embedding.bulk import BulkImport
-    from tensorkv.embedding.table import EmbeddingTable
 
 #: Version of the dict :meth:`TableIO.state_dict_meta` returns.
 META_FORMAT = 1
@@ -62,6 +61,11 @@ class TableIO:
     _mseq: int
     _stats: dict[str, int]
     _frozen_by: int | None = None  # the thread inside freeze()
+
+    @property
+    def mutation_seq(self) -> int:
+        """Counter bumped by every mutating call; rows remember the value of their last change."""
+        return self._mseq
 
     @property
     def arena(self) -> RowArena:  # pragma: no cover - defined by the table
@@ -197,7 +201,7 @@ class TableIO:
                            storage_dtype=a.np_dtype, optimizer=self.optimizer.name,
                            as_keys=self.as_keys, what=what)
 
-    def _keep_finite(self, keys: np.ndarray, bad: np.ndarray, what: str,
+    def keep_finite(self, keys: np.ndarray, bad: np.ndarray, what: str,
                     unchanged: str = "nothing was written") -> np.ndarray | None:
         """Apply :attr:`nan_policy` to the rows ``bad`` flags (see :func:`nonfinite_rows`).
 
@@ -236,7 +240,7 @@ class TableIO:
             chunks = [chunks]
         for ch in chunks:
             keys, values, slots, freq, version = self.check_chunk(ch)
-            keep = self._keep_finite(
+            keep = self.keep_finite(
                 keys, nonfinite_rows(values, slots, self.arena.np_dtype), "import_",
                 "this chunk was not written (chunks before it were)")
             n_skip = 0
@@ -313,7 +317,7 @@ class TableIO:
             )
         if not is_int(positions) or positions < 0:
             raise ConfigError(f"positions={positions!r} must be a non-negative integer")
-        return BulkImport(cast("EmbeddingTable", self), int(positions))
+        return BulkImport(self, int(positions))
 
     def adopt_rows(self, arena: RowArena, seq: int, skipped: int = 0) -> None:
         """Replace every row with those of ``arena`` (one mutation); for :class:`BulkImport`.
