@@ -80,6 +80,12 @@ FORBIDDEN: list[tuple[str, str]] = [
     ("tensorkv.embedding.tiers", "tensorkv.embedding.table"),
     # the chain runtime works on tiers, not on the table object
     ("tensorkv.embedding.chain", "tensorkv.embedding.table"),
+    # the Redis-resident table (embedding/redis) is a row backend the chain opens: it works
+    # on tier 0 and record layouts, never on the chain or the table object, and the tier
+    # engines below know nothing of it
+    ("tensorkv.embedding.redis", "tensorkv.embedding.chain"),
+    ("tensorkv.embedding.redis", "tensorkv.embedding.table"),
+    ("tensorkv.embedding.tiers", "tensorkv.embedding.redis"),
 ]
 
 #: Lines a module may have without a "Size:" line in its docstring.
@@ -506,10 +512,26 @@ def test_graph_builder_resolution(fake_src):
         ("tensorkv.c", "tensorkv.a.b", False, ()),
         ("tensorkv.c", "tensorkv.a", False, ("__doc__",)),
     }
-    # c -> a.b -> a.sub -> c; the type-only a.b -> c alone would not be a cycle
+    # c -> a.b -> a.sub -> c, and c -> a.b -> c through the type-only import
     assert import_cycles() == [["tensorkv.a.b", "tensorkv.a.sub", "tensorkv.c"]]
     assert [line.split(": ", 1)[1] for line in private_imports()] == [
         "tensorkv.a.b imports _helper from tensorkv.c"]
+
+
+def test_a_type_only_import_closes_a_cycle(fake_src):
+    """Two files that name each other, one only under TYPE_CHECKING, are a circle too."""
+    fake_src({
+        "__init__.py": "",
+        "x/__init__.py": "",
+        "x/a.py": "from tensorkv.x.b import B\n",
+        "x/b.py": ("from typing import TYPE_CHECKING\n"
+                   "if TYPE_CHECKING:\n"
+                   "    from tensorkv.x.a import A\n"),
+        "x/c.py": "from tensorkv.x.a import A\n",  # imports into the circle: not part of it
+    })
+    assert import_cycles() == [["tensorkv.x.a", "tensorkv.x.b"]]
+    with pytest.raises(AssertionError, match=r"tensorkv.x.b -> tensorkv.x.a \(type-only\)"):
+        test_no_import_cycles("x")
 
 
 def test_contract_checks_catch_violations(fake_src):
