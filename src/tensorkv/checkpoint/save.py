@@ -44,6 +44,7 @@ from tensorkv.checkpoint.progress import OnBytes, bar
 from tensorkv.checkpoint.shards import merge_if_complete
 from tensorkv.checkpoint.staging import shard_store
 from tensorkv.checkpoint.steps import StepScope, default_scope
+from tensorkv.embedding.protocol import Table
 from tensorkv.embedding.snapshot import LiveSnapshot, TableSnapshot
 from tensorkv.errors import CheckpointError, TagExistsError, UnsupportedOperationError
 from tensorkv.stores.base import KVStore
@@ -73,7 +74,7 @@ def _default_tag(step: int | None) -> str:
     return time.strftime("ckpt-%Y%m%d-%H%M%S", time.gmtime(t)) + f"-{int(t * 1e6) % 1000000:06d}"
 
 
-def _row_bytes(table: Any) -> int:
+def _row_bytes(table: Table) -> int:
     meta_dim = int(getattr(table, "dim", 0) or 0)
     nslots = 0
     opt = getattr(table, "optimizer", None)
@@ -83,7 +84,7 @@ def _row_bytes(table: Any) -> int:
 
 
 def _parent_keys(
-    store: KVStore, parent_doc: dict[str, Any], name: str, shard: str, table: Any,
+    store: KVStore, parent_doc: dict[str, Any], name: str, shard: str, table: Table,
     parent_info: dict[str, Any],
 ) -> keylists.KeySet:
     """The key set of a table shard at the parent tag.
@@ -101,7 +102,7 @@ def save_table(
     store: KVStore,
     tag: str,
     name: str,
-    table: Any,
+    table: Table,
     shard: int,
     num_shards: int,
     parent_doc: dict[str, Any] | None,
@@ -149,7 +150,7 @@ def save_table(
         snap.release()
 
 
-def _save_table(store: KVStore, tag: str, name: str, table: Any, shard: int,
+def _save_table(store: KVStore, tag: str, name: str, table: Table, shard: int,
                 parent_doc: dict[str, Any] | None, opts: dict[str, Any],
                 on_bytes: OnBytes | None, snap: TableSnapshot) -> dict[str, Any]:
     hash_tag = opts["hash_tag"]

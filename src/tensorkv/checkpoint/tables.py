@@ -24,6 +24,7 @@ from tensorkv.checkpoint.keylists import ADDED, FULL, REMOVED, piece_key
 from tensorkv.checkpoint.progress import OnBytes
 from tensorkv.checkpoint.writer import BlockWriter
 from tensorkv.codec import decode, encode_parts
+from tensorkv.embedding.protocol import Table
 from tensorkv.errors import CheckpointError, CorruptRecordError
 from tensorkv.stores.base import KVStore
 
@@ -182,7 +183,7 @@ _TOKENS: weakref.WeakKeyDictionary[Any, dict[str, int]] = weakref.WeakKeyDiction
 _TOKENS_BY_ID: dict[int, dict[str, int]] = {}
 
 
-def known_states(table: Any) -> dict[str, int]:
+def known_states(table: Table) -> dict[str, int]:
     """The checkpoint states (state id -> mutation_seq) this table object wrote or loaded."""
     try:
         return _TOKENS.setdefault(table, {})
@@ -190,14 +191,14 @@ def known_states(table: Any) -> dict[str, int]:
         return _TOKENS_BY_ID.setdefault(id(table), {})
 
 
-def remember_state(table: Any, seq: int) -> str:
+def remember_state(table: Table, seq: int) -> str:
     """Record that ``table`` at ``seq`` equals a new checkpoint state; return its id."""
     sid = uuid.uuid4().hex
     known_states(table)[sid] = int(seq)
     return sid
 
 
-def table_seq(table: Any) -> int:
+def table_seq(table: Table) -> int:
     """The table's mutation counter."""
     return int(table.mutation_seq)
 
