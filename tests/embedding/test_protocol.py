@@ -74,3 +74,20 @@ def test_a_torch_module_refuses_a_table_that_is_not_one():
     torch_mod = pytest.importorskip("tensorkv.torch")
     with pytest.raises(tensorkv.errors.ConfigError, match="table=dict must be a tensorkv"):
         torch_mod.DynamicEmbedding(4, table={"lookup": None})
+
+
+def test_every_row_backend_implements_the_row_backend_interface(tmp_path):
+    from tensorkv.embedding.backend import RowBackend
+    from tensorkv.embedding.redis.rows import RedisBackend
+
+    with tensorkv.EmbeddingTable(4) as dram, tensorkv.EmbeddingTable(
+            4, storage="DRAM_SSDHASH", storage_path=str(tmp_path), storage_size=[64]) as tiered:
+        assert isinstance(dram._rows, RowBackend) and isinstance(tiered._rows, RowBackend)
+    assert issubclass(RedisBackend, RowBackend)
+
+    class Partial(RowBackend):  # a backend that leaves hooks out cannot be made
+        def begin_write(self, table, what, *args):
+            pass
+
+    with pytest.raises(TypeError, match="abstract"):
+        Partial()

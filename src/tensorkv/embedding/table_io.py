@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Self, cast
 import numpy as np
 
 from tensorkv.embedding.arena import RowArena
+from tensorkv.embedding.backend import RowBackend
 from tensorkv.embedding.chunks import (
     ChunkArrays,
     ExportChunk,
@@ -22,7 +23,7 @@ from tensorkv.embedding.chunks import (
     is_single_chunk,
     nonfinite_rows,
 )
-from tensorkv.embedding.rows import ArenaRows, Place
+from tensorkv.embedding.rows import Place
 from tensorkv.embedding.snapshot import LiveSnapshot, TableSnapshot
 from tensorkv.embedding.tiers.base import check_chunk_rows
 from tensorkv.errors import ConfigError, NonFiniteValueError, UnsupportedOperationError
@@ -53,7 +54,7 @@ class TableIO:
     initializer: Any
     admission: Any
     eviction: Any
-    _rows: ArenaRows
+    _rows: RowBackend
     _lock: Any
     _meta_lock: threading.Lock
     _default: np.ndarray | None
@@ -274,7 +275,7 @@ class TableIO:
         dump files): :meth:`export` yields none, and loading a checkpoint into the table
         restores its settings and step but leaves its rows alone.
         """
-        return bool(getattr(self._rows, "rows_in_checkpoint", True))
+        return self._rows.rows_in_checkpoint
 
     @property
     def can_bulk_import(self) -> bool:

@@ -1,7 +1,7 @@
 """Building a table's rows from its storage arguments: :func:`resolve_storage`, :func:`open_rows`.
 
 :func:`open_rows` opens every tier a :class:`~tensorkv.embedding.chain.specs.StorageOption`
-names and returns the table's :class:`~tensorkv.embedding.chain.rows.ChainRows`; see
+names and returns the table's :class:`~tensorkv.embedding.chain.rows.ChainBackend`; see
 docs/tiers.md ("Tier chains").
 """
 
@@ -13,10 +13,10 @@ from typing import Any
 from tensorkv import config
 from tensorkv.embedding.arena import RowArena
 from tensorkv.embedding.chain import assist
-from tensorkv.embedding.chain.rows import ChainRows
+from tensorkv.embedding.chain.rows import ChainBackend
 from tensorkv.embedding.chain.specs import DRAM, HBM, KV, PMEM, StorageOption
 from tensorkv.embedding.chain.tierchain import DEFAULT_MAX_PENDING_BYTES, TierChain
-from tensorkv.embedding.rows import ArenaRows
+from tensorkv.embedding.rows import ArenaBackend
 from tensorkv.embedding.tiers.base import LowerTier, RecordLayout
 from tensorkv.embedding.tiers.dram import DRAMTier
 from tensorkv.embedding.tiers.hbm_arena import HBMArena
@@ -121,11 +121,11 @@ def open_rows(
     capacity: int | None = None,
     max_pending_bytes: int | str = DEFAULT_MAX_PENDING_BYTES,
     device: Any = "cuda",
-) -> ArenaRows:
-    """Open the tiers of ``storage`` for rows of ``dim``: :class:`ChainRows`, or Redis rows.
+) -> ArenaBackend:
+    """Open the tiers of ``storage`` for rows of ``dim``: :class:`ChainBackend`, or Redis rows.
 
     ``StorageOption("REDIS", ...)`` opens a table whose rows live in Redis
-    (:class:`~tensorkv.embedding.redis.rows.RedisRows`).
+    (:class:`~tensorkv.embedding.redis.rows.RedisBackend`).
 
     Parameters
     ----------
@@ -174,7 +174,7 @@ def open_rows(
                       max_pending_bytes=pending)
     chain.split = helper
     # a lookup's demotion runs on the helper while the training thread sums gradients
-    return ChainRows(chain, storage, parallel=parallel,
+    return ChainBackend(chain, storage, parallel=parallel,
                      split=helper if parallel is False else None,
                      defer=assist.start if helper is not None else None)
 
