@@ -22,13 +22,13 @@ from tensorkv.checkpoint import (
     dump_tag,
     expire_tag,
     gc,
+    import_dump,
     latest_tag,
     list_tags,
     load,
     read_tensor,
-    restore_tag,
     save,
-    tag_info,
+    tag_manifest,
     training_step,
 )
 from tensorkv.errors import TensorKVError
@@ -70,6 +70,7 @@ except PackageNotFoundError:  # running from a source tree without installation
 
 # Names kept importable for one release (the docs used them); each access warns.
 _DEPRECATED = {"KVTier": "KV", "TieredEmbeddingTable": "EmbeddingTable"}
+_RENAMED = {"restore_tag": "import_dump", "tag_info": "tag_manifest"}
 
 
 def __getattr__(name: str) -> object:
@@ -90,6 +91,13 @@ def __getattr__(name: str) -> object:
         warnings.warn(f"tensorkv.{name} is deprecated and will be removed in the next release;"
                       f" use tensorkv.{new}", DeprecationWarning, stacklevel=2)
         return getattr(embedding, new)
+    if name in _RENAMED:
+        import warnings
+
+        new = _RENAMED[name]
+        warnings.warn(f"tensorkv.{name} is deprecated and will be removed in the next release;"
+                      f" use tensorkv.{new}", DeprecationWarning, stacklevel=2)
+        return globals()[new]
     raise AttributeError(f"module 'tensorkv' has no attribute {name!r}")
 
 
@@ -129,9 +137,9 @@ __all__ = [
     "read_tensor",
     "list_tags",
     "latest_tag",
-    "tag_info",
+    "tag_manifest",
     "copy_tag",
-    "restore_tag",
+    "import_dump",
     "delete_tag",
     "expire_tag",
     "dump_tag",

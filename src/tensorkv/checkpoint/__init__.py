@@ -15,7 +15,7 @@ imports only modules listed before it):
   sharded saves left behind (listed, removed, verified);
 - ``steps``, ``handle``: training-step scopes, saves in flight;
 - ``save``, ``load``;
-- ``tags`` (list, delete, copy, compact, dump), then ``check`` (check, gc).
+- ``tags`` (list, delete, copy, compact, dump and import), then ``check`` (check, gc).
 
 The stable key hash and the shard of a key (:func:`tensorkv.checkpoint.layout.shard_of_keys`)
 are in ``layout``.
@@ -33,10 +33,10 @@ from tensorkv.checkpoint.tags import (
     delete_tag,
     dump_tag,
     expire_tag,
+    import_dump,
     latest_tag,
     list_tags,
-    restore_tag,
-    tag_info,
+    tag_manifest,
 )
 
 __all__ = [
@@ -55,8 +55,22 @@ __all__ = [
     "load",
     "merge",
     "read_tensor",
-    "restore_tag",
+    "import_dump",
     "save",
-    "tag_info",
+    "tag_manifest",
     "training_step",
 ]
+
+#: Old names kept importable for one release: old name -> new name. Each access warns.
+RENAMED = {"restore_tag": "import_dump", "tag_info": "tag_manifest"}
+
+
+def __getattr__(name: str) -> object:
+    if name in RENAMED:
+        import warnings
+
+        new = RENAMED[name]
+        warnings.warn(f"tensorkv.checkpoint.{name} is deprecated and will be removed in the next "
+                      f"release; use tensorkv.checkpoint.{new}", DeprecationWarning, stacklevel=2)
+        return globals()[new]
+    raise AttributeError(f"module 'tensorkv.checkpoint' has no attribute {name!r}")

@@ -24,8 +24,8 @@ from tensorkv.embedding.optimizers import (
     Adagrad,
     Adam,
     AdamW,
-    Optimizer,
     RMSProp,
+    TableOptimizer,
     get_optimizer,
 )
 from tensorkv.embedding.table import EmbeddingTable
@@ -48,10 +48,10 @@ __all__ = [
     "ExportChunk",
     "Initializer",
     "Normal",
-    "Optimizer",
     "RMSProp",
     "SSDHash",
     "StorageOption",
+    "TableOptimizer",
     "TruncatedNormal",
     "Uniform",
     "Zeros",
@@ -62,6 +62,8 @@ __all__ = [
 # Names kept importable for one release; each access warns.
 _DEPRECATED = {
     "KVTier": ("KV", "tensorkv.KV (the KV tier spec)"),
+    "Optimizer": ("TableOptimizer", "tensorkv.embedding.TableOptimizer (tensorkv.torch.Optimizer "
+                  "is the optimizer of a torch model)"),
     "TieredEmbeddingTable": ("EmbeddingTable", "tensorkv.EmbeddingTable(dim, storage=...)"),
 }
 

@@ -582,7 +582,7 @@ class RowArena:
         """One optimizer step on distinct ``rows`` with summed ``grads`` (float32 ``[m, dim]``).
 
         16-bit rows are updated as float32 copies and rounded back into storage. ``parallel``
-        and ``split`` are passed to :meth:`~tensorkv.embedding.optimizers.Optimizer.apply`.
+        and ``split`` are passed to :meth:`~tensorkv.embedding.optimizers.TableOptimizer.apply`.
         """
         if rows.size == 0:
             return

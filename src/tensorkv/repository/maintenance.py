@@ -117,10 +117,10 @@ def gc(repo: RepositoryCore, grace: float = 3600.0) -> dict[str, int]:
     return report
 
 
-def check(repo: RepositoryCore, *, deep: bool = False) -> dict[str, Any]:
+def check(repo: RepositoryCore, *, verify: bool = False) -> dict[str, Any]:
     """Verify every live model: manifest present, every chunk on some provider, counts right.
 
-    ``deep=True`` also reads every chunk and verifies its checksum.
+    ``verify=True`` also reads every chunk and verifies its checksum.
     """
     problems: list[str] = []
     pending, _, _ = _intents(repo, float("inf"))
@@ -136,7 +136,7 @@ def check(repo: RepositoryCore, *, deep: bool = False) -> dict[str, Any]:
         for tid in repo.absent(sorted(ents), ents):
             problems.append(f"model {info.id}: tensor {tid} has chunks missing "
                             f"({tensors.chunk_key(tid, 0).decode()}...)")
-        if deep:
+        if verify:
             for name in m["tensors"]:
                 try:
                     repo.read_tensor(info.id, name, as_numpy=True)
