@@ -11,10 +11,9 @@ from __future__ import annotations
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING
 
+from tensorkv.checkpoint import CheckReport as CheckReport
 from tensorkv.checkpoint import (
-    CheckReport,
     SaveHandle,
-    StepScope,
     check,
     compact,
     copy_tag,
@@ -31,6 +30,7 @@ from tensorkv.checkpoint import (
     tag_manifest,
     training_step,
 )
+from tensorkv.checkpoint import StepScope as StepScope
 from tensorkv.errors import TensorKVError
 from tensorkv.stores import KVStore, open_store
 
@@ -50,7 +50,6 @@ if TYPE_CHECKING:
         CounterFilter,
         EmbeddingTable,
         Eviction,
-        ExportChunk,
         Normal,
         RMSProp,
         SSDHash,
@@ -58,9 +57,10 @@ if TYPE_CHECKING:
         TruncatedNormal,
         Uniform,
         Zeros,
-        get_initializer,
-        get_optimizer,
     )
+    from tensorkv.embedding import ExportChunk as ExportChunk
+    from tensorkv.embedding import get_initializer as get_initializer
+    from tensorkv.embedding import get_optimizer as get_optimizer
     from tensorkv.repository import Repository
 
 try:
@@ -104,20 +104,17 @@ def __getattr__(name: str) -> object:
 __all__ = [
     # embedding tables and their options
     "EmbeddingTable",
-    "ExportChunk",
     "Zeros",
     "Constant",
     "Uniform",
     "Normal",
     "TruncatedNormal",
-    "get_initializer",
     "SGD",
     "Adagrad",
     "Adam",
     "AdamW",
     "FTRL",
     "RMSProp",
-    "get_optimizer",
     "CounterFilter",
     "BloomFilter",
     "Eviction",
@@ -146,9 +143,7 @@ __all__ = [
     "compact",
     "check",
     "gc",
-    "CheckReport",
     "SaveHandle",
-    "StepScope",
     "training_step",
     # the model repository
     "Repository",
@@ -157,6 +152,11 @@ __all__ = [
     "__version__",
 ]
 
+# Importable from tensorkv without being in __all__ (see CONTRIBUTING.md, "The root
+# namespace"): helpers a user rarely names.
+_UNLISTED_EMBEDDING = ("ExportChunk", "get_initializer", "get_optimizer")
+
 # The names of __all__ not imported above come from tensorkv.embedding on first use, so
 # `import tensorkv` stays free of numba.
-_EMBEDDING = frozenset(n for n in __all__ if n not in globals() and n != "Repository")
+_EMBEDDING = frozenset([*(n for n in __all__ if n not in globals() and n != "Repository"),
+                        *_UNLISTED_EMBEDDING])
