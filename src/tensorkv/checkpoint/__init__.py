@@ -9,15 +9,17 @@ imports only modules listed before it):
 - ``manifest``, ``dense``, ``keylists``, ``staging``, ``runs``: manifests, dense chunks,
   table key lists, shards written into LevelDB/RocksDB through a stage in turns, the run
   record of a sharded save;
+- ``writer``: the record writer (:class:`~tensorkv.checkpoint.writer.BlockWriter`);
 - ``objects``, ``shards``, ``tables``: what can be saved, combining a run's shard
-  manifests, table blocks and the record writer;
+  manifests, table blocks;
 - ``refs``, ``bulk``, ``sweep``: what a tag references and owns, the restore pipeline,
   sharded saves left behind (listed, removed, verified);
 - ``steps``, ``handle``: training-step scopes, saves in flight;
 - ``save``, ``load``;
 - ``tags`` (list, delete, copy, compact, dump and import), then ``check`` (check, gc).
 
-The stable key hash and the shard of a key (:func:`tensorkv.checkpoint.layout.shard_of_keys`)
+Tables come in as :class:`~tensorkv.embedding.protocol.Table` objects. The stable key hash
+and the shard of a key (:func:`tensorkv.checkpoint.layout.shard_of_keys`)
 are in ``layout``.
 """
 

@@ -1,9 +1,11 @@
 """Dynamic embedding tables.
 
-:class:`EmbeddingTable` (``table.py``) is the one table class: DRAM-only, tiered or on a GPU.
-Its rows live in a row arena (``arena.py``) or a tier chain (``chain/``, tier engines in
-``tiers/``); optimizers, initializers, admission filters, eviction rules and storage options
-plug into it. See docs/internals.md and docs/tiers.md.
+:class:`EmbeddingTable` (``table.py``) is the one table class: DRAM-only, tiered, on a GPU or
+in Redis; every table satisfies :class:`~tensorkv.embedding.protocol.Table`. It holds its
+rows through a row backend (``backend.py``): one arena (``rows.py``, tier 0 in ``arena.py``),
+a tier chain (``chain/``, tier engines in ``tiers/``) or Redis (``redis/``). Optimizers,
+initializers, admission filters, eviction rules and storage options plug into it. See
+docs/internals.md ("Where the code lives") and docs/tiers.md.
 """
 
 from tensorkv.embedding.chain.specs import DRAM, HBM, KV, PMEM, SSDHash, StorageOption
