@@ -11,10 +11,9 @@ from __future__ import annotations
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING
 
+from tensorkv.checkpoint import CheckReport as CheckReport
 from tensorkv.checkpoint import (
-    CheckReport,
     SaveHandle,
-    StepScope,
     check,
     compact,
     copy_tag,
@@ -22,15 +21,16 @@ from tensorkv.checkpoint import (
     dump_tag,
     expire_tag,
     gc,
+    import_dump,
     latest_tag,
     list_tags,
     load,
     read_tensor,
-    restore_tag,
     save,
-    tag_info,
+    tag_manifest,
     training_step,
 )
+from tensorkv.checkpoint import StepScope as StepScope
 from tensorkv.errors import TensorKVError
 from tensorkv.stores import KVStore, open_store
 
@@ -50,7 +50,6 @@ if TYPE_CHECKING:
         CounterFilter,
         EmbeddingTable,
         Eviction,
-        ExportChunk,
         Normal,
         RMSProp,
         SSDHash,
@@ -58,9 +57,10 @@ if TYPE_CHECKING:
         TruncatedNormal,
         Uniform,
         Zeros,
-        get_initializer,
-        get_optimizer,
     )
+    from tensorkv.embedding import ExportChunk as ExportChunk
+    from tensorkv.embedding import get_initializer as get_initializer
+    from tensorkv.embedding import get_optimizer as get_optimizer
     from tensorkv.repository import Repository
 
 try:
@@ -70,6 +70,7 @@ except PackageNotFoundError:  # running from a source tree without installation
 
 # Names kept importable for one release (the docs used them); each access warns.
 _DEPRECATED = {"KVTier": "KV", "TieredEmbeddingTable": "EmbeddingTable"}
+_RENAMED = {"restore_tag": "import_dump", "tag_info": "tag_manifest"}
 
 
 def __getattr__(name: str) -> object:
@@ -90,26 +91,30 @@ def __getattr__(name: str) -> object:
         warnings.warn(f"tensorkv.{name} is deprecated and will be removed in the next release;"
                       f" use tensorkv.{new}", DeprecationWarning, stacklevel=2)
         return getattr(embedding, new)
+    if name in _RENAMED:
+        import warnings
+
+        new = _RENAMED[name]
+        warnings.warn(f"tensorkv.{name} is deprecated and will be removed in the next release;"
+                      f" use tensorkv.{new}", DeprecationWarning, stacklevel=2)
+        return globals()[new]
     raise AttributeError(f"module 'tensorkv' has no attribute {name!r}")
 
 
 __all__ = [
     # embedding tables and their options
     "EmbeddingTable",
-    "ExportChunk",
     "Zeros",
     "Constant",
     "Uniform",
     "Normal",
     "TruncatedNormal",
-    "get_initializer",
     "SGD",
     "Adagrad",
     "Adam",
     "AdamW",
     "FTRL",
     "RMSProp",
-    "get_optimizer",
     "CounterFilter",
     "BloomFilter",
     "Eviction",
@@ -129,18 +134,16 @@ __all__ = [
     "read_tensor",
     "list_tags",
     "latest_tag",
-    "tag_info",
+    "tag_manifest",
     "copy_tag",
-    "restore_tag",
+    "import_dump",
     "delete_tag",
     "expire_tag",
     "dump_tag",
     "compact",
     "check",
     "gc",
-    "CheckReport",
     "SaveHandle",
-    "StepScope",
     "training_step",
     # the model repository
     "Repository",
@@ -149,6 +152,11 @@ __all__ = [
     "__version__",
 ]
 
+# Importable from tensorkv without being in __all__ (see CONTRIBUTING.md, "The root
+# namespace"): helpers a user rarely names.
+_UNLISTED_EMBEDDING = ("ExportChunk", "get_initializer", "get_optimizer")
+
 # The names of __all__ not imported above come from tensorkv.embedding on first use, so
 # `import tensorkv` stays free of numba.
-_EMBEDDING = frozenset(n for n in __all__ if n not in globals() and n != "Repository")
+_EMBEDDING = frozenset([*(n for n in __all__ if n not in globals() and n != "Repository"),
+                        *_UNLISTED_EMBEDDING])

@@ -80,7 +80,7 @@ def test_load_into_target_replaces_rows_and_keeps_settings(tmp_path):
     # the loaded state is known: an incremental save stores only the rows changed since
     target.apply_gradients(target.keys()[:3], np.ones((3, 8), np.float32))
     tensorkv.save({"emb": target}, url, "b", incremental=True)
-    assert tensorkv.checkpoint.tag_info(url, "b")["tables"]["emb"]["shards"]["0"]["rows"] == 3
+    assert tensorkv.checkpoint.tag_manifest(url, "b")["tables"]["emb"]["shards"]["0"]["rows"] == 3
     assert_tables_equal(target, tensorkv.load(None, url, "b")["emb"])
     target.clear()  # back to the table's own initial capacity, not the restored size
     assert target.stats()["capacity"] == 50

@@ -35,7 +35,7 @@ def test_round_trip_every_backend(url):
     for k, v in arrs.items():
         assert got[k].dtype == v.dtype and got[k].shape == v.shape
         assert got[k].tobytes() == v.tobytes()
-    info = tensorkv.checkpoint.tag_info(url, "v1")
+    info = tensorkv.checkpoint.tag_manifest(url, "v1")
     assert info["step"] == 1 and info["metadata"] == {"lr": 0.1}
     assert len(info["dense"]["big"]["chunks"]) == 19  # 1.2 MB / 64 KiB
 
@@ -82,7 +82,7 @@ def test_read_tensor_reads_only_needed_chunks(mem_url):
     arr = np.arange(4096 * 64, dtype=np.float32).reshape(4096, 64)  # 1 MiB, 64 chunks of 16 KiB
     tensorkv.save({"x": arr}, mem_url, "s", chunk_bytes=16 * 1024)
     with tensorkv.open_store(mem_url) as store:
-        info = tensorkv.checkpoint.tag_info(store, "s")["dense"]["x"]
+        info = tensorkv.checkpoint.tag_manifest(store, "s")["dense"]["x"]
         # delete every chunk but the one holding rows 64..127: a read of those rows still works
         keep = layout.chunk_key(info["chunks"][1])
         store.delete_many(
@@ -117,7 +117,7 @@ def test_corrupted_chunk_names_variable_and_chunk(url):
     arrs = {"w": np.arange(100000, dtype=np.float32), "b": np.ones(3, np.float32)}
     tensorkv.save(arrs, url, "c", chunk_bytes=64 * 1024)
     with tensorkv.open_store(url) as store:
-        d = tensorkv.checkpoint.tag_info(store, "c")["dense"]["w"]["chunks"][2]
+        d = tensorkv.checkpoint.tag_manifest(store, "c")["dense"]["w"]["chunks"][2]
         key = layout.chunk_key(d)
         val = bytearray(store.get(key))
         val[100] ^= 0x01

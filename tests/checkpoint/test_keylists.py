@@ -107,7 +107,7 @@ def test_incremental_tags_store_key_deltas(url):
     for i in (1, 2):
         _train(t, rng, i)
         tensorkv.save({"e": t}, url, f"s{i}", incremental=True, block_rows=128)
-    doc = tensorkv.checkpoint.tag_info(url, "s2")
+    doc = tensorkv.checkpoint.tag_manifest(url, "s2")
     assert doc["version"] == _manifest.FORMAT_VERSION == 2
     info = doc["tables"]["e"]["shards"]["0"]
     assert info["key_list"] == "delta" and info["key_pieces"] == 0
@@ -118,11 +118,11 @@ def test_incremental_tags_store_key_deltas(url):
         assert not [k for k in keys if b"/k/" in k]  # no full key list at a delta tag
         assert [k for k in keys if b"/a/" in k] and [k for k in keys if b"/r/" in k]
         for tag in ("s0", "s1", "s2"):  # the chain rebuilds each tag's key set exactly
-            d = tensorkv.checkpoint.tag_info(store, tag)
+            d = tensorkv.checkpoint.tag_manifest(store, tag)
             ks = keylists.chain_key_set(store, d, "e", "0", _manifest.getter(store))
             want = np.sort(tensorkv.load(None, store, tag)["e"].keys())
             assert np.array_equal(ks.to_array(), want), tag
-    full = tensorkv.checkpoint.tag_info(url, "s0")["tables"]["e"]["shards"]["0"]
+    full = tensorkv.checkpoint.tag_manifest(url, "s0")["tables"]["e"]["shards"]["0"]
     assert full["key_list"] == "full" and full["key_pieces"] == 1
     assert tensorkv.checkpoint.check(url, verify=True).ok
 
@@ -142,7 +142,7 @@ def test_parent_keys_from_store_equal_the_cached_ones(mem_url):
     _train(t, rng, 2)
     keylists._CACHE.clear()  # as after a restart: only the store knows the parent's keys
     tensorkv.save({"e": t}, mem_url, "s2", incremental=True)
-    info = tensorkv.checkpoint.tag_info(mem_url, "s2")["tables"]["e"]["shards"]["0"]
+    info = tensorkv.checkpoint.tag_manifest(mem_url, "s2")["tables"]["e"]["shards"]["0"]
     assert (info["added"], info["removed"], info["num_keys"]) == (30, 10, len(t))
     assert_tables_equal(tensorkv.load(None, mem_url, "s2")["e"], t)
     # a table that loaded the chain continues it from the store's key lists
@@ -151,7 +151,7 @@ def test_parent_keys_from_store_equal_the_cached_ones(mem_url):
     _train(t2, rng, 3)
     tensorkv.save({"e": t2}, mem_url, "s3", incremental=True)
     assert_tables_equal(tensorkv.load(None, mem_url, "s3")["e"], t2)
-    info = tensorkv.checkpoint.tag_info(mem_url, "s3")["tables"]["e"]["shards"]["0"]
+    info = tensorkv.checkpoint.tag_manifest(mem_url, "s3")["tables"]["e"]["shards"]["0"]
     assert info["key_list"] == "delta" and info["num_keys"] == len(t2)
 
 
@@ -277,7 +277,7 @@ def test_failed_incremental_save_leaves_its_key_deltas_to_gc(mem_url, monkeypatc
 def test_manifest_fields_are_json(mem_url):
     t = _chain(mem_url)
     tensorkv.save({"e": t}, mem_url, "s2", incremental=True)
-    info = tensorkv.checkpoint.tag_info(mem_url, "s2")["tables"]["e"]["shards"]["0"]
+    info = tensorkv.checkpoint.tag_manifest(mem_url, "s2")["tables"]["e"]["shards"]["0"]
     json.dumps(info)
     assert {"key_list", "key_pieces", "added", "added_pieces", "removed", "removed_pieces",
             "num_keys"} <= set(info)

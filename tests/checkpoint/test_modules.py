@@ -18,7 +18,7 @@ TESTS = pathlib.Path(__file__).parents[1]
 ORDER = [
     "layout", "gather", "progress", "access", "claims",
     "manifest", "dense", "keylists", "staging", "runs",
-    "objects", "shards", "tables",
+    "writer", "objects", "shards", "tables",
     "refs", "bulk", "sweep",
     "steps", "handle",
     "save", "load",

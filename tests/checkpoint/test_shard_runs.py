@@ -117,7 +117,7 @@ def test_shards_of_one_save_must_agree(mem_url, first, second, match):
     assert tensorkv.list_tags(mem_url) == ["p0", "p1"]
     tensorkv.save(model(1, 2), mem_url, "t", shard=1, num_shards=2, **first)  # nothing lost
     assert_whole(mem_url, "t")
-    assert tensorkv.checkpoint.tag_info(mem_url, "t")["run"]["id"] == first.get("run")
+    assert tensorkv.checkpoint.tag_manifest(mem_url, "t")["run"]["id"] == first.get("run")
 
 
 def test_incremental_shards_build_on_the_parent_the_run_fixed(mem_url):
@@ -134,7 +134,7 @@ def test_incremental_shards_build_on_the_parent_the_run_fixed(mem_url):
     tensorkv.save({"emb": parts[0]}, mem_url, "b1", shard=0, num_shards=2, incremental=True)
     tensorkv.save({"x": np.ones(2)}, mem_url, "other")  # the latest tag now, while b1 runs
     tensorkv.save({"emb": parts[1]}, mem_url, "b1", shard=1, num_shards=2, incremental=True)
-    doc = tensorkv.checkpoint.tag_info(mem_url, "b1")
+    doc = tensorkv.checkpoint.tag_manifest(mem_url, "b1")
     assert doc["parent"] == "b0" and doc["incremental"]
     want = [np.concatenate(x) for x in zip(*(rows_of(p) for p in parts), strict=True)]
     order = np.argsort(want[0])
@@ -276,7 +276,7 @@ def test_verify_flags_a_tag_whose_shards_disagree(mem_url):
 def test_verify_flags_a_missing_or_foreign_shard(mem_url):
     tensorkv.save(model(0, 2), mem_url, "t", shard=0, num_shards=2, run="a")
     tensorkv.checkpoint.merge(mem_url, "t", allow_missing=True)  # published on purpose
-    assert tensorkv.checkpoint.tag_info(mem_url, "t")["missing_shards"] == [1]
+    assert tensorkv.checkpoint.tag_manifest(mem_url, "t")["missing_shards"] == [1]
     assert tensorkv.checkpoint.check(mem_url, verify=True).ok
     with tensorkv.open_store(mem_url) as s:
         doc = manifest.read(s, "t")

@@ -36,7 +36,7 @@ def test_parallel_sharded_save_and_reshard(proc_url):
         out, err = p.communicate(timeout=240)
         assert p.returncode == 0 and out.strip() == "done", out + err
     assert tensorkv.list_tags(proc_url) == ["sh"]
-    info = tensorkv.checkpoint.tag_info(proc_url, "sh")
+    info = tensorkv.checkpoint.tag_manifest(proc_url, "sh")
     assert info["num_shards"] == 3 and info["shards"] == [0, 1, 2]
     assert info["run"]["id"] is None and info["run"]["token"]
     tensorkv.save({"emb": make_table(30000, 8, "adagrad", seed=7),

@@ -106,7 +106,7 @@ class Trainer:
 
 def check_tag(url: str, tag: str, states: dict[int, tuple[int, dict]], name: str = "t") -> int:
     """The tag's table equals the recorded state its manifest names; returns that seq."""
-    info = tensorkv.tag_info(url, tag)
+    info = tensorkv.tag_manifest(url, tag)
     meta = info["tables"][name]["meta"]
     seq = int(meta["mutation_seq"])
     assert seq in states, f"{tag}: mutation_seq {seq} is no operation boundary"
@@ -200,7 +200,7 @@ def test_step_aligned_cut_of_two_tables_and_a_dense_tensor(tmp_path, request):
         th.join()
     assert not errors, errors
     for tag in tags:
-        meta = tensorkv.tag_info(url, tag)["tables"]
+        meta = tensorkv.tag_manifest(url, tag)["tables"]
         step_a, step_b = meta["a"]["meta"]["step"], meta["b"]["meta"]["step"]
         assert step_a == step_b, f"{tag}: table a at step {step_a}, b at {step_b}"
         seq_a, seq_b, want_w = states[step_a]
@@ -255,7 +255,7 @@ def test_a_non_blocking_save_equals_the_blocking_save_of_the_same_state(kind, tm
         bg, fg = tensorkv.load(None, url, "bg"), tensorkv.load(None, url, "fg")
         np.testing.assert_array_equal(bg["w"], fg["w"])
         assert_same_rows(table_rows(bg["t"]), table_rows(fg["t"]), "bg against fg")
-        ib, if_ = tensorkv.tag_info(url, "bg"), tensorkv.tag_info(url, "fg")
+        ib, if_ = tensorkv.tag_manifest(url, "bg"), tensorkv.tag_manifest(url, "fg")
         mb, mf = (dict(i["tables"]["t"]["meta"]) for i in (ib, if_))
         mb.pop("storage", None), mf.pop("storage", None)  # the twins' spill paths differ
         assert mb == mf

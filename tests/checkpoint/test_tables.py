@@ -53,7 +53,7 @@ def test_module_with_tables(mem_url):
     torch.manual_seed(0)
     m = Tower()
     tensorkv.save(m, mem_url, "m")
-    info = tensorkv.checkpoint.tag_info(mem_url, "m")
+    info = tensorkv.checkpoint.tag_manifest(mem_url, "m")
     assert set(info["tables"]) == {"user", "inner.items"}
     assert set(info["dense"]) == {"mlp.0.weight", "mlp.0.bias"}
     torch.manual_seed(1)
@@ -113,7 +113,7 @@ def test_incremental_chain_and_compact(url):
         t.remove(rng.choice(np.setdiff1d(keys, ch), 20, replace=False))  # removed keys
         tensorkv.save({"emb": t}, url, f"s{i}", step=i, incremental=True, block_rows=256)
         states.append(rows_of(t))
-        info = tensorkv.checkpoint.tag_info(url, f"s{i}")["tables"]["emb"]["shards"]["0"]
+        info = tensorkv.checkpoint.tag_manifest(url, f"s{i}")["tables"]["emb"]["shards"]["0"]
         assert not info["full"] and info["rows"] == 110 and info["removed"] == 20
     for i, state in enumerate(states):
         got = rows_of(tensorkv.load(None, url, f"s{i}")["emb"])
@@ -123,7 +123,7 @@ def test_incremental_chain_and_compact(url):
     tensorkv.load({"emb": t2}, url, "s3")
     t2.apply_gradients(t2.keys()[:5], np.ones((5, 8), np.float32), step=20)
     tensorkv.save({"emb": t2}, url, "s4", incremental=True)
-    assert tensorkv.checkpoint.tag_info(url, "s4")["tables"]["emb"]["shards"]["0"]["rows"] == 5
+    assert tensorkv.checkpoint.tag_manifest(url, "s4")["tables"]["emb"]["shards"]["0"]["rows"] == 5
     assert_tables_equal(t2, tensorkv.load(None, url, "s4")["emb"])
     # fold the chain; parents may then go
     tensorkv.compact(url, "s2")
@@ -140,7 +140,7 @@ def test_incremental_from_another_table_falls_back_to_full(mem_url):
     tensorkv.save({"emb": make_table(500)}, mem_url, "a")
     with pytest.warns(UserWarning, match="did not write or load the parent.*in full"):
         tensorkv.save({"emb": make_table(500, seed=3)}, mem_url, "b", incremental=True)
-    info = tensorkv.checkpoint.tag_info(mem_url, "b")["tables"]["emb"]["shards"]["0"]
+    info = tensorkv.checkpoint.tag_manifest(mem_url, "b")["tables"]["emb"]["shards"]["0"]
     assert info["full"] and info["rows"] == 500 and "note" in info
 
 
@@ -192,7 +192,7 @@ def test_sharded_incremental_chain_reshards(mem_url):
         part.apply_gradients(k, np.ones((30, 4), np.float32), step=5)
         part.remove(part.keys()[-7:])
         tensorkv.save({"emb": part}, mem_url, "s1", shard=s, num_shards=2, incremental=True)
-    info = tensorkv.checkpoint.tag_info(mem_url, "s1")["tables"]["emb"]["shards"]
+    info = tensorkv.checkpoint.tag_manifest(mem_url, "s1")["tables"]["emb"]["shards"]
     assert [(i["full"], i["rows"], i["removed"]) for i in info.values()] == [(False, 30, 7)] * 2
     want = [rows_of(p) for p in parts]
     want = [np.concatenate([w[i] for w in want]) for i in range(5)]
@@ -204,13 +204,13 @@ def test_sharded_incremental_chain_reshards(mem_url):
         o2 = np.argsort(cat[0])
         assert all(a[order].tobytes() == b[o2].tobytes() for a, b in zip(want, cat, strict=True))
     tensorkv.compact(mem_url, "s1")  # folds each shard's chain; the trainers can go on
-    info = tensorkv.checkpoint.tag_info(mem_url, "s1")["tables"]["emb"]["shards"]
+    info = tensorkv.checkpoint.tag_manifest(mem_url, "s1")["tables"]["emb"]["shards"]
     assert sorted(info) == ["0", "1"] and all(i["full"] for i in info.values())
     tensorkv.delete_tag(mem_url, "s0")
     for s, part in enumerate(parts):
         part.apply_gradients(part.keys()[:3], np.ones((3, 4), np.float32), step=6)
         tensorkv.save({"emb": part}, mem_url, "s2", shard=s, num_shards=2, incremental=True)
-    info = tensorkv.checkpoint.tag_info(mem_url, "s2")["tables"]["emb"]["shards"]
+    info = tensorkv.checkpoint.tag_manifest(mem_url, "s2")["tables"]["emb"]["shards"]
     assert [(i["full"], i["rows"]) for i in info.values()] == [(False, 3)] * 2
     got = rows_of(tensorkv.load(None, mem_url, "s2")["emb"])
     want = [rows_of(p) for p in parts]

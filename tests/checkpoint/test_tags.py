@@ -47,7 +47,7 @@ def test_expiry(mem_url):
         assert store.count(layout.TABLE) == 0
     assert tensorkv.checkpoint.check(mem_url).ok
     tensorkv.checkpoint.expire_tag(mem_url, "keep", 1000)
-    assert tensorkv.checkpoint.tag_info(mem_url, "keep")["expires"] > time.time() + 900
+    assert tensorkv.checkpoint.tag_manifest(mem_url, "keep")["expires"] > time.time() + 900
     with pytest.raises(CheckpointError, match="ttl"):
         tensorkv.save({"a": np.ones(2)}, mem_url, "bad", ttl=-1)
 
@@ -68,7 +68,7 @@ def test_copy_within_and_across_stores(url, mem_url):
     b = tensorkv.load(None, mem_url, "b")
     assert_tables_equal(b["emb"], t)
     assert len(a2["emb"]) == 3000 and np.array_equal(a2["w"], np.arange(5.0))
-    assert not tensorkv.checkpoint.tag_info(mem_url, "b")["incremental"]
+    assert not tensorkv.checkpoint.tag_manifest(mem_url, "b")["incremental"]
     assert tensorkv.checkpoint.check(url).ok
 
 
@@ -79,9 +79,9 @@ def test_dump_and_restore(url, tmp_path):
     tensorkv.save({"emb": t, "w": np.arange(50000.0)}, url, "b", incremental=True)
     path = str(tmp_path / "b.tkv")
     assert tensorkv.dump_tag(url, "b", path) > 400000
-    tensorkv.restore_tag(path, "memory://", "x")  # private store: just checks it restores
+    tensorkv.import_dump(path, "memory://", "x")  # private store: just checks it restores
     dst = "memory://ckpt-restore-" + str(abs(hash(url)))
-    assert tensorkv.restore_tag(path, dst, "b-restored") == "b-restored"
+    assert tensorkv.import_dump(path, dst, "b-restored") == "b-restored"
     got = tensorkv.load(None, dst, "b-restored")
     assert_tables_equal(got["emb"], t)
     assert np.array_equal(got["w"], np.arange(50000.0))
@@ -91,10 +91,10 @@ def test_dump_and_restore(url, tmp_path):
     bad = tmp_path / "bad.tkv"
     bad.write_bytes(bytes(raw))
     with pytest.raises(CorruptRecordError, match="checksum"):
-        tensorkv.restore_tag(str(bad), dst, "c")
+        tensorkv.import_dump(str(bad), dst, "c")
     bad.write_bytes(bytes(raw[:1000]))
     with pytest.raises(CorruptRecordError, match="truncated"):
-        tensorkv.restore_tag(str(bad), dst, "c")
+        tensorkv.import_dump(str(bad), dst, "c")
     assert tensorkv.list_tags(dst) == ["b-restored"]
 
 
@@ -160,7 +160,7 @@ def test_cli(tmp_path):
     assert r.exit_code == 0 and "removed: 1 records" in r.output, r.output
     r = CliRunner().invoke(cli, ["compact", url, "b"])
     assert r.exit_code == 0 and "full tag" in r.output
-    assert not tensorkv.checkpoint.tag_info(url, "b")["incremental"]
+    assert not tensorkv.checkpoint.tag_manifest(url, "b")["incremental"]
     r = CliRunner().invoke(cli, ["compact", url, "zz"])
     assert r.exit_code != 0 and "'zz' does not exist" in r.output
     r = CliRunner().invoke(cli, ["check", url, "--verify", "--json"])

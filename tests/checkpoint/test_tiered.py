@@ -60,7 +60,7 @@ def test_ssdhash_table_round_trip_into_a_tiered_table(tmp_path):
         src.apply_gradients(keys[-100:], np.ones((100, DIM), np.float32), step=5)
         src.remove(keys[:10])
         tensorkv.save(d, store, "b", incremental=True, block_rows=128)
-        info = tensorkv.checkpoint.tag_info(store, "b")["tables"]["emb"]["shards"]["0"]
+        info = tensorkv.checkpoint.tag_manifest(store, "b")["tables"]["emb"]["shards"]["0"]
         assert (info["rows"], info["removed"], info["added"]) == (100, 10, 0)
         _same(src, tensorkv.load(None, store, "b")["emb"])
 

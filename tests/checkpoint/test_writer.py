@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import tensorkv
-from tensorkv.checkpoint import tables
+from tensorkv.checkpoint import writer
 from tensorkv.errors import StoreFullError
 from tensorkv.stores.memory import MemoryStore
 
@@ -39,9 +39,9 @@ class SlowStore(MemoryStore):
 @pytest.fixture
 def small_batches(monkeypatch):
     """Many small batches and a short queue, so buffers are recycled during one save."""
-    monkeypatch.setattr(tables, "WRITE_BATCH_BYTES", 4096)
-    monkeypatch.setattr(tables, "QUEUE_BYTES", 32 * 1024)
-    monkeypatch.setattr(tables, "KEEP_BYTES", 64 * 1024)
+    monkeypatch.setattr(writer, "WRITE_BATCH_BYTES", 4096)
+    monkeypatch.setattr(writer, "QUEUE_BYTES", 32 * 1024)
+    monkeypatch.setattr(writer, "KEEP_BYTES", 64 * 1024)
 
 
 def test_buffers_are_reused_only_after_their_batch_is_written(small_batches):
@@ -82,37 +82,37 @@ def test_store_error_in_the_writer_thread_fails_the_save(small_batches):
 def test_buffers_are_kept_with_the_table_and_go_with_it():
     t = make_table(3000, 8)
     tensorkv.save({"emb": t}, MemoryStore(), "a", block_rows=64)
-    kept = tables._KEPT.get(t)
-    assert kept and sum(b.nbytes for b in kept) <= tables.KEEP_BYTES
-    w = tables.BlockWriter(MemoryStore(), b"p/", None, None, owner=t)
-    assert tables._KEPT.get(t) is None and w._pool is not None  # handed to the writer
+    kept = writer._KEPT.get(t)
+    assert kept and sum(b.nbytes for b in kept) <= writer.KEEP_BYTES
+    w = writer.BlockWriter(MemoryStore(), b"p/", None, None, owner=t)
+    assert writer._KEPT.get(t) is None and w._pool is not None  # handed to the writer
     w.flush()
-    assert tables._KEPT.get(t)  # and back
-    n = len(tables._KEPT)
+    assert writer._KEPT.get(t)  # and back
+    n = len(writer._KEPT)
     del t, w
     gc.collect()
-    assert len(tables._KEPT) == n - 1
+    assert len(writer._KEPT) == n - 1
 
 
 def test_keep_trims_to_the_newest_buffers(monkeypatch):
-    monkeypatch.setattr(tables, "KEEP_BYTES", 250)
+    monkeypatch.setattr(writer, "KEEP_BYTES", 250)
     owner = make_table(10, 4)
     bufs = [np.empty(100, np.uint8) for _ in range(4)]
-    tables._keep(owner, bufs)
-    assert [id(b) for b in tables._KEPT[owner]] == [id(bufs[2]), id(bufs[3])]
-    tables._keep(None, bufs)  # no owner: nothing kept, no error
-    tables._keep({}, bufs)  # not weak-referenceable: nothing kept, no error
-    assert tables._take_kept({}) == []
+    writer._keep(owner, bufs)
+    assert [id(b) for b in writer._KEPT[owner]] == [id(bufs[2]), id(bufs[3])]
+    writer._keep(None, bufs)  # no owner: nothing kept, no error
+    writer._keep({}, bufs)  # not weak-referenceable: nothing kept, no error
+    assert writer._take_kept({}) == []
 
 
 def test_kept_buffers_stay_within_one_budget(monkeypatch):
-    monkeypatch.setattr(tables, "KEEP_BYTES", 250)
+    monkeypatch.setattr(writer, "KEEP_BYTES", 250)
     owners = [make_table(10, 4) for _ in range(3)]
     for o in owners:
-        tables._keep(o, [np.empty(100, np.uint8)])
-    kept = [o for o in owners if tables._KEPT.get(o)]
+        writer._keep(o, [np.empty(100, np.uint8)])
+    kept = [o for o in owners if writer._KEPT.get(o)]
     assert kept == owners[1:]  # the most recent two fit in 250 bytes
-    tables._keep(owners[0], [np.empty(200, np.uint8)])
-    assert [o for o in owners if tables._KEPT.get(o)] == [owners[0]]
+    writer._keep(owners[0], [np.empty(200, np.uint8)])
+    assert [o for o in owners if writer._KEPT.get(o)] == [owners[0]]
     for o in owners:
-        tables._take_kept(o)
+        writer._take_kept(o)

@@ -133,7 +133,7 @@ def test_sharded_save_restores_onto_any_number_of_shards(ps, tmp_path):
     ref = tensorkv.EmbeddingTable(8, **kw)
     _train([ref, t], 5)
     ps.save(url, "two", tables=["saved"])
-    assert tensorkv.tag_info(url, "two")["num_shards"] == 2
+    assert tensorkv.tag_manifest(url, "two")["num_shards"] == 2
     local = tensorkv.load(None, url, "two")["saved"]  # a plain table from the 2-shard save
     assert_same_rows(table_rows(local), table_rows(ref), seq=False)
     with ParameterServer(3, name=f"{ps.name}-three") as ps3:
@@ -145,7 +145,7 @@ def test_sharded_save_restores_onto_any_number_of_shards(ps, tmp_path):
         assert_same_rows(table_rows(t3), table_rows(ref), seq=False)
     # tensorkv.save / load of the table alone: each shard saves / loads its own rows
     tensorkv.save(t, url, "alone", step=5)
-    info = tensorkv.tag_info(url, "alone")
+    info = tensorkv.tag_manifest(url, "alone")
     assert info["num_shards"] == 2 and info["step"] == 5 and list(info["tables"]) == ["saved"]
     local = tensorkv.EmbeddingTable(8, **kw)
     tensorkv.load(local, url, "alone")

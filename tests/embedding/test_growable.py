@@ -70,3 +70,48 @@ def test_a_malformed_prefault_setting_is_refused_when_a_table_is_made(monkeypatc
         RowArena(4)
     monkeypatch.setenv("TENSORKV_PREFAULT", "0")
     assert RowArena(4).capacity > 0 and growable.prefault_enabled() is False
+
+
+def _fail_second_call(monkeypatch, name):
+    """Make ``growable.<name>`` raise MemoryError on its second call (an allocator running out)."""
+    real, calls = getattr(growable, name), []
+
+    def flaky(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise MemoryError("injected: out of memory on the second allocation")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(growable, name, flaky)
+    return calls
+
+
+@pytest.mark.parametrize("path", [
+    "small",
+    pytest.param("reservation", marks=linux),
+])
+def test_an_allocation_failing_mid_resize_leaves_every_row_array_as_it_was(monkeypatch, path):
+    if path == "reservation":
+        monkeypatch.setattr(growable, "MIN_BYTES", 64 << 10)
+        monkeypatch.setattr(growable, "RESERVE_FACTOR", 4)
+    arena = RowArena(4, slot_width=2, capacity=1000)
+    keys = np.arange(1, 801, dtype=np.int64)
+    rows, _ = arena.insert(keys)
+    arena.scatter(rows, np.repeat(keys[:, None], 4, 1).astype(np.float32))
+    arena.slots[rows] = 3.0
+    names = ("values", "slots", "freq", "version", "seq", "row_key", "live")
+    before = {n: getattr(arena, n).copy() for n in names}
+    # the second allocation fails: between values and slots
+    calls = _fail_second_call(monkeypatch, "_prepare" if path == "small" else "_reserve")
+    with pytest.raises(MemoryError, match="injected"):
+        arena.reserve(40000)
+    assert len(calls) == 2
+    for n in names:  # same sizes and contents as before: nothing half resized
+        np.testing.assert_array_equal(getattr(arena, n), before[n], err_msg=n)
+    monkeypatch.undo()
+    arena.reserve(40000)  # the arena still works and grows afterwards
+    assert {getattr(arena, n).shape[0] for n in names} == {arena.capacity}
+    assert arena.capacity >= 40000
+    found = arena.find(keys)
+    np.testing.assert_array_equal(arena.gather(found)[:, 0], keys.astype(np.float32))
+    assert (arena.slots[found] == 3.0).all()

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from tensorkv.embedding import EmbeddingTable
-from tensorkv.embedding.optimizers import Adagrad, Adam, AdamW, Optimizer, RMSProp
+from tensorkv.embedding.optimizers import Adagrad, Adam, AdamW, RMSProp, TableOptimizer
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.filterwarnings("ignore:Sparse invariant checks:UserWarning")
@@ -78,7 +78,7 @@ def rmsprop64(p, st, g, t, kw, under_root):
     return p - lr * g / d
 
 
-Case = tuple[str, Callable[..., Optimizer], Callable[..., Any], dict[str, Any], Callable, bool]
+Case = tuple[str, Callable[..., TableOptimizer], Callable[..., Any], dict[str, Any], Callable, bool]
 CASES: list[Case] = [
     # (id, ours, torch optimizer, kwargs, float64 step, torch's sparse path)
     ("adagrad", Adagrad, lambda p, **kw: torch.optim.Adagrad(p, **kw),
@@ -101,7 +101,7 @@ CASES: list[Case] = [
 TORCH_SLOT = {"accumulator": "sum"}  # torch's names of our slots where they differ
 
 
-def slots_of(opt: Optimizer, values: np.ndarray) -> np.ndarray:
+def slots_of(opt: TableOptimizer, values: np.ndarray) -> np.ndarray:
     cols = [np.full_like(values, v) for v in opt.slot_initial_values()]
     return np.ascontiguousarray(np.concatenate(cols, axis=1))
 

@@ -1,6 +1,6 @@
 """Parity of the sparse optimizers with torch (and with TensorFlow's FTRL formula).
 
-Every test drives ``Optimizer.apply`` on a dense numpy arena the way the table does: the
+Every test drives ``TableOptimizer.apply`` on a dense numpy arena the way the table does: the
 batch's keys are reduced to unique rows with their gradients summed (``np.add.at``), and the
 unique rows are passed in a shuffled order. torch gets the raw draws, duplicates included,
 through ``nn.Embedding(sparse=True)``. 100 steps, float32 throughout, compared after every
@@ -27,8 +27,8 @@ from tensorkv.embedding.optimizers import (
     Adagrad,
     Adam,
     AdamW,
-    Optimizer,
     RMSProp,
+    TableOptimizer,
 )
 
 torch = pytest.importorskip("torch")
@@ -47,7 +47,7 @@ def _float32_torch():
     torch.set_default_dtype(old)
 
 
-def _arena(opt: Optimizer, init: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _arena(opt: TableOptimizer, init: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     values = init.copy()
     cols = [np.full((init.shape[0], init.shape[1]), v, np.float32)
             for v in opt.slot_initial_values()]
@@ -94,7 +94,7 @@ def _summed(idx: np.ndarray, g: np.ndarray, rng: np.random.Generator):
     return rows[order].astype(np.int64), np.ascontiguousarray(summed[order])
 
 
-def _run_sparse(ours: Optimizer, make_torch, slot_keys: tuple[str, ...], seed: int, kind: str):
+def _run_sparse(ours: TableOptimizer, make_torch, slot_keys: tuple[str, ...], seed: int, kind: str):
     rng = np.random.default_rng(seed)
     rtol, atol = TOL[kind]
     init = _init(rng, kind)
@@ -148,7 +148,7 @@ def test_adam_matches_torch_sparse_adam(kw, kind):
                 ("exp_avg", "exp_avg_sq"), seed=3, kind=kind)
 
 
-def _run_dense(ours: Optimizer, make_torch, slot_keys: tuple[str, ...], seed: int, kind: str):
+def _run_dense(ours: TableOptimizer, make_torch, slot_keys: tuple[str, ...], seed: int, kind: str):
     """Every row touched every step: the lazy per-row optimizers equal torch's dense ones."""
     rng = np.random.default_rng(seed)
     rtol, atol = TOL[kind]

@@ -21,8 +21,8 @@ from tensorkv.embedding.optimizers import (
     AdamW,
     ConstantLR,
     ExponentialDecay,
-    Optimizer,
     RMSProp,
+    TableOptimizer,
     WarmupCosine,
     constant,
     exponential_decay,
@@ -36,7 +36,7 @@ from tensorkv.kernels import optimizers as K
 F32 = np.float32
 
 
-def _all_optimizers() -> list[Optimizer]:
+def _all_optimizers() -> list[TableOptimizer]:
     return [
         SGD(lr=0.1),
         Adagrad(lr=0.1, initial_accumulator_value=0.1),
@@ -53,7 +53,7 @@ def _all_optimizers() -> list[Optimizer]:
 IDS = [repr(o) for o in _all_optimizers()]
 
 
-def _arena(opt: Optimizer, n: int, dim: int, seed: int = 0):
+def _arena(opt: TableOptimizer, n: int, dim: int, seed: int = 0):
     rng = np.random.default_rng(seed)
     values = rng.standard_normal((n, dim)).astype(F32)
     slots = np.ascontiguousarray(np.concatenate(
@@ -250,7 +250,7 @@ def test_ftrl_refuses_a_zero_learning_rate_from_a_schedule():
                             FTRL(lr=warmup_cosine(0.1, 5, 50))], ids=lambda o: repr(o))
 def test_config_round_trip(opt):
     cfg = json.loads(json.dumps(opt.config()))
-    again = Optimizer.from_config(cfg)
+    again = TableOptimizer.from_config(cfg)
     assert type(again) is type(opt)
     assert again.config() == opt.config()
     assert again.slot_names() == opt.slot_names()
@@ -264,8 +264,8 @@ def test_custom_callable_lr_needs_an_explicit_lr_to_rebuild():
     cfg = json.loads(json.dumps(opt.config()))
     assert cfg["lr"]["schedule"] == "custom"
     with pytest.raises(ConfigError, match="pass lr="):
-        Optimizer.from_config(cfg)
-    assert Optimizer.from_config(cfg, lr=0.2).lr == 0.2
+        TableOptimizer.from_config(cfg)
+    assert TableOptimizer.from_config(cfg, lr=0.2).lr == 0.2
 
 
 def test_from_config_on_the_wrong_class_raises():
@@ -302,7 +302,7 @@ def test_get_optimizer_resolves_names_classes_instances():
     (lambda: get_optimizer("adam", momentum=0.9), r"no option\(s\) \['momentum'\]"),
     (lambda: get_optimizer(SGD(), lr=0.1), "cannot be applied to an existing SGD"),
     (lambda: get_optimizer(42), "cannot make an optimizer from 42"),
-    (lambda: Optimizer.from_config({"lr": 0.1}), "'name' entry"),
+    (lambda: TableOptimizer.from_config({"lr": 0.1}), "'name' entry"),
 ])
 def test_get_optimizer_bad_inputs(call, match):
     with pytest.raises(ConfigError, match=match):
@@ -319,7 +319,7 @@ def test_adam_state_round_trip_continues_identically():
         a.apply(va, sa, rows, grads[t], t)
     state = json.loads(json.dumps(a.state()))
     assert state == {"name": "adam", "step": 3}
-    b = Optimizer.from_config(a.config())
+    b = TableOptimizer.from_config(a.config())
     b.load_state(state)
     vb, sb = va.copy(), sa.copy()
     for t in range(3, 6):

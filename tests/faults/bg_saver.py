@@ -58,9 +58,9 @@ OPTIONS = {"block_rows": 32, "bucket_bits": 0, "chunk_bytes": 4096}
 def main() -> None:
     import tensorkv
     from faults.saver import _fork, arm_kill, store_class
-    from tensorkv.checkpoint import tables
+    from tensorkv.checkpoint import writer
 
-    tables.WRITE_BATCH_BYTES = 4096  # a small model's save still makes dozens of writes
+    writer.WRITE_BATCH_BYTES = 4096  # a small model's save still makes dozens of writes
     if sys.argv[1] == "exit":
         exit_run(sys.argv[2])
         return

@@ -13,7 +13,7 @@ command per stdin line:
 ``t0`` and ``t1`` are saved by a forked child too: this process never opens the store and
 forks with no other thread running (RocksDB's background threads would not survive a
 fork), so every child starts from the same state and children differ only in where they
-die. Record batches are made small (``WRITE_BATCH_BYTES``) so a small model's save
+die. Record batches are made small (``writer.WRITE_BATCH_BYTES``) so a small model's save
 makes dozens of store writes, as a large model's does with the default batch size.
 """
 
@@ -119,9 +119,9 @@ def main() -> None:
     url = sys.argv[1]
     import tensorkv
     from faults.model import SAVE_OPTIONS, stages
-    from tensorkv.checkpoint import tables
+    from tensorkv.checkpoint import writer
 
-    tables.WRITE_BATCH_BYTES = BATCH_BYTES
+    writer.WRITE_BATCH_BYTES = BATCH_BYTES
     it = stages()
     _, first = next(it)
 

@@ -113,9 +113,9 @@ class FaultAt(KVStore):
 @pytest.fixture(autouse=True)
 def small_batches(monkeypatch):
     """Many write batches per save, so faults can hit its start, middle and end."""
-    from tensorkv.checkpoint import tables
+    from tensorkv.checkpoint import writer
 
-    monkeypatch.setattr(tables, "WRITE_BATCH_BYTES", 16384)
+    monkeypatch.setattr(writer, "WRITE_BATCH_BYTES", 16384)
 
 
 @pytest.fixture(scope="module")

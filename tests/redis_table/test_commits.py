@@ -24,7 +24,7 @@ from tests.redis_table.helpers import redis_table
 
 import servers
 import tensorkv
-from tensorkv.embedding.tiers import redis_commit
+from tensorkv.embedding.redis import commit as redis_commit
 from tensorkv.errors import RowLockError, StoreUnavailableError
 from tensorkv.stores import redis_raw
 from tensorkv.stores.redis_keys import key_slots

@@ -15,7 +15,8 @@ from tests.redis_table.helpers import redis_table
 
 import servers
 import tensorkv
-from tensorkv.embedding.tiers import redis_commit, redis_rows
+from tensorkv.embedding.redis import commit as redis_commit
+from tensorkv.embedding.redis import engine as redis_engine
 from tensorkv.errors import CorruptRecordError, RowLockError, StoreUnavailableError
 
 ADAGRAD = {"optimizer": "adagrad", "seed": 2}
@@ -43,8 +44,8 @@ def test_checksum_catches_corrupted_rows(redis_server, tag):
     url = f"redis://127.0.0.1:{redis_server.port}/0"
     t = redis_table(url, 4, model_tag_runtime=tag, storage_slice=1, table_kwargs=ADAGRAD)
     t.lookup(np.arange(10))
-    bucket = f"{tag}:default{{{redis_rows.generated_tags(1)[0]}}}"
-    field = redis_rows.encode_fields(np.array([3]))[0]
+    bucket = f"{tag}:default{{{redis_engine.generated_tags(1)[0]}}}"
+    field = redis_engine.encode_fields(np.array([3]))[0]
     c = redis_server.client()
     try:
         raw = bytearray(c.hget(bucket, field))
@@ -54,13 +55,13 @@ def test_checksum_catches_corrupted_rows(redis_server, tag):
             t.lookup(np.array([1, 3]))
         with pytest.raises(CorruptRecordError, match="checksum"):
             t.lookup(np.array([3]), insert=False)
-        c.hset(bucket, redis_rows.encode_fields(np.array([4]))[0], b"half")
+        c.hset(bucket, redis_engine.encode_fields(np.array([4]))[0], b"half")
         with pytest.raises(CorruptRecordError, match=r"values of \[4\] bytes"):
             t.apply_gradients(np.array([4]), np.ones((1, 4)))
         assert t.remove(np.array([4])) == 0  # a bad row is replaced or removed, never read
         t.upsert(np.array([3]), np.full((1, 4), 2.0))
         np.testing.assert_array_equal(t.lookup(np.array([3, 4]), insert=False)[0], 2.0)
-        assert not c.hexists(bucket, redis_rows.encode_fields(np.array([4]))[0])
+        assert not c.hexists(bucket, redis_engine.encode_fields(np.array([4]))[0])
     finally:
         c.close()
     t.close()

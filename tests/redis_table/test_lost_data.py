@@ -19,7 +19,8 @@ from tests.redis_table.helpers import redis_table
 
 import servers
 import tensorkv
-from tensorkv.embedding.tiers import redis_commit, redis_lua
+from tensorkv.embedding.redis import commit as redis_commit
+from tensorkv.embedding.redis import lua as redis_lua
 from tensorkv.errors import ConfigError, StoreUnavailableError, TableLostError
 
 ADAGRAD = {"optimizer": "adagrad", "seed": 7}

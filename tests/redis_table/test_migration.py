@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from tests.redis_table.helpers import redis_table
 
-from tensorkv.embedding.tiers import redis_rows
+from tensorkv.embedding.redis import engine as redis_engine
 from tensorkv.errors import MigrationUnfinishedError, TableLostError
 
 ADAGRAD = {"optimizer": "adagrad", "seed": 11}
@@ -39,17 +39,17 @@ def url(request):
 
 def interrupt(monkeypatch, at_bucket: int, fn):
     """Run ``fn`` with the migration crashing when it reaches ``at_bucket``."""
-    real = redis_rows.RedisRowEngine.read_bucket
+    real = redis_engine.RedisRowEngine.read_bucket
 
     def crash(self, b, i):
         if i == at_bucket and b is self.source:
             raise KeyboardInterrupt("the migrating process died")
         return real(self, b, i)
 
-    monkeypatch.setattr(redis_rows.RedisRowEngine, "read_bucket", crash)
+    monkeypatch.setattr(redis_engine.RedisRowEngine, "read_bucket", crash)
     with pytest.raises(KeyboardInterrupt):
         fn()
-    monkeypatch.setattr(redis_rows.RedisRowEngine, "read_bucket", real)
+    monkeypatch.setattr(redis_engine.RedisRowEngine, "read_bucket", real)
 
 
 def test_rollback_of_an_unfinished_rehash_is_refused(url, tag, monkeypatch):

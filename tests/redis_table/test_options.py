@@ -14,7 +14,7 @@ import pytest
 from tests.redis_table.helpers import redis_table
 
 import tensorkv
-from tensorkv.embedding.tiers import redis_rows
+from tensorkv.embedding.redis import engine as redis_engine
 from tensorkv.errors import ConfigError, ShapeError
 
 ADAGRAD = {"optimizer": "adagrad", "seed": 5}
@@ -59,7 +59,7 @@ def test_layout_buckets_and_hash_tags(where, tag):
     t.lookup(keys)
     c = client()
     try:
-        tags = redis_rows.generated_tags(8)
+        tags = redis_engine.generated_tags(8)
         names = [f"{tag}:user{{{g}}}".encode() for g in tags]
         for i, name in enumerate(names):  # key mod 8 picks the bucket
             rows = [f for f in c.hkeys(name) if len(f) == 8]  # not the identity fields
@@ -119,7 +119,7 @@ def test_model_tag_import_copies_then_diverges(where, tag):
     assert not np.array_equal(snapshot(new)["values"], before["values"])
     c = client()
     try:
-        name = f"{tag}old:default{{{redis_rows.generated_tags(16)[0]}}}"
+        name = f"{tag}old:default{{{redis_engine.generated_tags(16)[0]}}}"
         assert 0 < c.ttl(name) <= 3600
     finally:
         c.close()
@@ -140,7 +140,7 @@ def test_rehash_resumes_after_an_interruption(where, tag, monkeypatch):
     t.close()
     with pytest.raises(ConfigError, match="storage_slice_import"):
         redis_table(url, 4, model_tag_runtime=tag, storage_slice=5, table_kwargs=ADAGRAD)
-    real = redis_rows.RedisRowEngine.read_bucket
+    real = redis_engine.RedisRowEngine.read_bucket
     calls = {"n": 0}
 
     def crash_on_second_bucket(self, b, i):
@@ -149,11 +149,11 @@ def test_rehash_resumes_after_an_interruption(where, tag, monkeypatch):
             raise KeyboardInterrupt("interrupted mid-migration")
         return real(self, b, i)
 
-    monkeypatch.setattr(redis_rows.RedisRowEngine, "read_bucket", crash_on_second_bucket)
+    monkeypatch.setattr(redis_engine.RedisRowEngine, "read_bucket", crash_on_second_bucket)
     with pytest.raises(KeyboardInterrupt):
         redis_table(url, 4, model_tag_runtime=tag, storage_slice=5, storage_slice_import=3,
                     table_kwargs=ADAGRAD)
-    monkeypatch.setattr(redis_rows.RedisRowEngine, "read_bucket", real)
+    monkeypatch.setattr(redis_engine.RedisRowEngine, "read_bucket", real)
     t = redis_table(url, 4, model_tag_runtime=tag, storage_slice=5, storage_slice_import=3,
                     table_kwargs=ADAGRAD)
     assert_same(snapshot(t), before)

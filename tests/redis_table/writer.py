@@ -15,7 +15,7 @@ import sys
 import numpy as np
 
 import tensorkv
-from tensorkv.embedding.tiers import redis_commit
+from tensorkv.embedding.redis import commit as redis_commit
 
 
 def open_table(url: str, tag: str, consistency: str, optimizer: str) -> tensorkv.EmbeddingTable:

@@ -31,7 +31,7 @@ def test_threads_and_processes_keep_counts_exact(backend, tmp_path, request):
         assert p.returncode == 0, err
     with Repository(url) as repo:
         assert len(repo.list()) == 5 * 4
-        report = repo.check(deep=True)
+        report = repo.check(verify=True)
         assert report["ok"], report["problems"]
         s = repo.stats()
         assert s["tensors"] == 3  # ones (a.w, and b.w of i % 3 == 1), zeros, twos
@@ -85,6 +85,6 @@ def test_a_put_racing_a_delete_of_the_same_content_keeps_its_data(backend, tmp_p
         got = putter.get(new)
         for k, v in model.state_dict().items():
             assert torch.equal(got[k], v), k
-        report = putter.check(deep=True)
+        report = putter.check(verify=True)
         assert report["ok"], report["problems"]
         assert putter.stats()["tensors"] == 4

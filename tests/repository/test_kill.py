@@ -32,7 +32,7 @@ def _consistent(url: str, keep: str, victim_alive: bool | None) -> None:
         for k, v in state(4, 0).items():
             np.testing.assert_array_equal(got[k], v)
         repo.gc(grace=0)
-        report = repo.check(deep=True)
+        report = repo.check(verify=True)
         assert report["ok"], report["problems"]
         want = {e["id"] for r in repo.list() for e in repo.manifest(r["id"])["tensors"].values()}
         assert repo.stats()["tensors"] == len(want)  # no leaked tensor

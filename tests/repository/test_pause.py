@@ -49,7 +49,7 @@ def _resume(p: subprocess.Popen) -> str:
 def _intact(url: str, mid: str) -> None:
     with Repository(url) as repo:
         np.testing.assert_array_equal(repo.read_tensor(mid, "w"), STATE["w"])
-        report = repo.check(deep=True)
+        report = repo.check(verify=True)
         assert report["ok"], report["problems"]
 
 
@@ -108,4 +108,4 @@ def test_a_paused_lock_holder_keeps_the_lock(lmdb_url, monkeypatch):
     with Repository(lmdb_url) as repo:
         new = repo.put(GRAPH, other)
         np.testing.assert_array_equal(repo.read_tensor(new, "w"), other["w"])
-        assert repo.check(deep=True)["ok"]
+        assert repo.check(verify=True)["ok"]

@@ -37,7 +37,7 @@ def test_tensors_spread_over_providers_and_read_back_exactly(provider_urls):
         assert all(c > 0 for c in per) and sum(per) >= 6 * 6
         for mid, m in zip(ids, models, strict=True):
             assert_state_equal(repo.get(mid), m.state_dict())
-        assert repo.check(deep=True)["ok"]
+        assert repo.check(verify=True)["ok"]
     with Repository(provider_urls) as other:  # a second client sees the same models
         assert [r["id"] for r in other.list()] == ids
 
@@ -54,7 +54,7 @@ def test_rebalance_after_adding_a_provider(provider_urls):
         assert all(c > 0 for c in per)
         assert repo.rebalance()["moved_tensors"] == 0
         assert_state_equal(repo.get(mid), m.state_dict())
-        assert repo.check(deep=True)["ok"]
+        assert repo.check(verify=True)["ok"]
 
 
 @pytest.fixture
@@ -80,7 +80,7 @@ def test_full_redis_refuses_cleanly_and_stays_consistent(small_redis):
         assert [r["name"] for r in repo.list()] == ["small"]
         np.testing.assert_array_equal(repo.read_tensor(keep, "fc.w"), sd["fc.w"])
         repo.gc(grace=0)
-        assert repo.check(deep=True)["ok"]
+        assert repo.check(verify=True)["ok"]
         after = repo.stats()
         assert after["bytes_stored"] == before["bytes_stored"]
         assert after["tensors"] == before["tensors"]

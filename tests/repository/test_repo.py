@@ -33,7 +33,7 @@ def test_round_trip_on_every_backend(any_url):
         fresh = CNN(seed=9)
         repo.load_into(fresh, mid)
         assert_state_equal(fresh.state_dict(), m.state_dict())
-        assert repo.check(deep=True)["ok"]
+        assert repo.check(verify=True)["ok"]
 
 
 def test_dtypes_round_trip_exactly(lmdb_url):
@@ -138,7 +138,7 @@ def test_corrupt_chunk_is_named_by_key(lmdb_url):
         repo.meta.put(key, bytes(raw))
         with pytest.raises(CorruptRecordError, match=key.decode()):
             repo.read_tensor(mid, "0.weight")
-        report = repo.check(deep=True)
+        report = repo.check(verify=True)
         assert not report["ok"] and key.decode() in report["problems"][0]
 
 
@@ -361,7 +361,7 @@ def test_a_put_writes_from_tensor_memory_in_bounded_batches_behind_its_intent(
             got = repo.get(m)
             for k, v in want.items():
                 np.testing.assert_array_equal(got[k], v)
-        assert repo.check(deep=True)["ok"]
+        assert repo.check(verify=True)["ok"]
 
 
 def test_a_put_behind_other_writers_is_applied_in_log_order(lmdb_url):

@@ -58,7 +58,7 @@ def test_a_tensor_put_with_two_chunk_sizes_reads_back_both_ways(lmdb_url):
             np.testing.assert_array_equal(r.read_tensor(m, "w", as_numpy=True), arr)
             np.testing.assert_array_equal(r.read_tensor(m, "w", index=slice(300, 700),
                                                         as_numpy=True), arr[300:700])
-        assert small.check(deep=True)["ok"]
+        assert small.check(verify=True)["ok"]
 
 
 def test_records_of_earlier_versions_still_read(lmdb_url):

@@ -79,7 +79,7 @@ def test_create_false_is_accepted_and_ignored_by_redis(redis_server, key_prefix)
 READERS = {
     "list_tags": lambda url: checkpoint.list_tags(url),
     "latest_tag": lambda url: checkpoint.latest_tag(url),
-    "tag_info": lambda url: checkpoint.tag_info(url, "v1"),
+    "tag_manifest": lambda url: checkpoint.tag_manifest(url, "v1"),
     "check": lambda url: checkpoint.check(url),
     "check_verify": lambda url: checkpoint.check(url, verify=True),
     "gc_dry_run": lambda url: checkpoint.gc(url, dry_run=True),

@@ -12,7 +12,7 @@ import pytest
 import redis.exceptions as rex
 
 import tensorkv
-from tensorkv.embedding.tiers import redis_commit
+from tensorkv.embedding.redis import commit as redis_commit
 from tensorkv.errors import CorruptRecordError, RowLockError, StoreError
 from tensorkv.kernels import resp
 from tensorkv.stores import open_store, redis_raw

@@ -314,7 +314,7 @@ def test_bulk_load_spread_rows_are_packed_on_flush(tmp_path, monkeypatch, policy
 @pytest.mark.parametrize("device", [None, "cpu"])
 def test_arena_shrink_rows_keeps_rows_below_high_water(device):
     from tensorkv.embedding.arena import RowArena
-    from tensorkv.embedding.tiers.hbm import HBMArena
+    from tensorkv.embedding.tiers.hbm_arena import HBMArena
 
     a = RowArena(2, 2, capacity=16) if device is None else HBMArena(2, 2, capacity=16,
                                                                    device=device)

@@ -9,7 +9,8 @@ import torch
 from tensorkv.embedding.arena import RowArena
 from tensorkv.embedding.initializers import get_initializer
 from tensorkv.embedding.optimizers import get_optimizer
-from tensorkv.embedding.tiers.hbm import DRAMTier, HBMArena
+from tensorkv.embedding.tiers.dram import DRAMTier
+from tensorkv.embedding.tiers.hbm_arena import HBMArena
 from tensorkv.errors import ConfigError
 from tensorkv.kernels import arena as ak
 from tensorkv.testing.tiers import TierTests

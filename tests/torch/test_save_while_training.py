@@ -91,7 +91,7 @@ def test_module_saves_in_the_background_hold_one_training_step(tmp_path):
         th.join()
         assert not errors, errors
     for tag in tags:
-        info = tensorkv.tag_info(url, tag)["tables"]
+        info = tensorkv.tag_manifest(url, tag)["tables"]
         step = info["a.table"]["meta"]["step"]
         assert info["b.table"]["meta"]["step"] == step, f"{tag}: the tables are two steps"
         want = states[step]

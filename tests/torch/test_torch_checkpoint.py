@@ -51,8 +51,8 @@ def test_tensorkv_save_load_of_a_module_holds_tables_params_and_buffers(tmp_path
     opt = tt.Optimizer(net, dense=torch.optim.Adam(net.head.parameters()))
     train(net, opt, 5)
     tensorkv.save(net, url, "t1")
-    assert "emb.table" in tensorkv.tag_info(url, "t1")["tables"]
-    assert "norm.running_mean" in tensorkv.tag_info(url, "t1")["dense"]
+    assert "emb.table" in tensorkv.tag_manifest(url, "t1")["tables"]
+    assert "norm.running_mean" in tensorkv.tag_manifest(url, "t1")["dense"]
     fresh = Net()
     tensorkv.load(fresh, url, "t1")
     assert_same(net, fresh)
@@ -67,7 +67,7 @@ def test_incremental_saves_through_the_module(tmp_path):
     tensorkv.save(net, url, "base")
     train(net, opt, 2, first=3)
     tensorkv.save(net, url, "inc", incremental=True)
-    info = tensorkv.tag_info(url, "inc")
+    info = tensorkv.tag_manifest(url, "inc")
     assert info["incremental"] and info["parent"] == "base"
     fresh = Net()
     tensorkv.load(fresh, url, "inc")
@@ -141,7 +141,7 @@ def test_tensorkv_save_keeps_tables_out_of_the_dense_state(tmp_path):
     net = Net()
     train(net, tt.Optimizer(net, dense=torch.optim.Adam(net.head.parameters())), 2)
     tensorkv.save(net, url, "t")
-    info = tensorkv.tag_info(url, "t")
+    info = tensorkv.tag_manifest(url, "t")
     assert not any("_extra_state" in n for n in info["dense"]) and "emb.table" in info["tables"]
     assert "emb._extra_state" not in module_state(net)
     assert "emb._extra_state" in net.state_dict()  # outside the collection, rows again

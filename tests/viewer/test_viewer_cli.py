@@ -131,7 +131,7 @@ def test_show_slice_reads_only_the_chunks_it_needs(run, tmp_path):
     url = f"lmdb://{tmp_path}/chunks"
     tensorkv.save({"big": big}, url, "t", chunk_bytes=4096)  # 64 rows a chunk
     with tensorkv.open_store(url) as store:
-        chunks = tensorkv.tag_info(store, "t")["dense"]["big"]["chunks"]
+        chunks = tensorkv.tag_manifest(store, "t")["dense"]["big"]["chunks"]
         assert len(chunks) == 16
         store.delete_many([layout.chunk_key(d) for d in chunks[2:]])
     doc = _json(run("show", url, "big", "--slice", "0:128, ::2", "--head", "200", "--json"))

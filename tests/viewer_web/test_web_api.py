@@ -253,7 +253,7 @@ def test_heat_map_reads_only_the_chunks_of_its_slice():
     big = np.arange(1024 * 16, dtype=np.float32).reshape(1024, 16)
     store = tensorkv.open_store("memory://")
     tensorkv.save({"big": big}, store, tag="t", chunk_bytes=4096)  # 64 rows a chunk
-    chunks = tensorkv.tag_info(store, "t")["dense"]["big"]["chunks"]
+    chunks = tensorkv.tag_manifest(store, "t")["dense"]["big"]["chunks"]
     assert len(chunks) == 16
     store.delete_many([layout.chunk_key(d) for d in chunks[2:]])
     with TestClient(create_app(store), base_url="http://127.0.0.1") as c:

@@ -9,15 +9,17 @@ imports only modules listed before it):
 - ``manifest``, ``dense``, ``keylists``, ``staging``, ``runs``: manifests, dense chunks,
   table key lists, shards written into LevelDB/RocksDB through a stage in turns, the run
   record of a sharded save;
+- ``writer``: the record writer (:class:`~tensorkv.checkpoint.writer.BlockWriter`);
 - ``objects``, ``shards``, ``tables``: what can be saved, combining a run's shard
-  manifests, table blocks and the record writer;
+  manifests, table blocks;
 - ``refs``, ``bulk``, ``sweep``: what a tag references and owns, the restore pipeline,
   sharded saves left behind (listed, removed, verified);
 - ``steps``, ``handle``: training-step scopes, saves in flight;
 - ``save``, ``load``;
-- ``tags`` (list, delete, copy, compact, dump), then ``check`` (check, gc).
+- ``tags`` (list, delete, copy, compact, dump and import), then ``check`` (check, gc).
 
-The stable key hash and the shard of a key (:func:`tensorkv.checkpoint.layout.shard_of_keys`)
+Tables come in as :class:`~tensorkv.embedding.protocol.Table` objects. The stable key hash
+and the shard of a key (:func:`tensorkv.checkpoint.layout.shard_of_keys`)
 are in ``layout``.
 """
 
@@ -33,10 +35,10 @@ from tensorkv.checkpoint.tags import (
     delete_tag,
     dump_tag,
     expire_tag,
+    import_dump,
     latest_tag,
     list_tags,
-    restore_tag,
-    tag_info,
+    tag_manifest,
 )
 
 __all__ = [
@@ -55,8 +57,22 @@ __all__ = [
     "load",
     "merge",
     "read_tensor",
-    "restore_tag",
+    "import_dump",
     "save",
-    "tag_info",
+    "tag_manifest",
     "training_step",
 ]
+
+#: Old names kept importable for one release: old name -> new name. Each access warns.
+RENAMED = {"restore_tag": "import_dump", "tag_info": "tag_manifest"}
+
+
+def __getattr__(name: str) -> object:
+    if name in RENAMED:
+        import warnings
+
+        new = RENAMED[name]
+        warnings.warn(f"tensorkv.checkpoint.{name} is deprecated and will be removed in the next "
+                      f"release; use tensorkv.checkpoint.{new}", DeprecationWarning, stacklevel=2)
+        return globals()[new]
+    raise AttributeError(f"module 'tensorkv.checkpoint' has no attribute {name!r}")

@@ -33,7 +33,7 @@ from tensorkv.pages import FreshPages
 from tensorkv.stores.base import KVStore
 
 if TYPE_CHECKING:
-    from tensorkv.checkpoint.tables import BlockWriter
+    from tensorkv.checkpoint.writer import BlockWriter
 
 
 def is_torch_tensor(x: Any) -> bool:
@@ -239,7 +239,7 @@ def write_tensors(
 ) -> int:
     """Queue the chunks of each tensor whose digest is not in ``known``; return their bytes.
 
-    ``w`` is a :class:`tensorkv.checkpoint.tables.BlockWriter`: the chunks are written on
+    ``w`` is a :class:`tensorkv.checkpoint.writer.BlockWriter`: the chunks are written on
     its thread while the caller goes on, and are in the store once ``w.flush()`` returns.
     A chunk comes from the snapshot's copy, or its owned array; else from the live tensor,
     whose bytes must still have the digest taken at the snapshot. ``on_bytes`` is told at

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from tensorkv import config
+from tensorkv.embedding.protocol import Table
 from tensorkv.errors import SaveCancelledError, SaveInProgressError
 
 _WRITING, _PUBLISHING, _CANCELLED, _DONE = "writing", "publishing", "cancelled", "done"
@@ -37,7 +38,7 @@ class SaveHandle:
         The tag being saved.
     """
 
-    def __init__(self, tag: str, tables: Iterable[Any]) -> None:
+    def __init__(self, tag: str, tables: Iterable[Table]) -> None:
         self.tag = tag
         self.tables = list(tables)
         self._snaps: list[Any] = []

@@ -25,11 +25,12 @@ import numpy as np
 
 from tensorkv.checkpoint import layout
 from tensorkv.codec import decode, encode_parts
+from tensorkv.embedding.protocol import Table
 from tensorkv.errors import CheckpointError, CorruptRecordError
 from tensorkv.stores.base import KVStore
 
 if TYPE_CHECKING:
-    from tensorkv.checkpoint.tables import BlockWriter
+    from tensorkv.checkpoint.writer import BlockWriter
 
 KEYS_PER_PIECE = 512 * 1024  # int64 keys per key-list record (4 MiB)
 FULL = b"k"  # the shard's sorted key list at the tag
@@ -244,7 +245,7 @@ def chain_key_set(
 _CACHE: weakref.WeakKeyDictionary[Any, tuple[str, KeySet]] = weakref.WeakKeyDictionary()
 
 
-def cached(table: Any, state: str) -> KeySet | None:
+def cached(table: Table, state: str) -> KeySet | None:
     """The key set of ``table`` at checkpoint state ``state``, if this process keeps it."""
     try:
         hit = _CACHE.get(table)
@@ -253,7 +254,7 @@ def cached(table: Any, state: str) -> KeySet | None:
     return hit[1] if hit is not None and hit[0] == state else None
 
 
-def remember(table: Any, state: str, keys: KeySet) -> None:
+def remember(table: Table, state: str, keys: KeySet) -> None:
     """Keep ``keys`` as the key set of ``table`` at ``state`` (replacing any earlier one)."""
     with contextlib.suppress(TypeError):  # not weak-referenceable: nothing is kept
         _CACHE[table] = (state, keys)

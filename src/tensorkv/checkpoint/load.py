@@ -17,6 +17,7 @@ from tensorkv.checkpoint import bulk, dense, keylists, layout, manifest, tables
 from tensorkv.checkpoint.access import using_store
 from tensorkv.checkpoint.objects import SINGLE_TABLE_NAME, collect
 from tensorkv.checkpoint.progress import OnBytes, bar
+from tensorkv.embedding.protocol import Table
 from tensorkv.errors import CapacityError, CheckpointError, ShapeError
 from tensorkv.pages import FreshPages
 from tensorkv.stores.base import KVStore
@@ -178,7 +179,7 @@ def _table_items(
     return items, pos
 
 
-def _import(table: Any, pending: list[tables.Rows], presized: bool) -> None:
+def _import(table: Table, pending: list[tables.Rows], presized: bool) -> None:
     """Import staged rows so that the table grows at most once.
 
     A table built with room for every row, and a tiered table, import block by block;
@@ -199,7 +200,7 @@ def _import(table: Any, pending: list[tables.Rows], presized: bool) -> None:
 
 
 def _apply_rows(
-    table: Any, rows: list[tables.Rows | None], removed: list[np.ndarray], presized: bool = False
+    table: Table, rows: list[tables.Rows | None], removed: list[np.ndarray], presized: bool = False
 ) -> None:
     """Import staged rows into ``table`` in order, applying removals at their markers."""
     pending: list[tables.Rows] = []
@@ -259,14 +260,14 @@ def build_table(
     return t
 
 
-def _table_dim(table: Any) -> int:
+def _table_dim(table: Table) -> int:
     dim = getattr(table, "dim", None)
     if dim is None:
         dim = table.state_dict_meta()["dim"]
     return int(dim)
 
 
-def _check_slots(name: str, table: Any, rows: list[tables.Rows | None]) -> None:
+def _check_slots(name: str, table: Table, rows: list[tables.Rows | None]) -> None:
     nslots = getattr(table, "num_slots", None)
     if nslots is None:
         return
@@ -281,7 +282,7 @@ def _check_slots(name: str, table: Any, rows: list[tables.Rows | None]) -> None:
             )
 
 
-def _check_room(name: str, table: Any, rows: list[tables.Rows | None] | int) -> None:
+def _check_room(name: str, table: Table, rows: list[tables.Rows | None] | int) -> None:
     limit = getattr(table, "capacity_limit", None)
     if limit is None or getattr(table, "growth", True):
         return
@@ -294,7 +295,7 @@ def _check_room(name: str, table: Any, rows: list[tables.Rows | None] | int) -> 
         )
 
 
-def restore_meta(table: Any, meta: dict[str, Any]) -> None:
+def restore_meta(table: Table, meta: dict[str, Any]) -> None:
     """Restore the table-global state (optimizer state such as Adam's step, the table step)."""
     fn = getattr(table, "load_state_meta", None)
     if fn is not None:

@@ -10,12 +10,13 @@ import contextlib
 import json
 import threading
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 
 from tensorkv.checkpoint import layout
 from tensorkv.checkpoint.dense import is_torch_tensor
+from tensorkv.embedding.protocol import Table
 from tensorkv.errors import CheckpointError
 
 SINGLE_TABLE_NAME = "table"
@@ -27,14 +28,9 @@ _META = "/meta"
 _local = threading.local()
 
 
-def is_table(x: Any) -> bool:
-    """Whether ``x`` behaves as an EmbeddingTable (export/import_/state_dict_meta)."""
-    return (
-        not isinstance(x, type)
-        and hasattr(x, "export")
-        and hasattr(x, "import_")
-        and hasattr(x, "state_dict_meta")
-    )
+def is_table(x: Any) -> TypeGuard[Table]:
+    """Whether ``x`` is an embedding table (a :class:`~tensorkv.embedding.protocol.Table`)."""
+    return isinstance(x, Table)
 
 
 def is_module(x: Any) -> bool:

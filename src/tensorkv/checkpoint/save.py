@@ -26,7 +26,17 @@ from typing import Any, Literal, overload
 import numpy as np
 
 from tensorkv import config
-from tensorkv.checkpoint import claims, dense, keylists, layout, manifest, refs, runs, tables
+from tensorkv.checkpoint import (
+    claims,
+    dense,
+    keylists,
+    layout,
+    manifest,
+    refs,
+    runs,
+    tables,
+    writer,
+)
 from tensorkv.checkpoint.access import writeback_starter
 from tensorkv.checkpoint.handle import SaveHandle, release, reserve
 from tensorkv.checkpoint.objects import collect_parts
@@ -34,6 +44,7 @@ from tensorkv.checkpoint.progress import OnBytes, bar
 from tensorkv.checkpoint.shards import merge_if_complete
 from tensorkv.checkpoint.staging import shard_store
 from tensorkv.checkpoint.steps import StepScope, default_scope
+from tensorkv.embedding.protocol import Table
 from tensorkv.embedding.snapshot import LiveSnapshot, TableSnapshot
 from tensorkv.errors import CheckpointError, TagExistsError, UnsupportedOperationError
 from tensorkv.stores.base import KVStore
@@ -63,7 +74,7 @@ def _default_tag(step: int | None) -> str:
     return time.strftime("ckpt-%Y%m%d-%H%M%S", time.gmtime(t)) + f"-{int(t * 1e6) % 1000000:06d}"
 
 
-def _row_bytes(table: Any) -> int:
+def _row_bytes(table: Table) -> int:
     meta_dim = int(getattr(table, "dim", 0) or 0)
     nslots = 0
     opt = getattr(table, "optimizer", None)
@@ -73,7 +84,7 @@ def _row_bytes(table: Any) -> int:
 
 
 def _parent_keys(
-    store: KVStore, parent_doc: dict[str, Any], name: str, shard: str, table: Any,
+    store: KVStore, parent_doc: dict[str, Any], name: str, shard: str, table: Table,
     parent_info: dict[str, Any],
 ) -> keylists.KeySet:
     """The key set of a table shard at the parent tag.
@@ -91,7 +102,7 @@ def save_table(
     store: KVStore,
     tag: str,
     name: str,
-    table: Any,
+    table: Table,
     shard: int,
     num_shards: int,
     parent_doc: dict[str, Any] | None,
@@ -119,7 +130,7 @@ def save_table(
         otherwise the table is saved in full, with a warning.
     opts
         ``hash_tag``, ``bucket_bits``, ``block_rows`` (see :func:`save`) and optionally
-        ``after_write`` (see :class:`tensorkv.checkpoint.tables.BlockWriter`) and ``check``
+        ``after_write`` (see :class:`tensorkv.checkpoint.writer.BlockWriter`) and ``check``
         (called between chunks; raises to stop the save).
     on_bytes
         Called with the byte count of each batch written (progress), or None.
@@ -139,7 +150,7 @@ def save_table(
         snap.release()
 
 
-def _save_table(store: KVStore, tag: str, name: str, table: Any, shard: int,
+def _save_table(store: KVStore, tag: str, name: str, table: Table, shard: int,
                 parent_doc: dict[str, Any] | None, opts: dict[str, Any],
                 on_bytes: OnBytes | None, snap: TableSnapshot) -> dict[str, Any]:
     hash_tag = opts["hash_tag"]
@@ -147,7 +158,7 @@ def _save_table(store: KVStore, tag: str, name: str, table: Any, shard: int,
     chunk_rows = opts["block_rows"] << bucket_bits
     check = opts.get("check")
     prefix = layout.table_prefix(tag, name, shard, hash_tag)
-    w = tables.BlockWriter(
+    w = writer.BlockWriter(
         store, prefix, hash_tag, on_bytes, opts.get("after_write"), owner=table
     )
     seq = snap.mutation_seq
@@ -503,7 +514,7 @@ def save(
     -----
     Memory kept after a save, with the saved table objects (released when they are): each
     table's sorted key set at the saved state (8 bytes per key), so the next incremental save
-    does not read it back, and record buffers, at most ``tables.KEEP_BYTES`` (320 MB) over all
+    does not read it back, and record buffers, at most ``writer.KEEP_BYTES`` (320 MB) over all
     tables, so the next save reuses memory instead of touching fresh pages. While a save
     writes, its snapshot holds memory: the dense tensors' copies, 10 bytes per row of tier 0,
     the rows training changes before the save has read them (at most one copy of tier 0),
@@ -736,7 +747,7 @@ def _write_records(
     Fills ``doc["dense"]`` and ``doc["tables"]``; a failure stops both writers first.
     """
     shard_i, nshards = shard
-    dense_w = tables.BlockWriter(store, b"", None, on_bytes, opts["after_write"])
+    dense_w = writer.BlockWriter(store, b"", None, on_bytes, opts["after_write"])
 
     doc["dense"] = {name: d.entry for name, d in dense_s.items()}  # hashed in the snapshot
 

@@ -91,7 +91,7 @@ def latest_tag(url: str | KVStore) -> str | None:
     return names[-1] if names else None
 
 
-def tag_info(url: str | KVStore, tag: str = "latest") -> dict[str, Any]:
+def tag_manifest(url: str | KVStore, tag: str = "latest") -> dict[str, Any]:
     """The manifest of a tag (a dict; see docs/format.md)."""
     with using_store(url, create=False) as store:
         return manifest.read(store, tag)
@@ -376,8 +376,8 @@ def dump_tag(url: str | KVStore, tag: str, path: str) -> int:
     return written
 
 
-def restore_tag(path: str, url: str | KVStore, tag: str | None = None) -> str:
-    """Restore a tag written by :func:`dump_tag` into a store (optionally under a new name).
+def import_dump(path: str, url: str | KVStore, tag: str | None = None) -> str:
+    """Import a tag from a file :func:`dump_tag` wrote into a store (optionally renamed).
 
     The whole file is verified (checksums, end marker) before the manifest is written.
     """

@@ -164,12 +164,17 @@ def gc_cmd(url: str, providers: tuple[str, ...], grace: float, as_json: bool) ->
 
 @repo.command("check")
 @_common
-@click.option("--deep", is_flag=True, help="Also read every chunk and verify its checksum.")
+@click.option("--verify", is_flag=True, help="Also read every chunk and verify its checksum.")
+@click.option("--deep", is_flag=True, hidden=True, help="The old name of --verify.")
 @_json_opt
-def check_cmd(url: str, providers: tuple[str, ...], deep: bool, as_json: bool) -> None:
+def check_cmd(url: str, providers: tuple[str, ...], verify: bool, deep: bool,
+              as_json: bool) -> None:
     """Verify manifests, chunks and reference counts (exit status 1 on a problem)."""
+    if deep:
+        click.echo("--deep is deprecated and will be removed in the next release; use --verify",
+                   err=True)
     with _open(url, providers) as r:
-        rep = r.check(deep=deep)
+        rep = r.check(verify=verify or deep)
     if as_json:
         click.echo(json.dumps(rep, indent=2))
     else:

@@ -17,7 +17,7 @@ import time
 import warnings
 from typing import Any
 
-from tensorkv.checkpoint import delete_tag, list_tags, load, save, tag_info
+from tensorkv.checkpoint import delete_tag, list_tags, load, save, tag_manifest
 from tensorkv.distributed.ops import Ledger
 from tensorkv.embedding.table import EmbeddingTable
 from tensorkv.errors import ConfigError, import_optional
@@ -100,7 +100,7 @@ class ShardStore:
         if not tags:
             return False
         tag = max(tags)
-        doc = tag_info(self.url, tag)
+        doc = tag_manifest(self.url, tag)
         meta = doc.get("metadata") or {}
         specs = pickle.loads(base64.b64decode(meta["specs"]))
         self.tables = {n: self._build(n, s) for n, s in specs.items()}
@@ -117,7 +117,7 @@ class ShardStore:
 
     def _load_from(self, url: str, tag: str) -> None:
         """Fill the tables from shard ``index`` of ``num_shards`` of a (sharded) checkpoint."""
-        doc = tag_info(url, tag)
+        doc = tag_manifest(url, tag)
         meta = doc.get("metadata") or {}
         specs = pickle.loads(base64.b64decode(meta["ps_specs"])) if "ps_specs" in meta else {}
         for n, ent in doc["tables"].items():
@@ -223,7 +223,7 @@ class ShardStore:
         afterwards. Clients must be idle (their logs are not replayed across it).
         """
         self.requests += 1
-        doc = tag_info(url, tag)
+        doc = tag_manifest(url, tag)
         meta = doc.get("metadata") or {}
         specs = pickle.loads(base64.b64decode(meta["ps_specs"])) if "ps_specs" in meta else {}
         if saved_as is not None and names is not None:  # one table, saved under that name

@@ -742,12 +742,12 @@ class ShardedEmbeddingTable:
         ``tensorkv.load(table, url, tag)`` calls this: each shard reads only its own keys.
         The tag must hold one table (any name), or one named as this table.
         """
-        from tensorkv.checkpoint import tag_info
+        from tensorkv.checkpoint import tag_manifest
 
         ray = ray_module()
         self._mutating()
         tag = resolve_tag(url, tag)
-        names = sorted(tag_info(url, tag)["tables"])
+        names = sorted(tag_manifest(url, tag)["tables"])
         saved = self.name if self.name in names else names[0] if len(names) == 1 else None
         if saved is None:
             raise ConfigError(f"tag {tag!r} holds tables {names}; load one of them with "

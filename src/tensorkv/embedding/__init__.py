@@ -1,9 +1,11 @@
 """Dynamic embedding tables.
 
-:class:`EmbeddingTable` (``table.py``) is the one table class: DRAM-only, tiered or on a GPU.
-Its rows live in a row arena (``arena.py``) or a tier chain (``chain/``, tier engines in
-``tiers/``); optimizers, initializers, admission filters, eviction rules and storage options
-plug into it. See docs/internals.md and docs/tiers.md.
+:class:`EmbeddingTable` (``table.py``) is the one table class: DRAM-only, tiered, on a GPU or
+in Redis; every table satisfies :class:`~tensorkv.embedding.protocol.Table`. It holds its
+rows through a row backend (``backend.py``): one arena (``rows.py``, tier 0 in ``arena.py``),
+a tier chain (``chain/``, tier engines in ``tiers/``) or Redis (``redis/``). Optimizers,
+initializers, admission filters, eviction rules and storage options plug into it. See
+docs/internals.md ("Where the code lives") and docs/tiers.md.
 """
 
 from tensorkv.embedding.chain.specs import DRAM, HBM, KV, PMEM, SSDHash, StorageOption
@@ -24,8 +26,8 @@ from tensorkv.embedding.optimizers import (
     Adagrad,
     Adam,
     AdamW,
-    Optimizer,
     RMSProp,
+    TableOptimizer,
     get_optimizer,
 )
 from tensorkv.embedding.table import EmbeddingTable
@@ -48,10 +50,10 @@ __all__ = [
     "ExportChunk",
     "Initializer",
     "Normal",
-    "Optimizer",
     "RMSProp",
     "SSDHash",
     "StorageOption",
+    "TableOptimizer",
     "TruncatedNormal",
     "Uniform",
     "Zeros",
@@ -62,6 +64,8 @@ __all__ = [
 # Names kept importable for one release; each access warns.
 _DEPRECATED = {
     "KVTier": ("KV", "tensorkv.KV (the KV tier spec)"),
+    "Optimizer": ("TableOptimizer", "tensorkv.embedding.TableOptimizer (tensorkv.torch.Optimizer "
+                  "is the optimizer of a torch model)"),
     "TieredEmbeddingTable": ("EmbeddingTable", "tensorkv.EmbeddingTable(dim, storage=...)"),
 }
 

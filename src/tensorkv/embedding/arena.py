@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from tensorkv import config
-from tensorkv.embedding.growable import prefault_enabled, resized
+from tensorkv.embedding.growable import prefault_enabled, resized_all
 from tensorkv.errors import CapacityError, ConfigError
 from tensorkv.kernels import arena as ak
 from tensorkv.kernels import hashindex as hk
@@ -171,10 +171,13 @@ class RowArena:
         self.values = np.zeros((cap, self.dim), np.uint16 if self.raw else np.float32)
         self.slots = np.zeros((cap, self.slot_width), np.float32)
 
-    def _resize_row_arrays(self, new: int) -> None:
-        """Resize ``values`` and ``slots`` to ``new`` rows, keeping the contents that fit."""
-        for name in ("values", "slots"):
-            setattr(self, name, resized(getattr(self, name), new))
+    def _resized_row_arrays(self, new: int) -> list[Any]:
+        """``values`` and ``slots`` resized to ``new`` rows (the hook a device arena overrides).
+
+        Allocates every new array before changing any, and leaves both as they were when an
+        allocation fails; the caller swaps the results in.
+        """
+        return resized_all([self.values, self.slots], new)
 
     def _alloc(self, cap: int) -> None:
         cap = max(int(cap), 1)
@@ -245,9 +248,14 @@ class RowArena:
     def _resize_rows(self, new: int) -> None:
         """Resize every per-row array to ``new`` rows (grow or shrink, contents kept)."""
         with self.resize_guard:  # the arrays move: no other thread may be reading them
-            self._resize_row_arrays(new)
-            for name in ("freq", "version", "seq", "row_key", "live"):
-                setattr(self, name, resized(getattr(self, name), new))
+            # every array is allocated before any is swapped in: an allocation that fails
+            # (out of memory) leaves all of them as they were, never different sizes
+            values, slots = self._resized_row_arrays(new)
+            meta = ("freq", "version", "seq", "row_key", "live")
+            host = resized_all([getattr(self, name) for name in meta], new)
+            self.values, self.slots = values, slots
+            for name, arr in zip(meta, host, strict=True):
+                setattr(self, name, arr)
 
     def shrink_rows(self, rows: int) -> int:
         """Give back row capacity above ``rows`` (never below :attr:`high_water`).
@@ -574,7 +582,7 @@ class RowArena:
         """One optimizer step on distinct ``rows`` with summed ``grads`` (float32 ``[m, dim]``).
 
         16-bit rows are updated as float32 copies and rounded back into storage. ``parallel``
-        and ``split`` are passed to :meth:`~tensorkv.embedding.optimizers.Optimizer.apply`.
+        and ``split`` are passed to :meth:`~tensorkv.embedding.optimizers.TableOptimizer.apply`.
         """
         if rows.size == 0:
             return

@@ -8,18 +8,38 @@ docs/internals.md ("Bulk loads and page hints").
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from tensorkv.embedding.arena import RowArena
-from tensorkv.embedding.chunks import nonfinite_rows
+from tensorkv.embedding.chunks import ChunkArrays, nonfinite_rows
 from tensorkv.errors import CapacityError, ConfigError, ShapeError
 from tensorkv.pages import FreshPages
 
-if TYPE_CHECKING:
-    from tensorkv.embedding.chunks import ChunkArrays
-    from tensorkv.embedding.table import EmbeddingTable
+
+class BulkTarget(Protocol):
+    """What a :class:`BulkImport` needs of the table it builds rows for (an EmbeddingTable)."""
+
+    @property
+    def arena(self) -> RowArena:
+        """Tier 0: the arena whose settings the new one copies."""
+
+    @property
+    def mutation_seq(self) -> int:
+        """The table's change counter."""
+
+    def as_keys(self, keys: Any) -> np.ndarray:
+        """Keys as the table stores them."""
+
+    def check_chunk(self, chunk: Any, what: str = ...) -> ChunkArrays:
+        """A chunk's arrays checked against the table."""
+
+    def keep_finite(self, keys: np.ndarray, bad: np.ndarray, what: str) -> np.ndarray | None:
+        """Rows to keep under the table's ``nan_policy``."""
+
+    def adopt_rows(self, arena: RowArena, seq: int, skipped: int = 0) -> None:
+        """Replace every row of the table with those of ``arena``."""
 
 
 class BulkImport:
@@ -40,7 +60,7 @@ class BulkImport:
     time; :meth:`commit` releases them.
     """
 
-    def __init__(self, table: EmbeddingTable, positions: int) -> None:
+    def __init__(self, table: BulkTarget, positions: int) -> None:
         self.table = table
         self.positions = positions
         a = RowArena.for_bulk_load(table.arena, positions)
@@ -84,7 +104,7 @@ class BulkImport:
         keys, values, slots, freq, version = self._check(start, chunk)
         a = self._arena
         m = keys.shape[0]
-        keep = self.table._keep_finite(keys, nonfinite_rows(values, slots, a.np_dtype),
+        keep = self.table.keep_finite(keys, nonfinite_rows(values, slots, a.np_dtype),
                                        "bulk import")
         if keep is not None:  # the kept rows first, in order; the rest of the range stays empty
             keys, values, slots = keys[keep], values[keep], slots[keep]
@@ -175,4 +195,4 @@ class BulkImport:
         self._done = True
 
 
-__all__ = ["BulkImport"]
+__all__ = ["BulkImport", "BulkTarget"]

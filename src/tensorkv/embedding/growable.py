@@ -14,7 +14,8 @@ The rows a growing array will use next are faulted in ahead by one background th
 it never races with the rows being written): the inserting thread then writes into memory
 that is already there. ``TENSORKV_PREFAULT=0`` turns this off.
 
-Outside Linux, and for small arrays, it falls back to ``ndarray.resize``.
+Outside Linux, and for small arrays, it falls back to ``ndarray.resize``. :func:`resized_all`
+resizes several arrays all or nothing: every allocation happens before any array changes.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import mmap
 import queue
 import sys
 import threading
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -129,41 +131,88 @@ def _prefault(m: _Reservation, used: int, step: int) -> None:
         _prefaulter.jobs.put((m, stop))
 
 
-def resized(arr: np.ndarray, rows: int) -> np.ndarray:
-    """``arr`` with ``rows`` entries along axis 0: contents kept, new rows zero.
+def _small(arr: np.ndarray, rows: int) -> bool:
+    """Whether ``arr`` at ``rows`` rows stays out of reservations (small, or not Linux)."""
+    need = int(rows) * math.prod(arr.shape[1:]) * arr.itemsize
+    return need < MIN_BYTES or not sys.platform.startswith("linux")
 
-    May return ``arr`` itself (resized in place) or a new array: callers keep the result and
-    drop references to the old array, whose memory may no longer hold the rows' current
-    values after a move to a larger reservation.
+
+def _prepare(arr: np.ndarray, rows: int) -> Callable[[], np.ndarray]:
+    """Allocate what resizing ``arr`` to ``rows`` needs; return the step that finishes it.
+
+    Nothing of ``arr`` changes here, so an allocation that fails leaves it as it was. The
+    returned step allocates nothing: it copies or re-views the contents and returns the
+    resized array (``arr`` must not be used afterwards).
     """
     rows = int(rows)
     per_row = math.prod(arr.shape[1:])
     shape = (rows, *arr.shape[1:])
     need = rows * per_row * arr.itemsize
-    m = _mapping(arr)
-    if m is None and (need < MIN_BYTES or not sys.platform.startswith("linux")):
-        arr.resize(shape, refcheck=False)
-        return arr
     old = arr.shape[0]
+    keep = min(old, rows)
+    m = _mapping(arr)
+    if m is None and _small(arr, rows):
+        small = np.zeros(shape, arr.dtype)
+
+        def copy_small() -> np.ndarray:
+            small[:keep] = arr[:keep]
+            return small
+
+        return copy_small
     old_bytes = old * per_row * arr.itemsize
     if m is not None and need <= len(m):
-        if rows < old:  # zero what is given up: a later growth must find zero rows
-            arr[rows:old] = 0
-            lo = -(-need // _PAGE) * _PAGE
-            hi = old_bytes // _PAGE * _PAGE
-            if hi > lo:
-                m.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
-                m.populated = min(m.populated, lo)
-        else:
-            _prefault(m, need, need - old_bytes)
-        return np.frombuffer(m, arr.dtype, count=rows * per_row).reshape(shape)
-    m = _reserve(need)
-    out = np.frombuffer(m, arr.dtype, count=rows * per_row).reshape(shape)
-    keep = min(old, rows)
-    out[:keep] = arr[:keep]
-    m.populated = keep * per_row * arr.itemsize // _PAGE * _PAGE
-    _prefault(m, need, need - old_bytes)
-    return out
+        within = m
+
+        def view() -> np.ndarray:
+            if rows < old:  # zero what is given up: a later growth must find zero rows
+                arr[rows:old] = 0
+                lo = -(-need // _PAGE) * _PAGE
+                hi = old_bytes // _PAGE * _PAGE
+                if hi > lo:
+                    within.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+                    within.populated = min(within.populated, lo)
+            else:
+                _prefault(within, need, need - old_bytes)
+            return np.frombuffer(within, arr.dtype, count=rows * per_row).reshape(shape)
+
+        return view
+    fresh = _reserve(need)
+    out = np.frombuffer(fresh, arr.dtype, count=rows * per_row).reshape(shape)
+
+    def copy_into_reservation() -> np.ndarray:
+        out[:keep] = arr[:keep]
+        fresh.populated = keep * per_row * arr.itemsize // _PAGE * _PAGE
+        _prefault(fresh, need, need - old_bytes)
+        return out
+
+    return copy_into_reservation
 
 
-__all__ = ["MIN_BYTES", "RESERVE_FACTOR", "prefault_enabled", "resized"]
+def resized_all(arrays: Sequence[np.ndarray], rows: int) -> list[np.ndarray]:
+    """Each of ``arrays`` with ``rows`` entries along axis 0: contents kept, new rows zero.
+
+    Every new array is allocated before any of ``arrays`` changes: when an allocation fails
+    (``MemoryError``, ``OSError``), every array is left as it was, so arrays that must keep
+    the same number of rows never end up with different ones. Each result may be the old
+    array's memory (re-viewed in its reservation) or a new array: callers keep the results
+    and drop their references to the old arrays.
+    """
+    finish = [_prepare(a, rows) for a in arrays]
+    return [f() for f in finish]
+
+
+def resized(arr: np.ndarray, rows: int) -> np.ndarray:
+    """``arr`` with ``rows`` entries along axis 0: contents kept, new rows zero.
+
+    May return ``arr`` itself (a small array, resized in place) or a new array: callers keep
+    the result and drop references to the old array, whose memory may no longer hold the rows'
+    current values after a move to a larger reservation. Arrays that must keep the same
+    number of rows are resized together with :func:`resized_all`.
+    """
+    if _mapping(arr) is None and _small(arr, rows):
+        arr.resize((int(rows), *arr.shape[1:]), refcheck=False)
+        return arr
+    return _prepare(arr, rows)()
+
+
+__all__ = ["MIN_BYTES", "RESERVE_FACTOR", "prefault_enabled", "resized", "resized_all"]

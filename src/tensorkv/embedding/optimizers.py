@@ -1,7 +1,7 @@
 """Sparse optimizers for dynamic embedding tables.
 
 :class:`SGD`, :class:`Adagrad`, :class:`Adam`, :class:`AdamW`, :class:`FTRL` and
-:class:`RMSProp` (base class :class:`Optimizer`, built by :func:`get_optimizer`) update only
+:class:`RMSProp` (base class :class:`TableOptimizer`, built by :func:`get_optimizer`) update only
 the rows a batch touched, in numba kernels that follow torch's float32 arithmetic. Semantics,
 slots and the global step: docs/internals.md ("Sparse optimizers").
 """
@@ -43,7 +43,7 @@ __all__ = [
     "AdamW",
     "ConstantLR",
     "ExponentialDecay",
-    "Optimizer",
+    "TableOptimizer",
     "RMSProp",
     "Schedule",
     "WarmupCosine",
@@ -67,7 +67,7 @@ def _check_lr(owner: str, lr: Any) -> float | Callable[[int], float]:
 
 
 # --- the base class ----------------------------------------------------------------------------
-class Optimizer:
+class TableOptimizer:
     """Base class of the sparse optimizers.
 
     Subclasses set :attr:`name` and the kernel they run, declare their slots, and turn the
@@ -148,14 +148,14 @@ class Optimizer:
         return {"name": self.name, "lr": lr_cfg, **self.hyperparameters()}
 
     @classmethod
-    def from_config(cls, cfg: Mapping, **overrides: Any) -> Optimizer:
+    def from_config(cls, cfg: Mapping, **overrides: Any) -> TableOptimizer:
         """Rebuild an optimizer from :meth:`config`'s dict; ``overrides`` replace entries.
 
-        Called on :class:`Optimizer` it dispatches on ``cfg["name"]``; called on a subclass
+        Called on :class:`TableOptimizer` it dispatches on ``cfg["name"]``; called on a subclass
         the name must match.
         """
         opt = optimizer_from_config(cfg, **overrides)
-        if cls is not Optimizer and not isinstance(opt, cls):
+        if cls is not TableOptimizer and not isinstance(opt, cls):
             raise ConfigError(f"config names optimizer {opt.name!r}, not {cls.name!r}")
         return opt
 
@@ -163,7 +163,7 @@ class Optimizer:
         """Return the optimizer-global state (the global step), JSON-serialisable."""
         return {"name": self.name, "step": self._step}
 
-    def copy(self) -> Optimizer:
+    def copy(self) -> TableOptimizer:
         """Return an independent optimizer: same hyper-parameters, learning rate and state.
 
         A table keeps a copy of the optimizer it is given (so one object may configure many
@@ -303,7 +303,7 @@ def _check_arena(what: str, arr: Any) -> None:
 
 
 # --- the optimizers ----------------------------------------------------------------------------
-class SGD(Optimizer):
+class SGD(TableOptimizer):
     """Plain stochastic gradient descent: ``p -= lr * g`` (``torch.optim.SGD``, no momentum).
 
     Parameters
@@ -322,7 +322,7 @@ class SGD(Optimizer):
         return (_F32(-lr),)
 
 
-class Adagrad(Optimizer):
+class Adagrad(TableOptimizer):
     """Adagrad with ``torch.optim.Adagrad`` semantics, on the touched rows only.
 
     ``s += g*g;  p -= clr * g / (sqrt(s) + eps)`` with ``clr = lr / (1 + (t-1) * lr_decay)``
@@ -382,7 +382,7 @@ def _betas(owner: str, betas: Any) -> tuple[float, float]:
     return check_unit(owner, "betas[0]", b1), check_unit(owner, "betas[1]", b2)
 
 
-class Adam(Optimizer):
+class Adam(TableOptimizer):
     """Lazy Adam with ``torch.optim.SparseAdam`` semantics.
 
     Only the touched rows' moments move; bias correction uses the global step ``t``::
@@ -461,7 +461,7 @@ class AdamW(Adam):
                 _F32((1 - b2**t) ** 0.5), _F32(self.eps), _F32(-(lr / (1 - b1**t))))
 
 
-class FTRL(Optimizer):
+class FTRL(TableOptimizer):
     """FTRL-Proximal with TensorFlow's ``ApplyFtrlV2`` formula (as DeepRec uses it).
 
     With accumulator ``n``, linear term ``z`` and ``p = lr_power``::
@@ -531,7 +531,7 @@ class FTRL(Optimizer):
                 _F32(2 * self.l2_shrinkage), float(-self.lr_power), self.lr_power == -0.5)
 
 
-class RMSProp(Optimizer):
+class RMSProp(TableOptimizer):
     """RMSprop with ``torch.optim.RMSprop`` semantics, on the touched rows only.
 
     ``v = alpha*v + (1-alpha)*g*g``; centered: ``a = lerp(a, g, 1-alpha)`` and the
@@ -594,14 +594,14 @@ class RMSProp(Optimizer):
 
 
 # --- lookup by name ----------------------------------------------------------------------------
-OPTIMIZERS: dict[str, type[Optimizer]] = {
+OPTIMIZERS: dict[str, type[TableOptimizer]] = {
     cls.name: cls for cls in (SGD, Adagrad, Adam, AdamW, FTRL, RMSProp)
 }
 _ALIASES = {"sparse_adam": "adam", "sparseadam": "adam", "lazy_adam": "adam",
             "lazyadam": "adam", "ftrl_proximal": "ftrl", "rms_prop": "rmsprop"}
 
 
-def _lookup(name: str) -> type[Optimizer]:
+def _lookup(name: str) -> type[TableOptimizer]:
     key = name.strip().lower().replace("-", "_")
     key = _ALIASES.get(key, key)
     if key not in OPTIMIZERS:
@@ -609,7 +609,7 @@ def _lookup(name: str) -> type[Optimizer]:
     return OPTIMIZERS[key]
 
 
-def _construct(cls: type[Optimizer], kwargs: Mapping[str, Any]) -> Optimizer:
+def _construct(cls: type[TableOptimizer], kwargs: Mapping[str, Any]) -> TableOptimizer:
     accepted = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
     unknown = sorted(set(kwargs) - set(accepted))
     if unknown:
@@ -617,8 +617,8 @@ def _construct(cls: type[Optimizer], kwargs: Mapping[str, Any]) -> Optimizer:
     return cls(**kwargs)
 
 
-def optimizer_from_config(cfg: Mapping, **overrides: Any) -> Optimizer:
-    """Rebuild an optimizer from :meth:`Optimizer.config`'s dict (``overrides`` win)."""
+def optimizer_from_config(cfg: Mapping, **overrides: Any) -> TableOptimizer:
+    """Rebuild an optimizer from :meth:`TableOptimizer.config`'s dict (``overrides`` win)."""
     if not isinstance(cfg, Mapping) or "name" not in cfg:
         raise ConfigError(f"optimizer config {cfg!r} is not a dict with a 'name' entry")
     kwargs = {k: v for k, v in cfg.items() if k != "name"}
@@ -626,22 +626,22 @@ def optimizer_from_config(cfg: Mapping, **overrides: Any) -> Optimizer:
     return _construct(_lookup(str(cfg["name"])), kwargs)
 
 
-def get_optimizer(name_or_obj: str | Optimizer | Mapping | type[Optimizer] | None = None,
-                  **kwargs: Any) -> Optimizer:
+def get_optimizer(name_or_obj: str | TableOptimizer | Mapping | type[TableOptimizer] | None = None,
+                  **kwargs: Any) -> TableOptimizer:
     """Resolve an optimizer from a name, a config dict, a class or an instance.
 
     Parameters
     ----------
-    name_or_obj : str, dict, Optimizer subclass, Optimizer or None
+    name_or_obj : str, dict, TableOptimizer subclass, TableOptimizer or None
         ``"sgd"``, ``"adagrad"``, ``"adam"`` (also ``"sparse_adam"``), ``"adamw"``,
-        ``"ftrl"``, ``"rmsprop"``; a :meth:`Optimizer.config` dict; a class; an instance
+        ``"ftrl"``, ``"rmsprop"``; a :meth:`TableOptimizer.config` dict; a class; an instance
         (returned as is); ``None`` gives ``SGD`` (lr 0.01 unless given).
     **kwargs
         Constructor options (or overrides of a config dict's entries).
 
     Returns
     -------
-    Optimizer
+    TableOptimizer
 
     Examples
     --------
@@ -650,7 +650,7 @@ def get_optimizer(name_or_obj: str | Optimizer | Mapping | type[Optimizer] | Non
     """
     if name_or_obj is None:
         return _construct(SGD, kwargs)
-    if isinstance(name_or_obj, Optimizer):
+    if isinstance(name_or_obj, TableOptimizer):
         if kwargs:
             raise ConfigError(f"options {sorted(kwargs)} cannot be applied to an existing "
                               f"{type(name_or_obj).__name__}; pass them to its constructor")
@@ -659,7 +659,18 @@ def get_optimizer(name_or_obj: str | Optimizer | Mapping | type[Optimizer] | Non
         return _construct(_lookup(name_or_obj), kwargs)
     if isinstance(name_or_obj, Mapping):
         return optimizer_from_config(name_or_obj, **kwargs)
-    if isinstance(name_or_obj, type) and issubclass(name_or_obj, Optimizer):
+    if isinstance(name_or_obj, type) and issubclass(name_or_obj, TableOptimizer):
         return _construct(name_or_obj, kwargs)
     raise ConfigError(f"cannot make an optimizer from {name_or_obj!r}; pass a name "
                       f"({sorted(OPTIMIZERS)}), a config dict, a class or an instance")
+
+
+def __getattr__(name: str) -> object:
+    if name == "Optimizer":  # the old name, kept importable for one release
+        import warnings
+
+        warnings.warn("tensorkv.embedding.optimizers.Optimizer is deprecated and will be removed "
+                      "in the next release; use TableOptimizer (tensorkv.torch.Optimizer is the "
+                      "optimizer of a torch model)", DeprecationWarning, stacklevel=2)
+        return TableOptimizer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

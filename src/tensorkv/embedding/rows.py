@@ -1,9 +1,8 @@
-"""Where a table's rows live: :class:`ArenaRows`, every row resident in one arena.
+"""The row backend of a table whose rows are all in one arena: :class:`ArenaBackend`.
 
-The table runs its logic on tier 0 and asks its *rows* object for everything that depends on
-what lies below: :class:`ArenaRows` (DRAM only, every hook trivial) or
-:class:`~tensorkv.embedding.chain.rows.ChainRows` (a tier chain); it never branches on which.
-See docs/tiers.md ("Tier chains").
+Every hook of :class:`~tensorkv.embedding.backend.RowBackend` is trivial here (a DRAM or HBM
+table); the tier chain's and the Redis table's backends build on it. See docs/tiers.md
+("Tier chains").
 """
 
 from __future__ import annotations
@@ -15,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from tensorkv.embedding.arena import RowArena
+from tensorkv.embedding.backend import RowBackend
 from tensorkv.embedding.chunks import ExportChunk, Place, place_chunks
 from tensorkv.embedding.filters import Eviction
 from tensorkv.embedding.locks import RWLock
@@ -23,10 +23,10 @@ from tensorkv.errors import SnapshotInProgressError
 from tensorkv.kernels import arena as ak
 
 _NO_KEYS = np.empty(0, np.int64)
-#: Lookups of more keys are not remembered by :meth:`ArenaRows.note_lookup` (a copy each).
+#: Lookups of more keys are not remembered by :meth:`ArenaBackend.note_lookup` (a copy each).
 HINT_MAX_KEYS = 1 << 20
 
-class ArenaRows:
+class ArenaBackend(RowBackend):
     """A table's rows, all in one arena (a DRAM table).
 
     Parameters
@@ -44,7 +44,7 @@ class ArenaRows:
         A context manager entered around each whole operation (a no-op here: operations of
         a DRAM table run concurrently under :attr:`lock`).
     parallel, split
-        How the optimizer kernel runs (``Optimizer.apply`` arguments; defaults here).
+        How the optimizer kernel runs (``TableOptimizer.apply`` arguments; defaults here).
     """
 
     #: Whether rows may live below tier 0.
@@ -64,7 +64,7 @@ class ArenaRows:
 
         Called inside :attr:`op`, before anything changes. A backend that must not write
         (a read-only Redis table) raises here; one whose writes can fail after the table's
-        logic ran puts ``table``'s step back then (:mod:`tensorkv.embedding.chain.redis_rows`).
+        logic ran puts ``table``'s step back then (:mod:`tensorkv.embedding.redis.rows`).
         Nothing to do here.
         """
 
@@ -242,8 +242,8 @@ class ArenaRows:
         A subclass that brings its own ``export`` returns None unless it implements this
         too: the table then falls back to a :class:`~tensorkv.embedding.snapshot.LiveSnapshot`.
         """
-        if type(self).export is not ArenaRows.export or \
-                type(self).export_into is not ArenaRows.export_into:
+        if type(self).export is not ArenaBackend.export or \
+                type(self).export_into is not ArenaBackend.export_into:
             return None
         a = self.arena
         if a.snap is not None:
@@ -282,8 +282,5 @@ class ArenaRows:
     def add_meta(self, meta: dict[str, Any]) -> None:
         """Add the storage description to the table's metadata (none here)."""
 
-    def check_restore(self, meta: dict[str, Any]) -> None:
-        """Refuse a checkpoint's table metadata that needs rows these rows lost (none here)."""
 
-
-__all__ = ["ArenaRows", "Place", "place_chunks"]
+__all__ = ["ArenaBackend", "Place", "place_chunks"]

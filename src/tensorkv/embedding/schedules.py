@@ -64,7 +64,8 @@ class Schedule:
     """A learning rate as a function of the table's step; subclasses are JSON-serialisable.
 
     Any callable ``lr(step) -> float`` may be passed as an optimizer's ``lr``; subclasses of
-    this class additionally survive :meth:`Optimizer.config` / :meth:`Optimizer.from_config`.
+    this class additionally survive :meth:`TableOptimizer.config` /
+    :meth:`TableOptimizer.from_config`.
     """
 
     kind: ClassVar[str] = ""

@@ -384,7 +384,7 @@ class LiveSnapshot(TableSnapshot):
 class RowsSnapshot(TableSnapshot):
     """The snapshot of a table whose rows live in a row arena and, optionally, a tier chain.
 
-    Made by :meth:`~tensorkv.embedding.rows.ArenaRows.open_snapshot` inside the table's
+    Made by :meth:`~tensorkv.embedding.rows.ArenaBackend.open_snapshot` inside the table's
     barrier.
 
     Parameters

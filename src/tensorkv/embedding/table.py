@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from tensorkv.embedding.arena import STORAGE_DTYPES, RowArena
+from tensorkv.embedding.backend import RowBackend
 from tensorkv.embedding.chain import open_rows, resolve_storage
 from tensorkv.embedding.chain.tierchain import DEFAULT_MAX_PENDING_BYTES
 from tensorkv.embedding.chunks import ExportChunk, nonfinite_rows
@@ -23,7 +24,7 @@ from tensorkv.embedding.filters import AdmissionFilter, Eviction, admission_from
 from tensorkv.embedding.initializers import Initializer, get_initializer
 from tensorkv.embedding.keys import as_int64_keys
 from tensorkv.embedding.optimizers import get_optimizer
-from tensorkv.embedding.rows import ArenaRows
+from tensorkv.embedding.rows import ArenaBackend
 from tensorkv.embedding.scratch import Scratch
 from tensorkv.embedding.table_io import TableIO, is_int
 from tensorkv.errors import (
@@ -166,7 +167,7 @@ class EmbeddingTable(TableIO):
         self._slot_init = np.asarray(self.optimizer.slot_initial_values(), np.float32)
         self.num_slots = len(self.optimizer.slot_names())
         if self.storage is None:
-            self._rows: ArenaRows = ArenaRows(RowArena(
+            self._rows: RowBackend = ArenaBackend(RowArena(
                 self.dim, self.num_slots * self.dim, capacity=capacity, growth=growth,
                 dtype=self.dtype))
         else:
@@ -528,11 +529,6 @@ class EmbeddingTable(TableIO):
             self.arena.check_room(max(0, int(n_keys) - len(self.arena)))
             self.arena.reserve(int(n_keys))
 
-    @property
-    def mutation_seq(self) -> int:
-        """Counter bumped by every mutating call; rows remember the value of their last change."""
-        return self._mseq
-
     def apply_gradients(self, keys: Any, grads: Any, step: int | None = None, *,
                         unique: bool = False) -> int:
         """Apply one sparse optimizer step to the rows of ``keys``.
@@ -642,7 +638,7 @@ class EmbeddingTable(TableIO):
                 f"values have shape {v.shape} and dtype {v.dtype}; {k.shape[0]} keys need a "
                 f"float array of shape ({k.shape[0]}, {self.dim})"
             )
-        keep = self._keep_finite(k, nonfinite_rows(v, None, self.arena.np_dtype), "upsert")
+        keep = self.keep_finite(k, nonfinite_rows(v, None, self.arena.np_dtype), "upsert")
         n_skip = 0
         if keep is not None:
             k, v, n_skip = k[keep], v[keep], k.shape[0] - int(keep.sum())

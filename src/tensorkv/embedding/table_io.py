@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Self, cast
 import numpy as np
 
 from tensorkv.embedding.arena import RowArena
+from tensorkv.embedding.backend import RowBackend
 from tensorkv.embedding.chunks import (
     ChunkArrays,
     ExportChunk,
@@ -22,14 +23,13 @@ from tensorkv.embedding.chunks import (
     is_single_chunk,
     nonfinite_rows,
 )
-from tensorkv.embedding.rows import ArenaRows, Place
+from tensorkv.embedding.rows import Place
 from tensorkv.embedding.snapshot import LiveSnapshot, TableSnapshot
 from tensorkv.embedding.tiers.base import check_chunk_rows
 from tensorkv.errors import ConfigError, NonFiniteValueError, UnsupportedOperationError
 
 if TYPE_CHECKING:
     from tensorkv.embedding.bulk import BulkImport
-    from tensorkv.embedding.table import EmbeddingTable
 
 #: Version of the dict :meth:`TableIO.state_dict_meta` returns.
 META_FORMAT = 1
@@ -54,7 +54,7 @@ class TableIO:
     initializer: Any
     admission: Any
     eviction: Any
-    _rows: ArenaRows
+    _rows: RowBackend
     _lock: Any
     _meta_lock: threading.Lock
     _default: np.ndarray | None
@@ -62,6 +62,11 @@ class TableIO:
     _mseq: int
     _stats: dict[str, int]
     _frozen_by: int | None = None  # the thread inside freeze()
+
+    @property
+    def mutation_seq(self) -> int:
+        """Counter bumped by every mutating call; rows remember the value of their last change."""
+        return self._mseq
 
     @property
     def arena(self) -> RowArena:  # pragma: no cover - defined by the table
@@ -197,7 +202,7 @@ class TableIO:
                            storage_dtype=a.np_dtype, optimizer=self.optimizer.name,
                            as_keys=self.as_keys, what=what)
 
-    def _keep_finite(self, keys: np.ndarray, bad: np.ndarray, what: str,
+    def keep_finite(self, keys: np.ndarray, bad: np.ndarray, what: str,
                     unchanged: str = "nothing was written") -> np.ndarray | None:
         """Apply :attr:`nan_policy` to the rows ``bad`` flags (see :func:`nonfinite_rows`).
 
@@ -236,7 +241,7 @@ class TableIO:
             chunks = [chunks]
         for ch in chunks:
             keys, values, slots, freq, version = self.check_chunk(ch)
-            keep = self._keep_finite(
+            keep = self.keep_finite(
                 keys, nonfinite_rows(values, slots, self.arena.np_dtype), "import_",
                 "this chunk was not written (chunks before it were)")
             n_skip = 0
@@ -270,7 +275,7 @@ class TableIO:
         dump files): :meth:`export` yields none, and loading a checkpoint into the table
         restores its settings and step but leaves its rows alone.
         """
-        return bool(getattr(self._rows, "rows_in_checkpoint", True))
+        return self._rows.rows_in_checkpoint
 
     def check_restore_meta(self, meta: dict[str, Any]) -> None:
         """Refuse to load a tag's table metadata that needs rows this table has lost.
@@ -279,9 +284,7 @@ class TableIO:
         saved with ``table_store_mode=2`` holds no rows, so it loads only into a table whose
         Redis rows are those of the save (the same epoch); else ``TableLostError``.
         """
-        check = getattr(self._rows, "check_restore", None)
-        if check is not None:
-            check(meta)
+        self._rows.check_restore(meta)
 
     @property
     def can_bulk_import(self) -> bool:
@@ -324,7 +327,7 @@ class TableIO:
             )
         if not is_int(positions) or positions < 0:
             raise ConfigError(f"positions={positions!r} must be a non-negative integer")
-        return BulkImport(cast("EmbeddingTable", self), int(positions))
+        return BulkImport(self, int(positions))
 
     def adopt_rows(self, arena: RowArena, seq: int, skipped: int = 0) -> None:
         """Replace every row with those of ``arena`` (one mutation); for :class:`BulkImport`.

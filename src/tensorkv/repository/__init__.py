@@ -2,7 +2,11 @@
 
 :class:`Repository` stores models (torch modules or framework-free graph descriptions with
 their tensors), reads whole models, single tensors or slices, answers longest-common-prefix
-queries over architecture graphs, and transfers shared layers. See docs/repository.md.
+queries over architecture graphs, and transfers shared layers. ``repo`` holds the
+repository, ``write`` its put writer, ``maintenance`` gc/check/stats/rebalance (both work on
+:class:`~tensorkv.repository.core.RepositoryCore`, the part of a repository they use),
+``index``, ``refs``, ``tensors`` and ``layout`` the records in the stores, ``capture`` and
+``graph`` architecture graphs. See docs/repository.md.
 """
 
 from __future__ import annotations

@@ -9,17 +9,15 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tensorkv.errors import CorruptRecordError
 from tensorkv.repository import refs, tensors
+from tensorkv.repository.core import RepositoryCore
 from tensorkv.repository.layout import INTENTS, MANIFESTS, load_json, manifest_key
 
-if TYPE_CHECKING:
-    from tensorkv.repository.repo import Repository
 
-
-def _data_tids(repo: Repository) -> list[dict[str, int]]:
+def _data_tids(repo: RepositoryCore) -> list[dict[str, int]]:
     """Per provider: tensor id -> number of chunk keys it holds."""
     out = []
     for p in repo.providers:
@@ -30,7 +28,7 @@ def _data_tids(repo: Repository) -> list[dict[str, int]]:
     return out
 
 
-def _intents(repo: Repository, grace: float) -> tuple[set[str], set[str], list[bytes]]:
+def _intents(repo: RepositoryCore, grace: float) -> tuple[set[str], set[str], list[bytes]]:
     """(tensors of fresh intents, model ids of fresh intents, keys of stale intents)."""
     now = time.time()
     pending: set[str] = set()
@@ -46,7 +44,7 @@ def _intents(repo: Repository, grace: float) -> tuple[set[str], set[str], list[b
     return pending, mids, stale
 
 
-def _expected(repo: Repository) -> tuple[Counter[str], dict[str, int], list[str]]:
+def _expected(repo: RepositoryCore) -> tuple[Counter[str], dict[str, int], list[str]]:
     """References live models hold per tensor, chunk counts, and live ids whose manifest is gone."""
     exp: Counter[str] = Counter()
     chunks: dict[str, int] = {}
@@ -63,11 +61,11 @@ def _expected(repo: Repository) -> tuple[Counter[str], dict[str, int], list[str]
     return exp, chunks, lost
 
 
-def _deleter(repo: Repository, chunks: dict[str, int] | None = None) -> refs.DeleteData:
+def _deleter(repo: RepositoryCore, chunks: dict[str, int] | None = None) -> refs.DeleteData:
     return lambda ts, fence: repo.delete_data(ts, chunks, fence)
 
 
-def gc(repo: Repository, grace: float = 3600.0) -> dict[str, int]:
+def gc(repo: RepositoryCore, grace: float = 3600.0) -> dict[str, int]:
     """Reclaim what killed writers and deleters left.
 
     Removes manifests no log entry made visible, finishes deletes whose manifest is gone,
@@ -119,10 +117,10 @@ def gc(repo: Repository, grace: float = 3600.0) -> dict[str, int]:
     return report
 
 
-def check(repo: Repository, *, deep: bool = False) -> dict[str, Any]:
+def check(repo: RepositoryCore, *, verify: bool = False) -> dict[str, Any]:
     """Verify every live model: manifest present, every chunk on some provider, counts right.
 
-    ``deep=True`` also reads every chunk and verifies its checksum.
+    ``verify=True`` also reads every chunk and verifies its checksum.
     """
     problems: list[str] = []
     pending, _, _ = _intents(repo, float("inf"))
@@ -138,7 +136,7 @@ def check(repo: Repository, *, deep: bool = False) -> dict[str, Any]:
         for tid in repo.absent(sorted(ents), ents):
             problems.append(f"model {info.id}: tensor {tid} has chunks missing "
                             f"({tensors.chunk_key(tid, 0).decode()}...)")
-        if deep:
+        if verify:
             for name in m["tensors"]:
                 try:
                     repo.read_tensor(info.id, name, as_numpy=True)
@@ -158,7 +156,7 @@ def check(repo: Repository, *, deep: bool = False) -> dict[str, Any]:
             "problems": problems}
 
 
-def stats(repo: Repository) -> dict[str, Any]:
+def stats(repo: RepositoryCore) -> dict[str, Any]:
     """Models, tensors, bytes stored (chunk records on every provider) and referenced."""
     repo.refresh()
     live = repo.index.live()
@@ -185,7 +183,7 @@ def repo_sizes(store: Any, keys: list[bytes]) -> int:
     return int(s[s > 0].sum())
 
 
-def rebalance(repo: Repository) -> dict[str, int]:
+def rebalance(repo: RepositoryCore) -> dict[str, int]:
     """Move every tensor's chunks to its home provider; run it with no writer active."""
     moved = moved_bytes = 0
     data = _data_tids(repo)

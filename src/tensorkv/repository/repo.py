@@ -634,11 +634,21 @@ class Repository:
 
         return maintenance.gc(self, grace)
 
-    def check(self, *, deep: bool = False) -> dict[str, Any]:
-        """Verify manifests, chunks and reference counts; see ``maintenance.check``."""
+    def check(self, *, verify: bool = False, deep: bool | None = None) -> dict[str, Any]:
+        """Verify manifests, chunks and reference counts; see ``maintenance.check``.
+
+        ``verify=True`` also reads every chunk and verifies its checksum (the word
+        :func:`tensorkv.check` uses for checkpoints); ``deep`` is its old name.
+        """
         from tensorkv.repository import maintenance
 
-        return maintenance.check(self, deep=deep)
+        if deep is not None:
+            import warnings
+
+            warnings.warn("Repository.check(deep=...) is deprecated and will be removed in the "
+                          "next release; use check(verify=...)", DeprecationWarning, stacklevel=2)
+            verify = verify or bool(deep)
+        return maintenance.check(self, verify=verify)
 
     def stats(self) -> dict[str, Any]:
         """Counts and sizes: models, tensors, bytes_stored, bytes_referenced, per provider."""

@@ -30,16 +30,14 @@ import json
 import time
 from collections.abc import Mapping
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from tensorkv.errors import StoreFullError
 from tensorkv.repository import refs, tensors
+from tensorkv.repository.core import RepositoryCore
 from tensorkv.repository.layout import intent_key, manifest_key
-
-if TYPE_CHECKING:
-    from tensorkv.repository.repo import Repository
 
 #: Tensor bytes hashed and counted per group: the unit of overlap with the writes.
 GROUP_BYTES = 64 << 20
@@ -66,7 +64,7 @@ class PutWriter:
         The parent's tensor ids: stored, as long as the parent is live.
     """
 
-    def __init__(self, repo: Repository, mid: str, parent: str | None = None,
+    def __init__(self, repo: RepositoryCore, mid: str, parent: str | None = None,
                  parent_tids: set[str] | frozenset[str] = frozenset()) -> None:
         self.repo = repo
         self.mid = mid

@@ -28,7 +28,7 @@ from tensorkv.errors import (
 )
 
 if TYPE_CHECKING:
-    from tensorkv.stores.registry import StoreURL
+    from tensorkv.stores.url import StoreURL
 
 #: A value handed to a store: any contiguous bytes-like object (numpy arrays included).
 Buffer = bytes | bytearray | memoryview | np.ndarray

@@ -31,7 +31,7 @@ from tensorkv.errors import (
 
 if TYPE_CHECKING:
     from tensorkv.stores.base import WriteOp
-    from tensorkv.stores.registry import StoreURL
+    from tensorkv.stores.url import StoreURL
 
 # ----------------------------------------------------------------------------- URL paths
 

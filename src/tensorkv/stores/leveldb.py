@@ -43,7 +43,7 @@ from tensorkv.stores.embedded import (
 )
 
 if TYPE_CHECKING:
-    from tensorkv.stores.registry import StoreURL
+    from tensorkv.stores.url import StoreURL
 
 
 _HIGH_KEY = b"\xff" * 64  # see LevelDBStore._compact

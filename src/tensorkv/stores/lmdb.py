@@ -51,7 +51,7 @@ from tensorkv.stores.lmdb_errors import damage_error as _damage_error
 from tensorkv.stores.lmdb_errors import open_error as _open_error
 
 if TYPE_CHECKING:
-    from tensorkv.stores.registry import StoreURL
+    from tensorkv.stores.url import StoreURL
 
 _T = TypeVar("_T")
 

@@ -11,7 +11,7 @@ from tensorkv.errors import InvalidURLError
 from tensorkv.stores.base import Capabilities, KVStore, WriteOp
 
 if TYPE_CHECKING:
-    from tensorkv.stores.registry import StoreURL
+    from tensorkv.stores.url import StoreURL
 
 
 class _Data:

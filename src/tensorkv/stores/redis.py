@@ -53,7 +53,7 @@ from tensorkv.stores.redis_pack import LargeValuePacker
 from tensorkv.stores.redis_scripts import APPEND_SCRIPT, CAS_SCRIPT
 
 if TYPE_CHECKING:
-    from tensorkv.stores.registry import StoreURL
+    from tensorkv.stores.url import StoreURL
 
 __all__ = ["RedisStore", "glob_escape", "key_slots", "redact_url"]
 

@@ -7,7 +7,7 @@ missing dependency raises an ImportError that says what to install.
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
@@ -19,6 +19,7 @@ from tensorkv.errors import (
     UnknownSchemeError,
 )
 from tensorkv.stores.base import KVStore
+from tensorkv.stores.url import StoreURL
 
 
 @dataclass(frozen=True)
@@ -80,36 +81,6 @@ def register_backend(
 def schemes() -> list[str]:
     """All registered URL schemes."""
     return sorted(_REGISTRY)
-
-
-@dataclass(frozen=True)
-class StoreURL:
-    """A parsed store URL.
-
-    Attributes
-    ----------
-    scheme
-        Lower-case scheme, e.g. ``"lmdb"`` or ``"redis+cluster"``.
-    hosts
-        ``[(host, port)]`` for network stores (several for cluster and sentinel).
-    path
-        The path part (absolute file path for embedded stores; ``"/0"`` or ``"/master"``
-        for Redis).
-    username, password
-        Credentials from the netloc, if any.
-    options
-        Options from the query string, converted to bool/int/float where they look so.
-    """
-
-    url: str
-    scheme: str
-    hosts: list[tuple[str, int | None]] = field(default_factory=list)
-    path: str = ""
-    username: str | None = None
-    password: str | None = None
-    options: dict[str, Any] = field(default_factory=dict)
-
-
 
 
 def parse_url(url: str) -> StoreURL:

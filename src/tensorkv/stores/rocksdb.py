@@ -50,7 +50,7 @@ from tensorkv.stores.embedded import (
 )
 
 if TYPE_CHECKING:
-    from tensorkv.stores.registry import StoreURL
+    from tensorkv.stores.url import StoreURL
 
 _COMPRESSION = {
     "none": rocksdict.DBCompressionType.none,

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from tensorkv.checkpoint import load as kv_load
-from tensorkv.checkpoint import tag_info
+from tensorkv.checkpoint import tag_manifest
 from tensorkv.checkpoint.handle import SaveHandle
 from tensorkv.checkpoint.objects import module_state, module_tables
 from tensorkv.checkpoint.save import begin_save
@@ -115,7 +115,7 @@ def load(model: nn.Module, url: Any, tag: str = "latest", *,
     """
     entries = _entries(model)
     dense = _dense(optimizer)
-    meta = tag_info(url, tag).get("metadata", {}).get(META_KEY)
+    meta = tag_manifest(url, tag).get("metadata", {}).get(META_KEY)
     if dense is not None and meta is None:
         raise CheckpointError(f"tag {tag!r} holds no dense optimizer state; it was saved without "
                               "optimizer=, so load it without optimizer= (or with tensorkv.load)")

@@ -19,6 +19,7 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 from tensorkv.embedding import EmbeddingTable
+from tensorkv.embedding.protocol import Table
 from tensorkv.embedding.table_io import is_int
 from tensorkv.errors import CheckpointError, ConcurrentUseError, ConfigError, ShapeError
 from tensorkv.torch.autograd import GatherRows, PoolRows, RowGrad, dedup
@@ -27,15 +28,14 @@ from tensorkv.torch.state import load_table_state, load_weight, table_state
 _BAG_MODES = ("sum", "mean", "max")
 
 
-def make_table(dim: int, table: EmbeddingTable | None, options: dict[str, Any],
-               table_kwargs: dict[str, Any]) -> EmbeddingTable:
+def make_table(dim: int, table: Table | None, options: dict[str, Any],
+               table_kwargs: dict[str, Any]) -> Table:
     """The module's table: ``table`` checked against ``dim``, or a new one from the options."""
     if not is_int(dim) or dim <= 0:
         raise ShapeError(f"dim={dim!r} must be a positive integer, e.g. dim=64")
     if table is None:
         return EmbeddingTable(int(dim), **options, **table_kwargs)
-    if not isinstance(table, EmbeddingTable) and not all(
-            hasattr(table, a) for a in ("lookup", "apply_gradients", "as_keys", "dim")):
+    if not isinstance(table, Table):
         raise ConfigError(f"table={type(table).__name__} must be a tensorkv.EmbeddingTable "
                           "(or a table with its API, such as a ShardedEmbeddingTable)")
     given = sorted([k for k, v in options.items() if v is not None and k != "seed"]
@@ -58,9 +58,9 @@ class DynamicModule(nn.Module):
         The rows. Saved by :func:`tensorkv.save` of any model holding the module.
     """
 
-    table: EmbeddingTable
+    table: Table
 
-    def __init__(self, dim: int, padding_idx: int | None, table: EmbeddingTable | None,
+    def __init__(self, dim: int, padding_idx: int | None, table: Table | None,
                  options: dict[str, Any], table_kwargs: dict[str, Any]) -> None:
         super().__init__()
         self.table = make_table(dim, table, options, table_kwargs)
@@ -264,7 +264,7 @@ class DynamicEmbedding(DynamicModule):
     def __init__(self, dim: int, *, storage: Any = None, initializer: Any = None,
                  optimizer: Any = None, admission: Any = None, eviction: Any = None,
                  seed: int = 0, padding_idx: int | None = None,
-                 table: EmbeddingTable | None = None, **table_kwargs: Any) -> None:
+                 table: Table | None = None, **table_kwargs: Any) -> None:
         options = {"storage": storage, "initializer": initializer, "optimizer": optimizer,
                    "admission": admission, "eviction": eviction, "seed": seed}
         super().__init__(dim, padding_idx, table, options, table_kwargs)
@@ -313,7 +313,7 @@ class DynamicEmbeddingBag(DynamicModule):
     def __init__(self, dim: int, mode: str = "mean", *, include_last_offset: bool = False,
                  padding_idx: int | None = None, storage: Any = None, initializer: Any = None,
                  optimizer: Any = None, admission: Any = None, eviction: Any = None,
-                 seed: int = 0, table: EmbeddingTable | None = None,
+                 seed: int = 0, table: Table | None = None,
                  **table_kwargs: Any) -> None:
         if mode not in _BAG_MODES:
             raise ConfigError(f"mode={mode!r} must be one of {list(_BAG_MODES)}")

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from tensorkv.checkpoint.steps import StepScope, default_scope
-from tensorkv.embedding import EmbeddingTable
+from tensorkv.embedding.protocol import Table
 from tensorkv.errors import ConfigError, NonFiniteGradientError
 from tensorkv.torch.modules import DynamicModule
 
@@ -104,9 +104,9 @@ class Optimizer:
         self.nonfinite_skipped = 0
 
     @property
-    def tables(self) -> list[EmbeddingTable]:
+    def tables(self) -> list[Table]:
         """The distinct tables of the model's dynamic modules."""
-        seen: dict[int, EmbeddingTable] = {}
+        seen: dict[int, Table] = {}
         for m in self.modules:
             seen.setdefault(id(m.table), m.table)
         return list(seen.values())
@@ -200,7 +200,7 @@ class Optimizer:
         With several tables each is checked for NaN/Inf here, before any changes (one table
         checks its own). ``unique``: one backward pass of one module, whose ids are distinct.
         """
-        by_table: dict[int, tuple[EmbeddingTable, list, list]] = {}
+        by_table: dict[int, tuple[Table, list, list]] = {}
         for m, items in taken:
             for keys, grads in items:
                 entry = by_table.setdefault(id(m.table), (m.table, [], []))

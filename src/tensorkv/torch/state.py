@@ -20,6 +20,7 @@ from tensorkv.checkpoint.load import restore_meta
 from tensorkv.checkpoint.objects import TABLE_STATE, collecting_module_state
 from tensorkv.embedding.chunks import ExportChunk, check_chunk, nonfinite_rows
 from tensorkv.embedding.optimizers import get_optimizer
+from tensorkv.embedding.protocol import Table
 from tensorkv.errors import CheckpointError
 
 #: Version of the dict's layout.
@@ -27,7 +28,7 @@ FORMAT = 1
 _FIELDS = ("keys", "values", "slots", "freq", "version")
 
 
-def table_state(table: Any) -> dict[str, Any]:
+def table_state(table: Table) -> dict[str, Any]:
     """The dict a module's ``state_dict()`` holds for ``table`` (a marker while collecting)."""
     if collecting_module_state():
         return {TABLE_STATE: 0}
@@ -55,7 +56,7 @@ def _slot_width(meta: dict[str, Any]) -> int:
     return get_optimizer(config).num_slots * int(meta["dim"])
 
 
-def load_table_state(table: Any, state: Any, name: str) -> None:
+def load_table_state(table: Table, state: Any, name: str) -> None:
     """Replace ``table``'s rows and step with ``state`` (from :func:`table_state`).
 
     Everything is checked before the table changes: a bad state raises
@@ -95,7 +96,7 @@ def load_table_state(table: Any, state: Any, name: str) -> None:
         raise CheckpointError(f"{name}: the state holds rows with NaN or Inf; the table is "
                               "unchanged (create it with nan_policy='skip' to leave them out)")
     limit = getattr(table, "capacity_limit", None)
-    if limit is not None and not table.growth and keys.shape[0] > limit:
+    if limit is not None and not getattr(table, "growth", True) and keys.shape[0] > limit:
         raise CheckpointError(f"{name}: the state holds {keys.shape[0]} rows but the table may "
                               f"hold at most capacity={limit} (growth=False)")
     table.clear()
@@ -115,7 +116,7 @@ def weight_rows(weight: Any, padding_idx: int | None) -> tuple[np.ndarray, np.nd
     return ids, w
 
 
-def load_weight(table: Any, weight: Any, padding_idx: int | None, name: str) -> None:
+def load_weight(table: Table, weight: Any, padding_idx: int | None, name: str) -> None:
     """Replace ``table``'s rows with an ``nn.Embedding``/``nn.EmbeddingBag`` ``weight``.
 
     What ``load_state_dict`` does with the ``weight`` entry of a model saved before

@@ -1,7 +1,7 @@
 """Building a table's rows from its storage arguments: :func:`resolve_storage`, :func:`open_rows`.
 
 :func:`open_rows` opens every tier a :class:`~tensorkv.embedding.chain.specs.StorageOption`
-names and returns the table's :class:`~tensorkv.embedding.chain.rows.ChainRows`; see
+names and returns the table's :class:`~tensorkv.embedding.chain.rows.ChainBackend`; see
 docs/tiers.md ("Tier chains").
 """
 
@@ -13,12 +13,13 @@ from typing import Any
 from tensorkv import config
 from tensorkv.embedding.arena import RowArena
 from tensorkv.embedding.chain import assist
-from tensorkv.embedding.chain.rows import ChainRows
+from tensorkv.embedding.chain.rows import ChainBackend
 from tensorkv.embedding.chain.specs import DRAM, HBM, KV, PMEM, StorageOption
 from tensorkv.embedding.chain.tierchain import DEFAULT_MAX_PENDING_BYTES, TierChain
-from tensorkv.embedding.rows import ArenaRows
+from tensorkv.embedding.rows import ArenaBackend
 from tensorkv.embedding.tiers.base import LowerTier, RecordLayout
-from tensorkv.embedding.tiers.hbm import DRAMTier, HBMArena
+from tensorkv.embedding.tiers.dram import DRAMTier
+from tensorkv.embedding.tiers.hbm_arena import HBMArena
 from tensorkv.embedding.tiers.ssdhash_files import make_dirs
 from tensorkv.errors import ConfigError, ShapeError, SpillDataExistsError
 
@@ -120,11 +121,11 @@ def open_rows(
     capacity: int | None = None,
     max_pending_bytes: int | str = DEFAULT_MAX_PENDING_BYTES,
     device: Any = "cuda",
-) -> ArenaRows:
-    """Open the tiers of ``storage`` for rows of ``dim``: :class:`ChainRows`, or Redis rows.
+) -> ArenaBackend:
+    """Open the tiers of ``storage`` for rows of ``dim``: :class:`ChainBackend`, or Redis rows.
 
     ``StorageOption("REDIS", ...)`` opens a table whose rows live in Redis
-    (:class:`~tensorkv.embedding.chain.redis_rows.RedisRows`).
+    (:class:`~tensorkv.embedding.redis.rows.RedisBackend`).
 
     Parameters
     ----------
@@ -140,7 +141,7 @@ def open_rows(
         torch device of an HBM tier 0 (ignored for a DRAM tier 0).
     """
     if storage.redis is not None:  # rows live in Redis: a working set per operation
-        from tensorkv.embedding.chain.redis_rows import open_redis_rows
+        from tensorkv.embedding.redis.rows import open_redis_rows
 
         return open_redis_rows(storage, dim=dim, dtype=dtype, num_slots=num_slots,
                                capacity=capacity)
@@ -173,7 +174,7 @@ def open_rows(
                       max_pending_bytes=pending)
     chain.split = helper
     # a lookup's demotion runs on the helper while the training thread sums gradients
-    return ChainRows(chain, storage, parallel=parallel,
+    return ChainBackend(chain, storage, parallel=parallel,
                      split=helper if parallel is False else None,
                      defer=assist.start if helper is not None else None)
 

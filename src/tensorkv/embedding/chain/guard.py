@@ -17,16 +17,13 @@ a snapshot of") describes the guarantee.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
 
 import numpy as np
 
+from tensorkv.embedding.chain.core import ChainCore
 from tensorkv.embedding.chunks import ExportChunk
 from tensorkv.embedding.snapshot import KeySet, since_filter, split_chunk
 from tensorkv.embedding.tiers.base import LowerTier, RowSink, RowSource
-
-if TYPE_CHECKING:
-    from tensorkv.embedding.chain.tierchain import TierChain
 
 
 class LowerSnapshot:
@@ -42,7 +39,7 @@ class LowerSnapshot:
         copies a queued job deletes.
     """
 
-    def __init__(self, chain: TierChain, settled: np.ndarray) -> None:
+    def __init__(self, chain: ChainCore, settled: np.ndarray) -> None:
         self.chain = chain
         self.layout = chain.layout
         self.done: KeySet | None = KeySet(settled)
@@ -182,11 +179,11 @@ class LowerSnapshot:
 
 
 # --------------------------------------------------------------------------- the only writers
-def _guard(chain: TierChain) -> LowerSnapshot | None:
+def _guard(chain: ChainCore) -> LowerSnapshot | None:
     return chain.snap
 
 
-def put_rows(chain: TierChain, tier: LowerTier, keys: np.ndarray, source: RowSource) -> None:
+def put_rows(chain: ChainCore, tier: LowerTier, keys: np.ndarray, source: RowSource) -> None:
     """Write tier-0 rows down into ``tier`` (a write-back; the write runs without the lock)."""
     if _guard(chain) is not None:
         with chain.lock:
@@ -196,7 +193,7 @@ def put_rows(chain: TierChain, tier: LowerTier, keys: np.ndarray, source: RowSou
     tier.put_rows(keys, source)
 
 
-def delete(chain: TierChain, tier: LowerTier, keys: np.ndarray, discard: bool = False) -> int:
+def delete(chain: ChainCore, tier: LowerTier, keys: np.ndarray, discard: bool = False) -> int:
     """Delete ``keys`` from ``tier`` (``discard``: its index-only drop where it has one)."""
     if _guard(chain) is not None:
         with chain.lock:
@@ -208,7 +205,7 @@ def delete(chain: TierChain, tier: LowerTier, keys: np.ndarray, discard: bool = 
     return int(tier.delete(keys))
 
 
-def take_into(chain: TierChain, tier: LowerTier, keys: np.ndarray,
+def take_into(chain: ChainCore, tier: LowerTier, keys: np.ndarray,
               alloc: Callable[[np.ndarray], np.ndarray], sink: RowSink) -> np.ndarray:
     """``tier.read_into(keys, alloc, sink, take=True)``: move rows up into tier 0 (a promotion).
 
@@ -233,13 +230,13 @@ def take_into(chain: TierChain, tier: LowerTier, keys: np.ndarray,
         return found
 
 
-def move_down(chain: TierChain, ti: int, keys: np.ndarray) -> int:
+def move_down(chain: ChainCore, ti: int, keys: np.ndarray) -> int:
     """Move ``keys`` from lower tier ``ti`` to ``ti + 1`` (a cascade; call under the lock).
 
     A snapshot needs no copy: the record moves unchanged, into a tier its export reads after
     this one (it reads them top to bottom), and a key it read already is settled.
     """
-    tier, below = chain.lowers[ti][0], chain.lowers[ti + 1][0]
+    tier, below = chain.lowers[ti].tier, chain.lowers[ti + 1].tier
     found, recs = tier.get(keys)
     moved, recs = keys[found], recs[found]
     below.put(moved, recs)
@@ -247,14 +244,14 @@ def move_down(chain: TierChain, ti: int, keys: np.ndarray) -> int:
     return int(moved.size)
 
 
-def clear(chain: TierChain) -> None:
+def clear(chain: ChainCore) -> None:
     """Remove every row of every lower tier (an open snapshot keeps what it still needs)."""
     closing(chain)
     for tier, _ in chain.lowers:
         tier.clear()
 
 
-def closing(chain: TierChain) -> None:
+def closing(chain: ChainCore) -> None:
     """The lower tiers are about to go (cleared or closed): an open snapshot saves its rows."""
     if _guard(chain) is not None:
         with chain.lock:

@@ -12,16 +12,14 @@ from __future__ import annotations
 import functools
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from tensorkv.embedding.chain import guard
+from tensorkv.embedding.chain.core import ChainCore
 from tensorkv.embedding.chain.pending import distinct, find_keys, key_map
 from tensorkv.embedding.tiers.base import RowSink
-
-if TYPE_CHECKING:
-    from tensorkv.embedding.chain.tierchain import TierChain
 
 CHUNK_KEYS = 2048  # keys read between two checks of ``stop``
 
@@ -75,7 +73,7 @@ class FetchJob:
         Held tier-0 rows the job may fill.
     """
 
-    def __init__(self, chain: TierChain, keys: np.ndarray, held: np.ndarray) -> None:
+    def __init__(self, chain: ChainCore, keys: np.ndarray, held: np.ndarray) -> None:
         self.chain = chain
         self.keys = keys
         self.held = held
@@ -96,7 +94,7 @@ class FetchJob:
         return Fetched(empty, empty, self.held, [0] * len(self.chain.lowers))
 
 
-def fetch(chain: TierChain, keys: np.ndarray, held: np.ndarray,
+def fetch(chain: ChainCore, keys: np.ndarray, held: np.ndarray,
           stop: threading.Event | None = None) -> Fetched:
     """Background job: move the rows of ``keys`` stored below tier 0 into ``held`` rows.
 

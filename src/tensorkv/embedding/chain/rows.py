@@ -1,7 +1,7 @@
-"""A table's rows in a tier chain: :class:`ChainRows`, the hooks a tiered table runs.
+"""A table's rows in a tier chain: :class:`ChainBackend`, the hooks a tiered table runs.
 
 Around every batch operation the table promotes the batch's rows into tier 0, runs its own
-logic there, then moves tier 0's excess down (:meth:`ChainRows.after_batch`); operations of
+logic there, then moves tier 0's excess down (:meth:`ChainBackend.after_batch`); operations of
 one tiered table run one at a time, and :class:`SettlingLock` is its lock. See docs/tiers.md
 ("Tier chains").
 """
@@ -21,7 +21,7 @@ from tensorkv.embedding.chain.tierchain import TierChain
 from tensorkv.embedding.chunks import ExportChunk
 from tensorkv.embedding.filters import Eviction
 from tensorkv.embedding.locks import RWLock
-from tensorkv.embedding.rows import ArenaRows
+from tensorkv.embedding.rows import ArenaBackend
 from tensorkv.embedding.snapshot import RowsSnapshot, Tier0Snapshot
 from tensorkv.embedding.tiers.base import RecordLayout
 from tensorkv.errors import SnapshotInProgressError
@@ -63,7 +63,7 @@ def _run_held(held: list[tuple[Callable[..., Any], tuple[Any, ...]]]) -> None:
         kernel(*args)
 
 
-class ChainRows(ArenaRows):
+class ChainBackend(ArenaBackend):
     """A table's rows in tier 0 plus lower tiers, moved by a :class:`TierChain`.
 
     Built by :func:`tensorkv.embedding.chain.build.open_rows`.
@@ -75,7 +75,7 @@ class ChainRows(ArenaRows):
     storage
         The storage option the chain was built from (None: a chain of tier 0 alone).
     parallel, split
-        How the optimizer kernel runs on tier 0 (see ``Optimizer.apply``).
+        How the optimizer kernel runs on tier 0 (see ``TableOptimizer.apply``).
     defer
         ``defer(fn)`` runs a lookup's demotion on the helper thread and returns a handle
         with ``join()`` (:func:`tensorkv.embedding.chain.assist.start`); None: inline.
@@ -268,4 +268,4 @@ class ChainRows(ArenaRows):
         meta["storage"] = None if self.storage is None else self.storage.to_dict()
 
 
-__all__ = ["ChainRows", "SettlingLock"]
+__all__ = ["ChainBackend", "SettlingLock"]

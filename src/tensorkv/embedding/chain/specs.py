@@ -21,8 +21,8 @@ from tensorkv import config
 from tensorkv.errors import ConfigError
 
 if TYPE_CHECKING:
+    from tensorkv.embedding.redis.options import RedisTableOptions
     from tensorkv.embedding.tiers.base import LowerTier, RecordLayout
-    from tensorkv.embedding.tiers.redis_options import RedisTableOptions
 
 CACHE_STRATEGIES = ("lfu", "lru")
 
@@ -286,7 +286,7 @@ class StorageOption:
         are not in it (checkpoints keep a table).
     redis_options
         With ``storage_type="REDIS"``: the table's options
-        (:class:`~tensorkv.embedding.tiers.redis_options.RedisTableOptions`: ``table_name``,
+        (:class:`~tensorkv.embedding.redis.options.RedisTableOptions`: ``table_name``,
         ``model_tag_runtime``, ``storage_slice``, ``consistency``...) and Redis store
         options (``password``, ``ssl_ca_certs``...), overriding a config file's.
 
@@ -322,7 +322,7 @@ class StorageOption:
                 raise ConfigError("storage_type='REDIS' keeps every row in Redis: drop "
                                   "storage_size (a read cache is redis_options="
                                   "{'read_only': True, 'read_cache_rows': N})")
-            from tensorkv.embedding.tiers.redis_options import resolve_table_options
+            from tensorkv.embedding.redis.options import resolve_table_options
 
             self.redis = resolve_table_options(storage_path, redis_options)
             self.storage_type: str | None = "REDIS"

@@ -17,6 +17,7 @@ import numpy as np
 
 from tensorkv.embedding.arena import HostRows, RowArena
 from tensorkv.embedding.chain import guard, prefetch
+from tensorkv.embedding.chain.core import BatchRows, Lower
 from tensorkv.embedding.chain.pending import Pending, distinct, find_keys, key_map
 from tensorkv.embedding.chain.writeback import WriteQueue
 from tensorkv.embedding.chunks import ExportChunk
@@ -72,7 +73,7 @@ class TierChain:
         self.arena = arena
         self.layout = layout
         self.budget = budget_rows
-        self.lowers = list(lowers)
+        self.lowers = [Lower(tier, budget) for tier, budget in lowers]
         self.policy = policy
         self.max_pending_bytes = int(max_pending_bytes)
         self.split: Any = None  # how promotions copy records (see RowSink), set by the table
@@ -80,10 +81,9 @@ class TierChain:
         self.cur = 0
         # LRU order without scanning tier 0 (LFU victims are chosen by a scan of the counts)
         self.recency = ck.RecencyLog() if policy == "lru" else None
-        # (keys, rows, state, state copy, touched) of promote(); ``touched``: the rows already
-        # carry the current tick (a repeated batch), so after() need not touch them again
-        self._batch: tuple | None = None
-        self._last: tuple | None = None  # (keys, rows, state, state copy), left by after()
+        # the batch's rows as promote() found them, and as after() left them
+        self._batch: BatchRows | None = None
+        self._last: BatchRows | None = None
         self.lock = threading.RLock()
         # The writer holds ``pack_lock`` while it reads detached rows; tier 0 holds it while
         # its arrays move (growth). Never acquire ``lock`` while holding ``pack_lock``.
@@ -143,11 +143,12 @@ class TierChain:
         self._release_fetched()
         a = self.arena
         last = self._last
-        valid = last is not None and last[2] is a.state and np.array_equal(last[3], a.state)
+        valid = last is not None and last.state is a.state \
+            and last.state_copy is not None and np.array_equal(last.state_copy, a.state)
         held = a.hold_rows(min(int(keys.size), self.fetch_rows))
         self._ensure_tick()
         if valid and last is not None:  # holding rows moves no key: its rows stay valid
-            self._last = (last[0], last[1], a.state, a.state.copy())
+            self._last = BatchRows(last.keys, last.rows, a.state, a.state.copy())
         job = prefetch.FetchJob(self, keys.copy(), held)
         self._prefetch = job
         self._prefetching = True
@@ -257,8 +258,8 @@ class TierChain:
             # row was inserted or removed since (but maybe other rows moved down, by a
             # demotion still running): every key that exists anywhere is resident, and its
             # rows are the most recently used already (no new tick, no touch)
-            self._batch = (keys, last[1], a.state,
-                           None if last[3] is None else a.state.copy(), True)
+            self._batch = BatchRows(keys, last.rows, a.state,
+                                    None if last.state_copy is None else a.state.copy(), True)
             return 0
         self.settle()
         self.join_prefetch()  # its rows may be some of this batch's
@@ -274,7 +275,7 @@ class TierChain:
             if count:
                 self.counters["tier0"]["hits"] += keys.size
             # after() may reuse these rows if the operation inserts and removes nothing
-            self._batch = (keys, rows, a.state, a.state.copy(), False)
+            self._batch = BatchRows(keys, rows, a.state, a.state.copy())
             return 0
         self._batch = None
         mpos = np.flatnonzero(miss)
@@ -297,7 +298,7 @@ class TierChain:
             self.fetched = None  # every fetched row is in use
         # the batch's rows now, so after() need not look them up again
         rows[mpos] = mrows[inv]
-        self._batch = (keys, rows, a.state, a.state.copy(), False)
+        self._batch = BatchRows(keys, rows, a.state, a.state.copy())
         return int(got.sum())
 
     def _take_lower(self, mk: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -363,19 +364,18 @@ class TierChain:
         else:
             ck.touch(self.tick, rows, self.cur)
 
-    def _valid(self, b: tuple | None, keys: np.ndarray,
-               same: bool = False) -> TypeGuard[tuple]:
-        """Whether ``b`` (see ``_batch``) holds the rows of ``keys`` in tier 0 as it is now.
+    def _valid(self, b: BatchRows | None, keys: np.ndarray,
+               same: bool = False) -> TypeGuard[BatchRows]:
+        """Whether ``b`` holds the rows of ``keys`` in tier 0 as it is now.
 
-        ``b[3]``, a copy of tier 0's state when ``b`` was made, is None while a deferred
-        demotion runs: it moves other rows only, and anything else that changes tier 0
-        settles it first (:meth:`settle`), which fills the copy in. ``same``: ``keys`` may
-        be an equal array rather than the very same one.
+        ``b.state_copy`` is None while a deferred demotion runs: it moves other rows only,
+        and anything else that changes tier 0 settles it first (:meth:`settle`), which fills
+        the copy in. ``same``: ``keys`` may be an equal array rather than the very same one.
         """
         a = self.arena
-        return b is not None and b[2] is a.state and \
-            (b[0] is keys or (same and np.array_equal(b[0], keys))) and \
-            (b[3] is None or np.array_equal(b[3], a.state))
+        return b is not None and b.state is a.state and \
+            (b.keys is keys or (same and np.array_equal(b.keys, keys))) and \
+            (b.state_copy is None or np.array_equal(b.state_copy, a.state))
 
     def batch_rows(self, keys: np.ndarray) -> np.ndarray | None:
         """Tier-0 rows of ``keys`` as :meth:`promote` left them (None: unknown or stale).
@@ -383,7 +383,7 @@ class TierChain:
         The table's lookup uses them instead of probing the index again.
         """
         b = self._batch
-        return b[1] if self._valid(b, keys) else None
+        return b.rows if self._valid(b, keys) else None
 
     def after(self, keys: np.ndarray, protect: bool = True, defer: Any = None,
               first: Any = None) -> int:
@@ -405,8 +405,8 @@ class TierChain:
         self._ensure_tick()
         b, self._batch = self._batch, None
         if self._valid(b, keys):
-            rows = b[1]  # no row was inserted or removed since promote(): rows still valid
-            touch = None if b[4] else rows  # rows to give the current tick
+            rows = b.rows  # no row was inserted or removed since promote(): rows still valid
+            touch = None if b.touched else rows  # rows to give the current tick
         else:
             rows = touch = a.find(keys)
         self._reclaim()  # frees rows (not keys): the batch's rows stay valid
@@ -416,13 +416,13 @@ class TierChain:
         if defer is not None and protect and work:
             self._demotion = defer(
                 lambda: self._detach_victims(touch, excess, protect_tick, first))
-            self._last = (keys, rows, a.state, None)
+            self._last = BatchRows(keys, rows, a.state, None)
             return 0
         p = self._detach_victims(touch, excess, protect_tick, first)
         if p is not None:
             self._move_down(p)
         if protect:  # demotion spared the batch: its rows stay valid for the next operation
-            self._last = (keys, rows, a.state, a.state.copy())
+            self._last = BatchRows(keys, rows, a.state, a.state.copy())
         return 0 if p is None else int(p.keys.size)
 
     def _detach_victims(self, touch: np.ndarray | None, excess: int,
@@ -470,8 +470,8 @@ class TierChain:
             a = self.arena
             for name in ("_last", "_batch"):  # tier 0 as the batch's rows now find it
                 b = getattr(self, name)
-                if b is not None and b[3] is None:
-                    setattr(self, name, (*b[:3], a.state.copy(), *b[4:]))
+                if b is not None and b.state_copy is None:
+                    setattr(self, name, b._replace(state_copy=a.state.copy()))
             if p is not None:
                 self._move_down(p)
 
@@ -543,7 +543,7 @@ class TierChain:
         A key promoted back meanwhile may have its row changed while it is packed: that copy
         is stale and deleted again once it has landed.
         """
-        tier = self.lowers[0][0]
+        tier = self.lowers[0].tier
         with self.lock:
             sel = np.flatnonzero(p.live)
         keys = p.keys[sel]

@@ -1,7 +1,7 @@
 """The identity of a Redis-resident table: created, checked, adopted or reset when it opens.
 
 A table's layout record (``<model_tag>:<table>:layout``) holds its *epoch*, a random id, and
-every bucket holds the same epoch in its ``~e`` field (:mod:`.redis_lua`). Opening a table
+every bucket holds the same epoch in its ``~e`` field (:mod:`.lua`). Opening a table
 reads the record and every bucket's identity fields in one round trip:
 
 * no record and no bucket: a new table. It is created (the record is claimed with SET NX,
@@ -14,7 +14,7 @@ reads the record and every bucket's identity fields in one round trip:
   process adopts them (each bucket receives a new epoch).
 
 After that every read and commit checks the epoch of the buckets it touches (see
-:meth:`~tensorkv.embedding.tiers.redis_rows.RedisRowEngine.check_heads`).
+:meth:`~tensorkv.embedding.redis.engine.RedisRowEngine.check_heads`).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from tensorkv.embedding.tiers import redis_lua as lua
-from tensorkv.embedding.tiers.redis_rows import RedisRowEngine
+from tensorkv.embedding.redis import lua
+from tensorkv.embedding.redis.engine import RedisRowEngine
 from tensorkv.errors import ConfigError, RowLockError, TableLostError
 
 

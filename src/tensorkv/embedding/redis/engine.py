@@ -6,9 +6,9 @@ the field is the key's 8 little-endian bytes, the value the row's record
 values, slots) followed by the XXH64 checksum of the record. A batch goes out as HMGET
 commands of at most ``keys_sending_size`` fields, pipelined per node, and replies are decoded
 whole with numpy. Each read also reads its buckets' identity fields (epoch, version, intent:
-:mod:`~tensorkv.embedding.tiers.redis_lua`) in the same round trip and refuses rows of a bucket
+:mod:`~tensorkv.embedding.redis.lua`) in the same round trip and refuses rows of a bucket
 that was lost. Exact mode adds bucket locks (``<bucket>:lock``, same slot). Commits:
-:mod:`~tensorkv.embedding.tiers.redis_commit`. Layout, locks and migration:
+:mod:`~tensorkv.embedding.redis.commit`. Layout, locks and migration:
 docs/redis_table.md.
 """
 
@@ -26,9 +26,9 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from tensorkv.embedding.tiers import redis_lua as lua
+from tensorkv.embedding.redis import lua
+from tensorkv.embedding.redis.options import RedisTableOptions
 from tensorkv.embedding.tiers.base import RecordLayout
-from tensorkv.embedding.tiers.redis_options import RedisTableOptions
 from tensorkv.errors import (
     ConfigError,
     CorruptRecordError,
@@ -190,7 +190,7 @@ class RedisRowEngine:
         #: The servers' run ids when the table was opened (for the messages of lost data).
         self.run_ids: str | None = None
         #: Committed two-phase operations whose intents are not all applied yet (see
-        #: :func:`~tensorkv.embedding.tiers.redis_commit.finish`).
+        #: :func:`~tensorkv.embedding.redis.commit.finish`).
         self.unfinished: list[Any] = []
         self.counters = {"reads": 0, "writes": 0, "deletes": 0, "round_trips": 0,
                          "lock_waits": 0, "migrated": 0, "raw_fallbacks": 0,
@@ -632,7 +632,7 @@ class RedisRowEngine:
         """``(keys, sealed records, other fields)`` of bucket ``i``, read atomically (HGETALL).
 
         The rows are those of one moment of the bucket; its identity is checked. The other
-        fields are its identity fields and any intent (:mod:`.redis_lua`).
+        fields are its identity fields and any intent (:mod:`.lua`).
         """
         name = b.names[i]
         flat = self.store.execute([(name, ("HGETALL", name))], read=self.rd)[0]

@@ -1,13 +1,13 @@
-"""A table whose rows live in Redis: :class:`RedisRows`, the hooks the table runs.
+"""A table whose rows live in Redis: :class:`RedisBackend`, the hooks the table runs.
 
 Tier 0 is a working set: each operation reads its keys' rows from Redis into it (in exact
 mode after locking their buckets), the table runs its own logic there, and the operation's
 end commits the rows it changed (and deletes the rows it removed), all or nothing
-(:mod:`~tensorkv.embedding.tiers.redis_commit`), then empties it. So the table computes
+(:mod:`~tensorkv.embedding.redis.commit`), then empties it. So the table computes
 exactly as the DRAM table does, and nothing stays in memory between operations (but an
 optional read cache of a read-only table).
 
-Every call that may write announces itself first (:meth:`RedisRows.begin_write`): a read-only
+Every call that may write announces itself first (:meth:`RedisBackend.begin_write`): a read-only
 table refuses it before anything changes; a commit that fails puts the table's step back; and
 a commit whose reply never came is settled by the next call, which is not applied again if it
 is the same call retried. See docs/redis_table.md.
@@ -28,12 +28,13 @@ import numpy as np
 from tensorkv.embedding.arena import RowArena
 from tensorkv.embedding.chunks import ExportChunk
 from tensorkv.embedding.filters import Eviction
-from tensorkv.embedding.rows import ArenaRows, Place, place_chunks
-from tensorkv.embedding.tiers import redis_commit, redis_migrate
-from tensorkv.embedding.tiers import redis_lua as lua
+from tensorkv.embedding.redis import commit as redis_commit
+from tensorkv.embedding.redis import lua
+from tensorkv.embedding.redis import migrate as redis_migrate
+from tensorkv.embedding.redis.engine import RedisRowEngine
+from tensorkv.embedding.redis.options import RedisTableOptions
+from tensorkv.embedding.rows import ArenaBackend, Place, place_chunks
 from tensorkv.embedding.tiers.base import RecordLayout, RowSink, RowSource
-from tensorkv.embedding.tiers.redis_options import RedisTableOptions
-from tensorkv.embedding.tiers.redis_rows import RedisRowEngine
 from tensorkv.errors import ReadOnlyError, RowLockError, StoreUnavailableError, TableLostError
 
 _NO_KEYS = np.empty(0, np.int64)
@@ -45,7 +46,7 @@ _INTENT_ROUNDS = 8
 class _Operation:
     """A reentrant operation lock; the outermost exit commits (or, on error, drops) the set."""
 
-    def __init__(self, rows: RedisRows) -> None:
+    def __init__(self, rows: RedisBackend) -> None:
         self._lock = threading.RLock()
         self._depth = 0
         self._rows = rows
@@ -65,7 +66,7 @@ class _Operation:
 
 @dataclass
 class _Call:
-    """A call that may write, as :meth:`RedisRows.begin_write` saw it."""
+    """A call that may write, as :meth:`RedisBackend.begin_write` saw it."""
 
     table: Any
     what: str
@@ -97,7 +98,7 @@ def fingerprint(what: str, args: tuple[Any, ...], step: int) -> bytes:
     return h.digest()
 
 
-class RedisRows(ArenaRows):
+class RedisBackend(ArenaBackend):
     """A table's rows in Redis buckets, read into a working set per operation.
 
     Built by :func:`open_redis_rows`.
@@ -105,7 +106,7 @@ class RedisRows(ArenaRows):
     Parameters
     ----------
     engine
-        The Redis side (:class:`~tensorkv.embedding.tiers.redis_rows.RedisRowEngine`).
+        The Redis side (:class:`~tensorkv.embedding.redis.engine.RedisRowEngine`).
     arena
         Tier 0: the working set of one operation.
     storage
@@ -486,7 +487,7 @@ class RedisRows(ArenaRows):
 
 
 def open_redis_rows(storage: Any, *, dim: int, dtype: str, num_slots: int,
-                    capacity: int | None = None) -> RedisRows:
+                    capacity: int | None = None) -> RedisBackend:
     """Open the Redis rows of ``storage`` (``StorageOption("REDIS", ...)``) for a table.
 
     Checks the layout record in Redis, imports an older tag or bucket layout on first open,
@@ -500,7 +501,7 @@ def open_redis_rows(storage: Any, *, dim: int, dtype: str, num_slots: int,
         engine.close()
         raise
     arena = RowArena(dim, num_slots * dim, capacity=capacity, dtype=dtype)
-    return RedisRows(engine, arena, storage)
+    return RedisBackend(engine, arena, storage)
 
 
-__all__ = ["RedisRows", "open_redis_rows"]
+__all__ = ["RedisBackend", "open_redis_rows"]

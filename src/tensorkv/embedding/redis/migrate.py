@@ -4,7 +4,7 @@
 the options resume it, copies (``model_tag_import``) or rehashes (``storage_slice_import``)
 the imported rows into the runtime buckets once (resumable: a marker in Redis records the
 buckets done), expires the old tag if asked, checks the table's identity
-(:mod:`.redis_identity`) and restores an empty tag from mode-1 dump files. :func:`dump`
+(:mod:`.identity`) and restores an empty tag from mode-1 dump files. :func:`dump`
 writes those files. See docs/redis_table.md ("Model tags and rehashing", "Table store
 modes").
 """
@@ -19,9 +19,10 @@ from typing import Any
 
 import numpy as np
 
-from tensorkv.embedding.tiers import redis_commit, redis_identity
-from tensorkv.embedding.tiers import redis_lua as lua
-from tensorkv.embedding.tiers.redis_rows import Buckets, RedisRowEngine, dump_path
+from tensorkv.embedding.redis import commit as redis_commit
+from tensorkv.embedding.redis import identity as redis_identity
+from tensorkv.embedding.redis import lua
+from tensorkv.embedding.redis.engine import Buckets, RedisRowEngine, dump_path
 from tensorkv.errors import (
     ConfigError,
     CorruptRecordError,

@@ -1,19 +1,19 @@
 """Commits of a Redis-resident table: all-or-nothing, and never applied twice.
 
-An operation has an id (:func:`~tensorkv.embedding.tiers.redis_lua.new_op`), which is also the
+An operation has an id (:func:`~tensorkv.embedding.redis.lua.new_op`), which is also the
 token of its bucket locks. Its commit writes every row it changed and deletes every row it
 removed, in every bucket, or nothing:
 
-* One server (standalone, Sentinel), or one bucket: one Lua script (:data:`.redis_lua.COMMIT`)
+* One server (standalone, Sentinel), or one bucket: one Lua script (:data:`.lua.COMMIT`)
   checks every lock and every bucket's epoch, then writes all the buckets, records the
   operation's receipt in its first bucket (the *coordinator*) and releases the locks.
 * Several buckets on a Cluster, where a script spans one hash slot: two phases. Each bucket
   but the coordinator is *prepared*: the rows it is to receive are stored in the bucket itself
-  as an intent (:data:`.redis_lua.PREPARE`); then the coordinator's commit script writes its
+  as an intent (:data:`.lua.PREPARE`); then the coordinator's commit script writes its
   own rows and records the operation as committed (the commit point); then each prepared
-  bucket applies its intent (:data:`.redis_lua.APPLY`), and the coordinator forgets the
+  bucket applies its intent (:data:`.lua.APPLY`), and the coordinator forgets the
   operation. A writer that dies leaves intents; the next process that locks such a bucket
-  asks the coordinator (:data:`.redis_lua.DECIDE`): committed (apply it), aborted (drop it:
+  asks the coordinator (:data:`.lua.DECIDE`): committed (apply it), aborted (drop it:
   once the coordinator's lock left the dead writer, it can never commit), or pending (its
   writer is alive: wait).
 
@@ -34,8 +34,8 @@ from typing import Any
 
 import numpy as np
 
-from tensorkv.embedding.tiers import redis_lua as lua
-from tensorkv.embedding.tiers.redis_rows import (
+from tensorkv.embedding.redis import lua
+from tensorkv.embedding.redis.engine import (
     Buckets,
     RedisRowEngine,
     encode_fields,
@@ -177,7 +177,7 @@ def _check_commit(engine: RedisRowEngine, res: list[int], written: np.ndarray) -
 def _commit_script(engine: RedisRowEngine, op: bytes, keys: np.ndarray, sealed: np.ndarray,
                    deleted: np.ndarray, written: np.ndarray, extra: np.ndarray, exact: bool,
                    two_pc: bool) -> list[int]:
-    """Run :data:`.redis_lua.COMMIT` over ``written`` (one slot, or one server); its reply.
+    """Run :data:`.lua.COMMIT` over ``written`` (one slot, or one server); its reply.
 
     ``extra``: locks to release too (in the script on one server; by separate scripts on a
     Cluster). A reply that never comes raises :class:`OutcomeUnknown`.
@@ -239,13 +239,13 @@ def _has(ring: bytes | None, op: bytes) -> bool:
 def _commit_watched(engine: RedisRowEngine, op: bytes, keys: np.ndarray, sealed: np.ndarray,
                     deleted: np.ndarray, written: np.ndarray, extra: np.ndarray,
                     exact: bool) -> list[int] | None:
-    """:data:`.redis_lua.COMMIT`'s work on one server, as WATCH + MULTI/EXEC (faster).
+    """:data:`.lua.COMMIT`'s work on one server, as WATCH + MULTI/EXEC (faster).
 
     First round trip: WATCH the locks and the written buckets, read the locks, the buckets'
     epoch and intent fields and the coordinator's receipts; the checks run here. Second:
     MULTI, the HSET/HDEL of the rows, the versions, the receipt, the lock releases, EXEC,
     which Redis aborts if anything watched changed since (nothing is written). Returns the
-    reply :data:`.redis_lua.COMMIT` would give, or None when the script must do it (a
+    reply :data:`.lua.COMMIT` would give, or None when the script must do it (a
     transaction aborted three times, a dropped connection, a reply of another shape): every
     step can run again.
     """
@@ -479,7 +479,7 @@ def settle(engine: RedisRowEngine, state: OpState) -> bool:
         The coordinator cannot be reached (the outcome stays unknown).
     StoreError
         The receipt may have left the coordinator's ring (more than
-        :data:`~.redis_lua.RING` later commits): the outcome cannot be told.
+        :data:`~.lua.RING` later commits): the outcome cannot be told.
     """
     b = engine.runtime
     c = state.coordinator
