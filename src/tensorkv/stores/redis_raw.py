@@ -59,6 +59,9 @@ class Replies:
     elen: np.ndarray
     rows: np.ndarray
     commands: list[int] = field(default_factory=list)
+    #: The socket the replies came on (a new socket is a new connection, maybe to another
+    #: server process: a restart or a failover drops every socket to the old one).
+    sock: Any = None
 
     def text(self, i: int) -> str:
         """Reply ``i``'s string (a simple string or an error message)."""
@@ -205,6 +208,7 @@ def run(store: Any, keys: list[bytes], chunks: list[list[Any]], elems: list[int]
             r = read_replies(conn._sock, len(idx), sum(elems[i] for i in idx),
                              sum(reply_bytes[i] for i in idx), recv_bytes, row_width)
             r.commands = idx
+            r.sock = conn._sock
             out.append(r)
         for r in out:
             check_errors(r)

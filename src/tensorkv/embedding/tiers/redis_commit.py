@@ -128,6 +128,7 @@ def commit(engine: RedisRowEngine, op: bytes, keys: np.ndarray, sealed: np.ndarr
         Nothing was written.
     """
     b = engine.runtime
+    engine.committed = None
     written = np.union1d(b.of(keys), b.of(deleted))
     if written.size == 0:
         if locked.size:
@@ -168,7 +169,9 @@ def _check_commit(engine: RedisRowEngine, res: list[int], written: np.ndarray) -
     code = res[0]
     if code == lua.OK:
         b = engine.runtime
-        b.seen[written] = np.maximum(b.seen[written], np.asarray(res[1:], np.int64))
+        versions = np.asarray(res[1:], np.int64)
+        b.seen[written] = np.maximum(b.seen[written], versions)
+        engine.committed = (written.copy(), versions)
     elif code != lua.ALREADY:
         _raise_code(engine, code, int(written[res[1] - 1]) if len(res) > 1 else
                     int(written[0]))
@@ -548,12 +551,14 @@ def committed_intent(engine: RedisRowEngine, b: Buckets, mark: bytes) -> bool:
 
 def overlay_found(engine: RedisRowEngine, b: Buckets, keys: np.ndarray, pos: np.ndarray,
                   recs: np.ndarray, marks: list[tuple[int, bytes]]
-                  ) -> tuple[np.ndarray, np.ndarray]:
+                  ) -> tuple[np.ndarray, np.ndarray] | None:
     """Lay the intents ``marks`` of committed operations over rows read (reads only).
 
     ``(pos, recs)`` is :meth:`~RedisRowEngine.get_found`'s answer for ``keys``. A reader
     that holds no lock sees a bucket whose writer committed an operation and died before
-    applying it there as that operation left it.
+    applying it there as that operation left it. Returns None when an intent left its
+    bucket since the rows were read (applied, or replaced): the rows read are older than
+    the bucket then, so read them again.
     """
     n = keys.shape[0]
     full = np.zeros((n, engine.width), np.uint8)
@@ -563,10 +568,10 @@ def overlay_found(engine: RedisRowEngine, b: Buckets, keys: np.ndarray, pos: np.
     for k, mark in marks:
         if not committed_intent(engine, b, mark):
             continue
-        blob = engine.store.execute([(b.names[k], ("HGET", b.names[k], lua.INTENT))],
-                                    read=engine.rd)[0]
-        if blob is None:
-            continue  # applied meanwhile: read again
+        now, blob = engine.store.execute([(b.names[k], ("HMGET", b.names[k], lua.MARK,
+                                                         lua.INTENT))], read=engine.rd)[0]
+        if now is None or bytes(now) != mark or blob is None:
+            return None  # applied (or replaced) meanwhile: the rows read are older
         ikeys, irecs, dels, _ = lua.parse_blob(bytes(blob))
         engine.verify(np.ones(ikeys.shape[0], bool), irecs, ikeys, "an intent record")
         order = np.argsort(ikeys)
