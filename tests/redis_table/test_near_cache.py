@@ -260,5 +260,6 @@ def test_bounds_and_admission(redis_server, tag):
 ])
 def test_bad_options(redis_server, tag, bad, match):
     url = f"redis://127.0.0.1:{redis_server.port}/0"
+    redis_table(url, 4, model_tag_runtime=tag).close()  # the table exists
     with pytest.raises(ConfigError, match=match):
         redis_table(url, 4, model_tag_runtime=tag, **bad)

@@ -27,6 +27,8 @@ from tensorkv.stores.redis_keys import key_slots
 
 #: Bytes asked of one ``recv_into`` call.
 RECV_BYTES = 1 << 20
+#: Pieces of a batch smaller than this are joined before they are sent.
+COALESCE_BYTES = 1 << 16
 #: Error replies the generic path handles (redirects, retries, script loading).
 _FALLBACK_ERRORS = (rex.MovedError, rex.AskError, rex.TryAgainError, rex.ClusterDownError,
                     rex.NoScriptError, rex.BusyLoadingError, rex.ReadOnlyError,
@@ -159,6 +161,29 @@ def session(store: Any) -> Iterator[Callable[..., Replies]]:
             pool.release(conn)
 
 
+def coalesce(pieces: list[Any], limit: int = COALESCE_BYTES) -> list[Any]:
+    """``pieces`` with runs of small ones joined (one ``sendall`` each, not one per piece)."""
+    out: list[Any] = []
+    run: list[Any] = []
+    size = 0
+    for p in pieces:
+        n = memoryview(p).nbytes
+        if n >= limit:
+            if run:
+                out.append(b"".join(run))
+                run, size = [], 0
+            out.append(p)
+            continue
+        run.append(p)
+        size += n
+        if size >= limit:
+            out.append(b"".join(run))
+            run, size = [], 0
+    if run:
+        out.append(b"".join(run))
+    return out
+
+
 def _pools(store: Any, keys: list[bytes], read: bool) -> list[tuple[Any, list[int]]]:
     """``[(connection pool, command indices)]``: where each command goes."""
     if store.mode != "cluster":
@@ -202,7 +227,7 @@ def run(store: Any, keys: list[bytes], chunks: list[list[Any]], elems: list[int]
         for pool, idx in _pools(store, keys, read):
             conn = pool.get_connection()
             sent.append((pool, conn, idx))
-            conn.send_packed_command([p for i in idx for p in chunks[i]])
+            conn.send_packed_command(coalesce([p for i in idx for p in chunks[i]]))
         out = []
         for _, conn, idx in sent:
             r = read_replies(conn._sock, len(idx), sum(elems[i] for i in idx),
@@ -226,5 +251,5 @@ def run(store: Any, keys: list[bytes], chunks: list[list[Any]], elems: list[int]
     return out
 
 
-__all__ = ["RECV_BYTES", "RawFallback", "Replies", "check_errors", "element_errors",
-           "read_replies", "run", "session"]
+__all__ = ["COALESCE_BYTES", "RECV_BYTES", "RawFallback", "Replies", "check_errors", "coalesce",
+           "element_errors", "read_replies", "run", "session"]

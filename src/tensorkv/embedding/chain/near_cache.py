@@ -35,6 +35,7 @@ import numpy as np
 
 from tensorkv.embedding.arena import RowArena
 from tensorkv.embedding.tiers.redis_rows import Buckets, RedisRowEngine
+from tensorkv.kernels import hashindex as hk
 
 #: Byte offset of a record's frequency (``int64``; the header is key, freq, version, seq).
 _FREQ_AT = 8
@@ -82,7 +83,8 @@ class NearCache:
     # --- rounds: the round trips that read rows -------------------------------------------
     def candidates(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(is candidate, cache row)`` of ``keys``: cached under their bucket's generation."""
-        crow = self.index.find(keys)
+        crow = np.empty(keys.shape[0], np.int64)
+        hk.index_find(self.index.index, keys, crow)  # one thread: batches are small here
         cand = crow >= 0
         if cand.any():
             c = crow[cand]
