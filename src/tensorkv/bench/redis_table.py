@@ -68,17 +68,23 @@ def _cluster(masters: int) -> Iterator[str]:
             ports.append(port)
         for port in ports:
             _wait_port(port)
-        if masters == 1:  # redis-cli --cluster create wants 3 masters: assign the slots
-            cmd = [cli, "-p", str(ports[0]), "cluster", "addslotsrange", "0", "16383"]
+        if masters < 3:  # redis-cli --cluster create wants 3 masters: assign the slots
+            cuts = [16384 * i // masters for i in range(masters + 1)]
+            cmds = [[cli, "-p", str(p), "cluster", "addslotsrange", str(a), str(b - 1)]
+                    for p, a, b in zip(ports, cuts[:-1], cuts[1:], strict=True)]
+            cmds += [[cli, "-p", str(ports[0]), "cluster", "meet", "127.0.0.1", str(p)]
+                     for p in ports[1:]]
         else:
-            cmd = [cli, "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports],
-                   "--cluster-yes"]
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-        if r.returncode != 0:
-            raise BenchmarkError(f"redis-cli --cluster create failed: {r.stdout}{r.stderr}")
+            cmds = [[cli, "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports],
+                     "--cluster-yes"]]
+        for cmd in cmds:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+            if r.returncode != 0 or "ERR" in r.stdout:
+                raise BenchmarkError(f"creating the Cluster failed: {r.stdout}{r.stderr}")
         deadline = time.monotonic() + 30
-        while b"cluster_state:ok" not in subprocess.run(
-                [cli, "-p", str(ports[0]), "cluster", "info"], capture_output=True).stdout:
+        while not all(b"cluster_state:ok" in subprocess.run(
+                [cli, "-p", str(p), "cluster", "info"], capture_output=True).stdout
+                for p in ports):
             if time.monotonic() > deadline:
                 raise BenchmarkError("the benchmark's Redis Cluster did not become ready")
             time.sleep(0.1)
