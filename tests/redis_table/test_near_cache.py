@@ -257,6 +257,8 @@ def test_bounds_and_admission(redis_server, tag):
     ({"near_cache_rows": 10, "near_cache_min_freq": -2}, "near_cache_min_freq=-2"),
     ({"near_cache_rows": 10, "read_only": True, "read_cache_rows": 10},
      "two caches of the same rows"),
+    ({"near_cache_bytes": 10_000, "read_only": True, "redis_read_access_slave": True},
+     "redis_read_access_slave=True"),
 ])
 def test_bad_options(redis_server, tag, bad, match):
     url = f"redis://127.0.0.1:{redis_server.port}/0"

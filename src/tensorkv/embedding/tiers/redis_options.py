@@ -170,6 +170,14 @@ class RedisTableOptions:
         if self.read_cache_rows and not self.read_only:
             raise ConfigError("read_cache_rows needs read_only=True: a cache of rows that "
                               "this process also writes would serve stale rows")
+        if self.redis_read_access_slave and (self.near_cache_rows or self.near_cache_bytes):
+            raise ConfigError(
+                f"near_cache_rows={self.near_cache_rows} / near_cache_bytes="
+                f"{self.near_cache_bytes} with redis_read_access_slave=True: the near-cache "
+                "checks each bucket's version on the connection that reads its rows, and reads "
+                "spread over replicas (each behind the primary by its own lag) can answer the "
+                "version and the rows from two of them. Read the primaries "
+                "(redis_read_access_slave=False) or use read_cache_rows")
         if self.read_cache_rows and (self.near_cache_rows or self.near_cache_bytes):
             raise ConfigError(
                 f"read_cache_rows={self.read_cache_rows} and near_cache_rows="
