@@ -4,8 +4,10 @@
 (lr 1, zeros) under ``TAG`` and, for each step, looks up a batch of keys and applies a
 gradient of -1 to each, so every update adds 1 to each value of its row: a row's values only
 grow (in last-writer-wins mode each writer owns the keys of its seed's parity, so no update
-is lost there either). ``NEAR`` 1: the writer reads through a near-cache. Prints ``done``
-and the number of updates of each key.
+is lost there either). ``NEAR`` 1: the writer reads through a near-cache, and each step
+also reads the keys next to its batch's (the other writer's, in last-writer-wins mode)
+through it, bracketed by reads without a cache: a row older than Redis held exits with
+``stale``. Prints ``done`` and the number of updates of each key.
 """
 
 import json
@@ -43,11 +45,21 @@ def batches(seed: int, steps: int, consistency: str):
 def main() -> None:
     url, tag, consistency, seed, steps, near = sys.argv[1:7]
     counts = np.zeros(KEYS, np.int64)
+    plain = open_table(url, tag, consistency, False)
     with open_table(url, tag, consistency, near == "1") as table:
         for keys in batches(int(seed), int(steps), consistency):
             table.lookup(keys)
             table.apply_gradients(keys, -np.ones((keys.size, DIM), np.float32))
             np.add.at(counts, keys, 1)
+            if near == "1":
+                probe = keys ^ 1
+                before = plain.lookup(probe, insert=False)
+                got = table.lookup(probe, insert=False)
+                if (got < before).any():
+                    print("stale", probe.tolist(), got[:, 0].tolist(), before[:, 0].tolist(),
+                          flush=True)
+                    sys.exit(1)
+    plain.close()
     print("done", json.dumps(counts.tolist()), flush=True)
 
 

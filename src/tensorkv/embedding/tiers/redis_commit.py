@@ -428,7 +428,13 @@ def _two_phase(engine: RedisRowEngine, op: bytes, keys: np.ndarray, sealed: np.n
                 f"{engine.where()}: the connection failed during the commit; it was not "
                 "applied (nothing was written). Retry the step") from exc.cause
         return
-    finish(engine, state, release=True)
+    moved = finish(engine, state, release=True)
+    if engine.committed is not None and len(moved) == len(rest):
+        # every bucket moved by this operation alone: the coordinator, then the participants
+        engine.committed = (written.copy(), np.concatenate(
+            [engine.committed[1], np.asarray([moved[k] for k in rest], np.int64)]))
+    else:
+        engine.committed = None
 
 
 def _abort(engine: RedisRowEngine, op: bytes, prepared: list[int], locked: list[int]) -> None:
@@ -440,25 +446,30 @@ def _abort(engine: RedisRowEngine, op: bytes, prepared: list[int], locked: list[
         engine.scripts(calls)
 
 
-def finish(engine: RedisRowEngine, state: OpState, release: bool) -> None:
+def finish(engine: RedisRowEngine, state: OpState, release: bool) -> dict[int, int]:
     """Apply a committed two-phase operation's intents everywhere, then forget it.
 
     What a server does not answer stays for the next process that locks the bucket (it
-    finds the intent and applies it); the operation is committed either way.
+    finds the intent and applies it); the operation is committed either way. Returns the
+    version each participant moved to by this call's apply (none where it was applied
+    already, or not answered).
     """
     b = engine.runtime
     op = state.op
     rel = b"1" if release else b"0"
+    moved: dict[int, int] = {}
     try:
         res = engine.scripts([(lua.APPLY, [b.names[k], b.locks[k]], [op, rel])
                               for k in state.participants])
         for k, v in zip(state.participants, res, strict=True):
             if int(v) > 0:
                 b.seen[k] = max(int(b.seen[k]), int(v))
+                moved[k] = int(v)
         engine.script(lua.FINISH, b.names[state.coordinator], [b.names[state.coordinator]],
                       [op])
     except StoreError:
         engine.unfinished.append(state)
+    return moved
 
 
 def finish_unfinished(engine: RedisRowEngine) -> None:
