@@ -51,6 +51,7 @@ def near(table) -> dict:
     return table._rows._near.stats()
 
 
+@pytest.mark.slow  # three processes training and reading: 10-40 s each on the shared VM
 @pytest.mark.parametrize("consistency", ["exact", "last_writer_wins"])
 def test_never_stale_under_two_writer_processes(url, tag, consistency):
     """Each cached read lies between what Redis held before it and after it."""
