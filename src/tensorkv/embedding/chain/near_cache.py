@@ -177,6 +177,7 @@ class NearCache:
             crow = self.index.find(k)
             there = crow >= 0
             self.recs[crow[there]] = r[there]
+            self.rgen[crow[there]] = self.gen[b[there]]  # what the bucket holds now
             self.rfreq[crow[there]] = freq[there]
             self.counts["updated_by_own_commits"] += int(there.sum())
             new = ~there & (freq >= self.min_freq)
