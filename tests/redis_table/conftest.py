@@ -26,3 +26,9 @@ def redis_cluster(request):
 def tag() -> str:
     """A model tag no other test in this session uses."""
     return f"m{os.getpid()}x{next(_counter)}"
+
+
+@pytest.fixture(scope="session")
+def redis_sentinel(request):
+    """A master, a replica and three sentinels (quorum 2) for service ``mymaster``."""
+    return servers.session_server(request, servers.RedisSentinel)

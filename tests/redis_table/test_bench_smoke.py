@@ -15,5 +15,8 @@ def test_bench_redis_table_smoke():
     redis_table.run(True, report, n_keys=3000, batch=1000, repeat=1)
     cases = {r.case for r in report.results}
     assert {"upsert", "lookup (read-only table)", "lookup+apply, exact",
-            "Cluster 3 masters: lookup"} <= cases
+            "Cluster 2 masters: lookup", "Cluster 3 masters: lookup", "SGD upsert, exact",
+            "SGD lookup, last_writer_wins",
+            "Zipf 1.05 lookup, near-cache, 2nd process training"} <= cases
+    assert report.params["zipf_stale_reads"] == 0 and report.params["zipf_checked_reads"] > 0
     assert all(r.value > 0 and r.baseline_value > 0 for r in report.results)

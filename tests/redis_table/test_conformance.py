@@ -56,3 +56,24 @@ class TestRedisTableCluster(TestRedisTable):
     @pytest.fixture
     def url(self, redis_cluster) -> str:
         return redis_cluster.url
+
+
+class TestRedisTableNearCache(TestRedisTable):
+    """Exact mode through a near-cache small enough to evict: the DRAM table's results."""
+
+    options = {"storage_slice": 3, "keys_sending_size": 4, "near_cache_rows": 24}
+    checks = CORE
+    optimizers = ("adagrad",)
+    random_seeds = (2,)
+
+
+class TestRedisTableNearCacheClusterLastWriterWins(TestRedisTable):
+    options = {"storage_slice": 4, "consistency": "last_writer_wins",
+               "near_cache_rows": 1000, "near_cache_min_freq": 1}
+    checks = CORE
+    optimizers = ("sgd",)
+    random_seeds = (3,)
+
+    @pytest.fixture
+    def url(self, redis_cluster) -> str:
+        return redis_cluster.url

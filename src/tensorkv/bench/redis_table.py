@@ -11,10 +11,13 @@ Adagrad slot (552 bytes with the checksum), ``n_keys`` keys, batches of 16,384 r
   records decoded into rows, and vs the DRAM table.
 * ``lookup+apply``: a training step (lookup, then Adagrad) in exact mode and in
   last-writer-wins mode vs the DRAM table.
-* ``cluster``: upsert and lookup on a Cluster of 3 masters vs a Cluster of 1.
+* ``cluster``: upsert and lookup on Clusters of 2 and 3 masters vs a Cluster of 1.
+* the goal workloads (SGD rows, both consistency modes, Zipf lookups through a near-cache
+  while another process trains): :mod:`tensorkv.bench.redis_table_goals`.
 
 Figures are keys per second (best of ``repeat`` passes). ``-p`` options: ``n_keys``,
-``batch``, ``repeat``, ``cluster`` (false: skip the Clusters). Current figures:
+``batch``, ``repeat``, ``cluster`` (false: skip the Clusters), ``goals`` (false: skip the
+goal workloads). Current figures:
 docs/benchmarks.md ("bench redis-table").
 """
 
@@ -65,17 +68,23 @@ def _cluster(masters: int) -> Iterator[str]:
             ports.append(port)
         for port in ports:
             _wait_port(port)
-        if masters == 1:  # redis-cli --cluster create wants 3 masters: assign the slots
-            cmd = [cli, "-p", str(ports[0]), "cluster", "addslotsrange", "0", "16383"]
+        if masters < 3:  # redis-cli --cluster create wants 3 masters: assign the slots
+            cuts = [16384 * i // masters for i in range(masters + 1)]
+            cmds = [[cli, "-p", str(p), "cluster", "addslotsrange", str(a), str(b - 1)]
+                    for p, a, b in zip(ports, cuts[:-1], cuts[1:], strict=True)]
+            cmds += [[cli, "-p", str(ports[0]), "cluster", "meet", "127.0.0.1", str(p)]
+                     for p in ports[1:]]
         else:
-            cmd = [cli, "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports],
-                   "--cluster-yes"]
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-        if r.returncode != 0:
-            raise BenchmarkError(f"redis-cli --cluster create failed: {r.stdout}{r.stderr}")
+            cmds = [[cli, "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports],
+                     "--cluster-yes"]]
+        for cmd in cmds:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+            if r.returncode != 0 or "ERR" in r.stdout:
+                raise BenchmarkError(f"creating the Cluster failed: {r.stdout}{r.stderr}")
         deadline = time.monotonic() + 30
-        while b"cluster_state:ok" not in subprocess.run(
-                [cli, "-p", str(ports[0]), "cluster", "info"], capture_output=True).stdout:
+        while not all(b"cluster_state:ok" in subprocess.run(
+                [cli, "-p", str(p), "cluster", "info"], capture_output=True).stdout
+                for p in ports):
             if time.monotonic() > deadline:
                 raise BenchmarkError("the benchmark's Redis Cluster did not become ready")
             time.sleep(0.1)
@@ -106,7 +115,7 @@ def _table(url: str, **options: Any) -> Any:
 
 
 def run(quick: bool, report: Report, *, n_keys: int | None = None, batch: int = BATCH,
-        repeat: int | None = None, cluster: bool = True) -> None:
+        repeat: int | None = None, cluster: bool = True, goals: bool = True) -> None:
     """Run the workload (see the module docstring); the arguments shrink it for tests."""
     import tensorkv
     from tensorkv.embedding.tiers.base import RecordLayout
@@ -192,10 +201,14 @@ def run(quick: bool, report: Report, *, n_keys: int | None = None, batch: int = 
         for t in (table, server, lww):
             t.close()
         store.close()
+    if goals:
+        from tensorkv.bench.redis_table_goals import run_goals
+
+        run_goals(quick, report, n_keys=n_keys, batch=batch, repeat=repeat)
     if not cluster:
         return
     figures = {}
-    for masters in (1, 3):
+    for masters in (1, 2, 3):
         with _cluster(masters) as url:
             t = _table(url, model_tag_runtime="bench", storage_slice=48)
             fill(t)
@@ -203,7 +216,8 @@ def run(quick: bool, report: Report, *, n_keys: int | None = None, batch: int = 
             figures[masters] = (timed / measure(upsert(t), repeat=repeat, warmup=0).best,
                                 timed / measure(lookup(ro), repeat=repeat, warmup=0).best)
             t.close(), ro.close()
-    report.add("Cluster 3 masters: upsert", "keys/s", figures[3][0], "Cluster 1 master",
-               figures[1][0])
-    report.add("Cluster 3 masters: lookup", "keys/s", figures[3][1], "Cluster 1 master",
-               figures[1][1])
+    for masters in (2, 3):
+        report.add(f"Cluster {masters} masters: upsert", "keys/s", figures[masters][0],
+                   "Cluster 1 master", figures[1][0])
+        report.add(f"Cluster {masters} masters: lookup", "keys/s", figures[masters][1],
+                   "Cluster 1 master", figures[1][1])

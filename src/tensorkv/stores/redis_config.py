@@ -127,7 +127,8 @@ TABLE_FILE_KEYS = frozenset({
     "storage_slice_import", "using_hash_storage_slice", "redis_hash_tags_runtime",
     "redis_hash_tags_import", "expire_model_tag_in_seconds", "table_store_mode",
     "model_lib_abs_dir", "redis_read_access_slave", "consistency", "read_only",
-    "read_cache_rows", "read_cache_seconds", "lock_ttl_seconds", "lock_wait_seconds",
+    "read_cache_rows", "read_cache_seconds", "near_cache_rows", "near_cache_bytes",
+    "near_cache_min_freq", "lock_ttl_seconds", "lock_wait_seconds",
     "on_lost", "must_exist",
 })
 

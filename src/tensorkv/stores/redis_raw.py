@@ -27,6 +27,8 @@ from tensorkv.stores.redis_keys import key_slots
 
 #: Bytes asked of one ``recv_into`` call.
 RECV_BYTES = 1 << 20
+#: Pieces of a batch smaller than this are joined before they are sent.
+COALESCE_BYTES = 1 << 16
 #: Error replies the generic path handles (redirects, retries, script loading).
 _FALLBACK_ERRORS = (rex.MovedError, rex.AskError, rex.TryAgainError, rex.ClusterDownError,
                     rex.NoScriptError, rex.BusyLoadingError, rex.ReadOnlyError,
@@ -59,6 +61,9 @@ class Replies:
     elen: np.ndarray
     rows: np.ndarray
     commands: list[int] = field(default_factory=list)
+    #: The socket the replies came on (a new socket is a new connection, maybe to another
+    #: server process: a restart or a failover drops every socket to the old one).
+    sock: Any = None
 
     def text(self, i: int) -> str:
         """Reply ``i``'s string (a simple string or an error message)."""
@@ -156,6 +161,29 @@ def session(store: Any) -> Iterator[Callable[..., Replies]]:
             pool.release(conn)
 
 
+def coalesce(pieces: list[Any], limit: int = COALESCE_BYTES) -> list[Any]:
+    """``pieces`` with runs of small ones joined (one ``sendall`` each, not one per piece)."""
+    out: list[Any] = []
+    run: list[Any] = []
+    size = 0
+    for p in pieces:
+        n = memoryview(p).nbytes
+        if n >= limit:
+            if run:
+                out.append(b"".join(run))
+                run, size = [], 0
+            out.append(p)
+            continue
+        run.append(p)
+        size += n
+        if size >= limit:
+            out.append(b"".join(run))
+            run, size = [], 0
+    if run:
+        out.append(b"".join(run))
+    return out
+
+
 def _pools(store: Any, keys: list[bytes], read: bool) -> list[tuple[Any, list[int]]]:
     """``[(connection pool, command indices)]``: where each command goes."""
     if store.mode != "cluster":
@@ -199,12 +227,13 @@ def run(store: Any, keys: list[bytes], chunks: list[list[Any]], elems: list[int]
         for pool, idx in _pools(store, keys, read):
             conn = pool.get_connection()
             sent.append((pool, conn, idx))
-            conn.send_packed_command([p for i in idx for p in chunks[i]])
+            conn.send_packed_command(coalesce([p for i in idx for p in chunks[i]]))
         out = []
         for _, conn, idx in sent:
             r = read_replies(conn._sock, len(idx), sum(elems[i] for i in idx),
                              sum(reply_bytes[i] for i in idx), recv_bytes, row_width)
             r.commands = idx
+            r.sock = conn._sock
             out.append(r)
         for r in out:
             check_errors(r)
@@ -222,5 +251,5 @@ def run(store: Any, keys: list[bytes], chunks: list[list[Any]], elems: list[int]
     return out
 
 
-__all__ = ["RECV_BYTES", "RawFallback", "Replies", "check_errors", "element_errors",
-           "read_replies", "run", "session"]
+__all__ = ["COALESCE_BYTES", "RECV_BYTES", "RawFallback", "Replies", "check_errors", "coalesce",
+           "element_errors", "read_replies", "run", "session"]

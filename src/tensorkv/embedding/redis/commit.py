@@ -128,6 +128,7 @@ def commit(engine: RedisRowEngine, op: bytes, keys: np.ndarray, sealed: np.ndarr
         Nothing was written.
     """
     b = engine.runtime
+    engine.committed = None
     written = np.union1d(b.of(keys), b.of(deleted))
     if written.size == 0:
         if locked.size:
@@ -168,7 +169,9 @@ def _check_commit(engine: RedisRowEngine, res: list[int], written: np.ndarray) -
     code = res[0]
     if code == lua.OK:
         b = engine.runtime
-        b.seen[written] = np.maximum(b.seen[written], np.asarray(res[1:], np.int64))
+        versions = np.asarray(res[1:], np.int64)
+        b.seen[written] = np.maximum(b.seen[written], versions)
+        engine.committed = (written.copy(), versions)
     elif code != lua.ALREADY:
         _raise_code(engine, code, int(written[res[1] - 1]) if len(res) > 1 else
                     int(written[0]))
@@ -425,7 +428,13 @@ def _two_phase(engine: RedisRowEngine, op: bytes, keys: np.ndarray, sealed: np.n
                 f"{engine.where()}: the connection failed during the commit; it was not "
                 "applied (nothing was written). Retry the step") from exc.cause
         return
-    finish(engine, state, release=True)
+    moved = finish(engine, state, release=True)
+    if engine.committed is not None and len(moved) == len(rest):
+        # every bucket moved by this operation alone: the coordinator, then the participants
+        engine.committed = (written.copy(), np.concatenate(
+            [engine.committed[1], np.asarray([moved[k] for k in rest], np.int64)]))
+    else:
+        engine.committed = None
 
 
 def _abort(engine: RedisRowEngine, op: bytes, prepared: list[int], locked: list[int]) -> None:
@@ -437,25 +446,30 @@ def _abort(engine: RedisRowEngine, op: bytes, prepared: list[int], locked: list[
         engine.scripts(calls)
 
 
-def finish(engine: RedisRowEngine, state: OpState, release: bool) -> None:
+def finish(engine: RedisRowEngine, state: OpState, release: bool) -> dict[int, int]:
     """Apply a committed two-phase operation's intents everywhere, then forget it.
 
     What a server does not answer stays for the next process that locks the bucket (it
-    finds the intent and applies it); the operation is committed either way.
+    finds the intent and applies it); the operation is committed either way. Returns the
+    version each participant moved to by this call's apply (none where it was applied
+    already, or not answered).
     """
     b = engine.runtime
     op = state.op
     rel = b"1" if release else b"0"
+    moved: dict[int, int] = {}
     try:
         res = engine.scripts([(lua.APPLY, [b.names[k], b.locks[k]], [op, rel])
                               for k in state.participants])
         for k, v in zip(state.participants, res, strict=True):
             if int(v) > 0:
                 b.seen[k] = max(int(b.seen[k]), int(v))
+                moved[k] = int(v)
         engine.script(lua.FINISH, b.names[state.coordinator], [b.names[state.coordinator]],
                       [op])
     except StoreError:
         engine.unfinished.append(state)
+    return moved
 
 
 def finish_unfinished(engine: RedisRowEngine) -> None:
@@ -548,12 +562,14 @@ def committed_intent(engine: RedisRowEngine, b: Buckets, mark: bytes) -> bool:
 
 def overlay_found(engine: RedisRowEngine, b: Buckets, keys: np.ndarray, pos: np.ndarray,
                   recs: np.ndarray, marks: list[tuple[int, bytes]]
-                  ) -> tuple[np.ndarray, np.ndarray]:
+                  ) -> tuple[np.ndarray, np.ndarray] | None:
     """Lay the intents ``marks`` of committed operations over rows read (reads only).
 
     ``(pos, recs)`` is :meth:`~RedisRowEngine.get_found`'s answer for ``keys``. A reader
     that holds no lock sees a bucket whose writer committed an operation and died before
-    applying it there as that operation left it.
+    applying it there as that operation left it. Returns None when an intent left its
+    bucket since the rows were read (applied, or replaced): the rows read are older than
+    the bucket then, so read them again.
     """
     n = keys.shape[0]
     full = np.zeros((n, engine.width), np.uint8)
@@ -563,10 +579,10 @@ def overlay_found(engine: RedisRowEngine, b: Buckets, keys: np.ndarray, pos: np.
     for k, mark in marks:
         if not committed_intent(engine, b, mark):
             continue
-        blob = engine.store.execute([(b.names[k], ("HGET", b.names[k], lua.INTENT))],
-                                    read=engine.rd)[0]
-        if blob is None:
-            continue  # applied meanwhile: read again
+        now, blob = engine.store.execute([(b.names[k], ("HMGET", b.names[k], lua.MARK,
+                                                         lua.INTENT))], read=engine.rd)[0]
+        if now is None or bytes(now) != mark or blob is None:
+            return None  # applied (or replaced) meanwhile: the rows read are older
         ikeys, irecs, dels, _ = lua.parse_blob(bytes(blob))
         engine.verify(np.ones(ikeys.shape[0], bool), irecs, ikeys, "an intent record")
         order = np.argsort(ikeys)

@@ -192,6 +192,14 @@ class RedisRowEngine:
         #: Committed two-phase operations whose intents are not all applied yet (see
         #: :func:`~tensorkv.embedding.redis.commit.finish`).
         self.unfinished: list[Any] = []
+        #: When a list: :meth:`check_heads` appends ``(bucket, version, has intent)`` of
+        #: every runtime bucket it checks (the near-cache's view of a round trip).
+        self.head_log: list[tuple[int, int, bool]] | None = None
+        #: When a list: the sockets the raw reads came on, and None for a read that ran on
+        #: the generic path (whose connection is not known).
+        self.raw_sockets: list[Any] | None = None
+        #: ``(buckets, versions)`` the last commit set, when one script reported them.
+        self.committed: tuple[np.ndarray, np.ndarray] | None = None
         self.counters = {"reads": 0, "writes": 0, "deletes": 0, "round_trips": 0,
                          "lock_waits": 0, "migrated": 0, "raw_fallbacks": 0,
                          "resolved_intents": 0, "two_phase_commits": 0, "settled": 0}
@@ -276,6 +284,8 @@ class RedisRowEngine:
             b.seen[k] = max(int(b.seen[k]), ver)
             if m is not None:
                 marks.append((k, bytes(m)))
+            if self.head_log is not None and b is self.runtime:
+                self.head_log.append((k, ver, m is not None))
         if lost:
             raise self.lost(b, lost)
         return marks
@@ -400,6 +410,14 @@ class RedisRowEngine:
         chunks = [(int(sb[a]), a, c) for a, c in zip(cuts[:-1], cuts[1:], strict=True)]
         return order, sb, chunks
 
+    def _chunked(self, b: Buckets, keys: np.ndarray) -> tuple[np.ndarray,
+                                                              list[tuple[int, int, int]]]:
+        """:meth:`grouped`'s order and chunks (none for no keys)."""
+        if keys.shape[0] == 0:
+            return np.zeros(0, np.int64), []
+        order, _, chunks = self.grouped(b, keys)
+        return order, chunks
+
     def get(self, keys: np.ndarray, b: Buckets | None = None, read: bool = True,
             bad_out: list[np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
         """``(found bool[n], records uint8[n, width])`` of ``keys`` (absent rows zero).
@@ -418,29 +436,32 @@ class RedisRowEngine:
     def get_found(self, keys: np.ndarray, b: Buckets | None = None, read: bool = True,
                   bad_out: list[np.ndarray] | None = None,
                   marks: list[tuple[int, bytes]] | None = None,
+                  heads_of: Sequence[int] = (),
                   ) -> tuple[np.ndarray, np.ndarray]:
         """``(positions, records)``: where in ``keys`` a row was found, and those rows.
 
         The records (``uint8[m, width]``, read-only) come in reply order, without a copy.
-        The buckets' identity fields are read in the same round trip and checked
-        (:meth:`check_heads`) before any row is returned; ``marks`` receives the intents
-        found.
+        The buckets' identity fields (and those of ``heads_of``) are read in the same round
+        trip, each before the bucket's rows, and checked (:meth:`check_heads`) before any row
+        is returned; ``marks`` receives the intents found.
         """
         b = b or self.runtime
         n = keys.shape[0]
-        if n == 0:
+        if n == 0 and not len(heads_of):
             return np.zeros(0, np.int64), np.zeros((0, self.width), np.uint8)
-        order, _, chunks = self.grouped(b, keys)
+        order, chunks = self._chunked(b, keys)
         sk = keys[order]
         read = self.rd or (read and self.options.redis_read_access_slave)
         where = f"{self.options.url!r} ({b.model_tag})"
         self.counters["round_trips"] += 1
         self.counters["reads"] += n
-        hb = sorted({k for k, _, _ in chunks})
+        hb = sorted({k for k, _, _ in chunks} | set(heads_of))
         try:
             found_s, recs, heads = self._get_raw(b, sk, chunks, read, where, bad_out, hb)
         except RawFallback:
             self.counters["raw_fallbacks"] += 1
+            if self.raw_sockets is not None:
+                self.raw_sockets.append(None)
             fields = encode_fields(sk)
             cmds = ([(b.names[k], ("HMGET", b.names[k], *lua.HEAD)) for k in hb]
                     + [(b.names[k], ("HMGET", b.names[k], *fields[a:c])) for k, a, c in chunks])
@@ -467,7 +488,7 @@ class RedisRowEngine:
         rows found, and the identity fields of ``head_buckets`` (unchecked).
         """
         n = sk.shape[0]
-        framed = resp.frame_columns([key_bytes(sk)])
+        framed = resp.frame_columns([key_bytes(sk)]) if n else []
         row = len(resp.bulk(bytes(self.width)))
         ttl = b"%d" % int(self.options.lock_ttl_seconds * 1000)
         lead = [(b.locks[k], [resp.array_head(6, (b"SET", b.locks[k], token, b"NX", b"PX",
@@ -482,6 +503,8 @@ class RedisRowEngine:
         groups = self.store.execute_raw([c[0] for c in cmds], [c[1] for c in cmds], elems,
                                         [16 + m * row for m in elems], read=read,
                                         row_width=self.width)
+        if self.raw_sockets is not None:
+            self.raw_sockets += [r.sock for r in groups]
         lens, group = np.empty(n, np.int64), np.empty(n, np.int64)
         got = [False] * nl
         head_out: list[tuple[int, Head]] = []
@@ -567,22 +590,18 @@ class RedisRowEngine:
     def lock_get(self, buckets: np.ndarray, keys: np.ndarray, token: bytes,
                  bad_out: list[np.ndarray] | None = None,
                  marks: list[tuple[int, bytes]] | None = None,
+                 heads_of: Sequence[int] = (),
                  ) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`lock` ``buckets`` and :meth:`get_found` ``keys`` (unique) in one round trip.
 
         Returns ``(positions, records)``; ``marks`` receives the intents found on the
-        buckets read. When a lock is busy, the locks after it are released and the rest is
-        done as by :meth:`lock`, then the rows are read again.
+        buckets read (those of ``heads_of`` too). When a lock is busy, the locks after it are
+        released and the rest is done as by :meth:`lock`, then the rows are read again.
         """
         b = self.runtime
-        if keys.shape[0] == 0:
-            self.lock(buckets, token)
-            if marks is not None:
-                marks += self.check_heads(b, self.heads(b, buckets.tolist()))
-            return np.zeros(0, np.int64), np.zeros((0, self.width), np.uint8)
-        order, _, chunks = self.grouped(b, keys)
+        order, chunks = self._chunked(b, keys)
         taken: list[bool] = []
-        hb = sorted({k for k, _, _ in chunks} | set(buckets.tolist()))
+        hb = sorted({k for k, _, _ in chunks} | set(buckets.tolist()) | set(heads_of))
         heads: list[tuple[int, Head]] = []
         try:
             found, recs, heads = self._get_raw(b, keys[order], chunks, False,
@@ -605,7 +624,8 @@ class RedisRowEngine:
         self.lock(buckets[first:], token)
         if bad_out is not None:
             bad_out.clear()
-        return self.get_found(keys, read=False, bad_out=bad_out, marks=marks)
+        return self.get_found(keys, read=False, bad_out=bad_out, marks=marks,
+                              heads_of=hb)
 
     def unlock(self, buckets: np.ndarray, token: bytes) -> None:
         """Release the locks of ``buckets`` this token holds."""

@@ -273,10 +273,12 @@ release(KEYS[1], ARGV[1])
 return 0
 """
 
-# KEYS: bucket. ARGV: n field/value pairs. Writes the rows the bucket does not hold yet.
+# KEYS: bucket. ARGV: n field/value pairs. Writes the rows the bucket does not hold yet; a
+# bucket that received rows moves to a new version (as after every write of rows).
 SET_ABSENT = """
 local n = 0
 for i = 1, #ARGV, 2 do n = n + redis.call('HSETNX', KEYS[1], ARGV[i], ARGV[i + 1]) end
+if n > 0 then redis.call('HINCRBY', KEYS[1], '~v', 1) end
 return n
 """
 

@@ -72,6 +72,12 @@ class RedisTableOptions:
     read_cache_rows, read_cache_seconds
         With ``read_only``: rows kept in a DRAM cache (0: none) and the seconds after which
         the cache is dropped (rows may be that stale).
+    near_cache_rows, near_cache_bytes, near_cache_min_freq
+        A coherent near-cache of hot rows in this process (0, 0: none): at most this many
+        rows and bytes (the smaller bound wins; 0 leaves a bound out), admitting rows whose
+        stored frequency is at least ``near_cache_min_freq``. Every cached row is checked
+        against its bucket's version in the round trip of the read, so it is never stale
+        (:mod:`tensorkv.embedding.chain.near_cache`).
     lock_ttl_seconds, lock_wait_seconds
         Exact mode: a bucket lock expires after ``lock_ttl_seconds`` (a crashed holder
         frees it); a writer waits at most ``lock_wait_seconds`` for a lock.
@@ -107,6 +113,9 @@ class RedisTableOptions:
     read_only: bool = False
     read_cache_rows: int = 0
     read_cache_seconds: float = config.REDIS_TABLE_READ_CACHE_SECONDS
+    near_cache_rows: int = 0
+    near_cache_bytes: int = 0
+    near_cache_min_freq: int = 0
     lock_ttl_seconds: float = config.REDIS_TABLE_LOCK_TTL
     lock_wait_seconds: float = config.REDIS_TABLE_LOCK_WAIT
     on_lost: str = "raise"
@@ -123,7 +132,9 @@ class RedisTableOptions:
             object.__setattr__(self, "model_tag_import", self.model_tag_runtime)
         _check_name("model_tag_import", self.model_tag_import)
         for name, lo in (("storage_slice", 1), ("keys_sending_size", 1),
-                         ("expire_model_tag_in_seconds", 0), ("read_cache_rows", 0)):
+                         ("expire_model_tag_in_seconds", 0), ("read_cache_rows", 0),
+                         ("near_cache_rows", 0), ("near_cache_bytes", 0),
+                         ("near_cache_min_freq", 0)):
             _check_int(name, getattr(self, name), lo)
         if self.storage_slice_import is None:
             object.__setattr__(self, "storage_slice_import", self.storage_slice)
@@ -161,6 +172,20 @@ class RedisTableOptions:
         if self.read_cache_rows and not self.read_only:
             raise ConfigError("read_cache_rows needs read_only=True: a cache of rows that "
                               "this process also writes would serve stale rows")
+        if self.redis_read_access_slave and (self.near_cache_rows or self.near_cache_bytes):
+            raise ConfigError(
+                f"near_cache_rows={self.near_cache_rows} / near_cache_bytes="
+                f"{self.near_cache_bytes} with redis_read_access_slave=True: the near-cache "
+                "checks each bucket's version on the connection that reads its rows, and reads "
+                "spread over replicas (each behind the primary by its own lag) can answer the "
+                "version and the rows from two of them. Read the primaries "
+                "(redis_read_access_slave=False) or use read_cache_rows")
+        if self.read_cache_rows and (self.near_cache_rows or self.near_cache_bytes):
+            raise ConfigError(
+                f"read_cache_rows={self.read_cache_rows} and near_cache_rows="
+                f"{self.near_cache_rows} / near_cache_bytes={self.near_cache_bytes} are two "
+                "caches of the same rows: give one (the near-cache is never stale, the read "
+                "cache needs no round trip but may be read_cache_seconds stale)")
 
     @property
     def migrates(self) -> bool:

@@ -32,6 +32,7 @@ from tensorkv.embedding.redis import commit as redis_commit
 from tensorkv.embedding.redis import lua
 from tensorkv.embedding.redis import migrate as redis_migrate
 from tensorkv.embedding.redis.engine import RedisRowEngine
+from tensorkv.embedding.redis.near_cache import open_near_cache
 from tensorkv.embedding.redis.options import RedisTableOptions
 from tensorkv.embedding.rows import ArenaBackend, Place, place_chunks
 from tensorkv.embedding.tiers.base import RecordLayout, RowSink, RowSource
@@ -135,6 +136,7 @@ class RedisBackend(ArenaBackend):
         self._cache_at = 0.0
         if self.options.read_cache_rows:
             self._cache = RowArena(arena.dim, arena.slot_width, dtype=arena.dtype)
+        self._near = open_near_cache(engine)
         self._counts = {"cache_hits": 0, "rows_read": 0, "rows_written": 0, "replayed": 0}
 
     # --- around one batch operation ------------------------------------------------------------
@@ -191,7 +193,7 @@ class RedisBackend(ArenaBackend):
         """Read the rows an upsert, import or remove replaces (a corrupt row reads as absent)."""
         self._load(keys, replace=True)
 
-    def _load(self, keys: np.ndarray, replace: bool = False) -> None:
+    def _load(self, keys: np.ndarray, replace: bool = False, serve: bool = True) -> None:
         a = self.arena
         if keys.shape[0] == 0:
             return
@@ -205,12 +207,51 @@ class RedisBackend(ArenaBackend):
         sink = RowSink(a, self.layout)
         if self._cache is not None:
             want = self._from_cache(want, sink)
+        near = self._near
+        if near is None:
+            self._fetch(want, need, sink, replace)
+            return
+        cand, crow = near.candidates(want)
+        if not serve:  # read them all
+            cand[:] = False
+        ck, crow = want[cand], crow[cand]
+        heads = np.unique(self.engine.runtime.of(ck))
+        near.begin(self.engine)
+        try:
+            got, recs = self._fetch(want[~cand], need, sink, replace, heads)
+        except TableLostError:
+            near.empty()
+            raise
+        finally:
+            near.end(self.engine)
+        hit = near.hits(ck, crow)
+        served = near.recs[crow[hit]]  # (a copy) before admitting rows moves cache rows
+        near.admit(got, recs)
+        near.count(int(hit.sum()), int(want.size - hit.sum()))
+        if hit.any():
+            hk = ck[hit]
+            rows, _ = a.insert(hk)
+            sink.write(served, None, rows)
+            a.seq[rows] = _LOADED
+            self._loaded.append(hk)
+        if not hit.all():  # their buckets moved: read them (and cache them) again
+            self._load(ck[~hit], replace, serve=False)
+
+    def _fetch(self, want: np.ndarray, need: np.ndarray, sink: RowSink, replace: bool,
+               heads: np.ndarray = _NO_KEYS) -> tuple[np.ndarray, np.ndarray]:
+        """Read ``want`` into the working set, locking ``need`` first (exact mode).
+
+        ``heads``: more buckets whose identity fields the round trip reads. Returns the keys
+        found and their sealed rows.
+        """
+        a = self.arena
         bad: list[np.ndarray] | None = [] if replace else None
+        hb = heads.tolist()
         if need.size:  # take the locks and read the rows in one round trip
             self._token = self._token or lua.new_op()
             self._locked = np.union1d(self._locked, need)
             marks: list[tuple[int, bytes]] = []
-            pos, recs = self.engine.lock_get(need, want, self._token, bad, marks)
+            pos, recs = self.engine.lock_get(need, want, self._token, bad, marks, hb)
             for _ in range(_INTENT_ROUNDS):
                 if not marks:
                     break
@@ -221,12 +262,13 @@ class RedisBackend(ArenaBackend):
                 marks = []
                 if bad is not None:
                     bad.clear()
-                pos, recs = self.engine.get_found(want, read=False, bad_out=bad, marks=marks)
+                pos, recs = self.engine.get_found(want, read=False, bad_out=bad, marks=marks,
+                                                  heads_of=hb)
             else:
                 raise RowLockError(f"{self.engine.where()}: intents of other operations kept "
                                    "appearing in buckets this operation holds; retry")
         else:
-            pos, recs = self._read(want, bad)
+            pos, recs = self._read(want, bad, hb)
         if bad:  # written over or removed at the commit
             self._corrupt.append(np.concatenate(bad))
         got = want[pos]
@@ -238,17 +280,25 @@ class RedisBackend(ArenaBackend):
             self._loaded.append(got)
             if self._cache is not None:
                 self._to_cache(got, recs)
+        return got, recs
 
-    def _read(self, keys: np.ndarray, bad: list[np.ndarray] | None = None
-              ) -> tuple[np.ndarray, np.ndarray]:
+    def _read(self, keys: np.ndarray, bad: list[np.ndarray] | None = None,
+              heads: list[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Rows of ``keys`` read without locks, with the intents of committed operations."""
-        marks: list[tuple[int, bytes]] = []
-        pos, recs = self.engine.get_found(keys, read=self.options.read_only, bad_out=bad,
-                                          marks=marks)
-        if marks:
-            pos, recs = redis_commit.overlay_found(self.engine, self.engine.runtime, keys, pos,
-                                                   recs, marks)
-        return pos, recs
+        for _ in range(_INTENT_ROUNDS):
+            marks: list[tuple[int, bytes]] = []
+            if bad is not None:
+                bad.clear()
+            pos, recs = self.engine.get_found(keys, read=self.options.read_only, bad_out=bad,
+                                              marks=marks, heads_of=heads or ())
+            if not marks:
+                return pos, recs
+            laid = redis_commit.overlay_found(self.engine, self.engine.runtime, keys, pos,
+                                              recs, marks)
+            if laid is not None:
+                return laid
+        raise RowLockError(f"{self.engine.where()}: intents of other operations kept leaving "
+                           "the buckets while they were read; retry")
 
     def _lock_buckets(self, need: np.ndarray) -> None:
         self._token = self._token or lua.new_op()
@@ -344,7 +394,15 @@ class RedisBackend(ArenaBackend):
             RowSource(a, self.layout, keys, changed).pack(buf)
             self.engine.seal(buf)
         op = self._token or lua.new_op()
-        redis_commit.commit(self.engine, op, keys, buf, deleted, self._locked, self._exact)
+        try:
+            redis_commit.commit(self.engine, op, keys, buf, deleted, self._locked, self._exact)
+        except BaseException:
+            if self._near is not None:  # written or not: what it cached of them is unknown
+                self._near.invalidate(np.union1d(self.engine.runtime.of(keys),
+                                                 self.engine.runtime.of(deleted)))
+            raise
+        if self._near is not None:
+            self._near.committed(self.engine, keys, buf, deleted)
         self._locked = _NO_KEYS
         self._counts["rows_written"] += int(keys.size)
 
@@ -435,6 +493,8 @@ class RedisBackend(ArenaBackend):
 
     def clear_lower(self) -> None:
         """Empty every bucket (in exact mode under the locks of every bucket)."""
+        if self._near is not None:
+            self._near.empty()
         redis_commit.clear(self.engine, lua.new_op(), self._exact)
 
     @property
@@ -453,6 +513,8 @@ class RedisBackend(ArenaBackend):
         stats["tier0_rows"] = stats["rows"]
         stats["rows"] = len(self.engine)
         stats["redis"] = {**self.engine.stats(), **self._counts}
+        if self._near is not None:
+            stats["redis"]["near_cache"] = self._near.stats()
 
     def spill_locations(self) -> list[str]:
         """The Redis URL."""
