@@ -7,8 +7,6 @@ import os
 
 import pytest
 
-import servers
-
 _counter = itertools.count()
 BACKENDS = ["memory", "lmdb", "rocksdb", "leveldb", "redis"]
 SHARED_BACKENDS = ["lmdb", "rocksdb", "leveldb", "redis"]  # usable from several processes
@@ -23,9 +21,9 @@ def _importable(mod: str) -> bool:
 
 
 @pytest.fixture(scope="session")
-def ckpt_redis(request):
-    """A standalone redis-server for the checkpoint tests (started once, on demand)."""
-    return servers.session_server(request, servers.RedisServer)
+def ckpt_redis(redis_server):
+    """The shared standalone redis-server (tests/conftest.py); each URL has its own prefix."""
+    return redis_server
 
 
 def make_url(backend: str, tmp_path, request) -> str:

@@ -1,4 +1,4 @@
-"""A Redis Cluster and model tags for the Redis-resident table tests.
+"""Model tags for the Redis-resident table tests (the servers: tests/conftest.py).
 
 Each test names its own model tag (``tag``), so tests share one server without flushing
 between them; servers start once per session and stop at its end.
@@ -11,15 +11,7 @@ import os
 
 import pytest
 
-import servers
-
 _counter = itertools.count()
-
-
-@pytest.fixture(scope="session")
-def redis_cluster(request):
-    """A Redis Cluster of 3 masters (no replicas)."""
-    return servers.session_server(request, servers.RedisCluster)
 
 
 @pytest.fixture

@@ -14,9 +14,9 @@ BACKENDS = ["memory", "lmdb", "rocksdb", "leveldb", "redis"]
 
 
 @pytest.fixture(scope="session")
-def repo_redis(request):
-    """A standalone redis-server for the repository tests."""
-    return servers.session_server(request, servers.RedisServer)
+def repo_redis(redis_server):
+    """The shared standalone redis-server (tests/conftest.py); each URL has its own prefix."""
+    return redis_server
 
 
 @pytest.fixture(scope="session")
