@@ -16,6 +16,10 @@ COV_ARGS := --cov=tensorkv --cov-report=term-missing:skip-covered --cov-fail-und
 # Ray tests: one worker, one local Ray; see tests/conftest.py).
 PYTEST_WORKERS ?= 3
 XDIST_ARGS := -n $(PYTEST_WORKERS) --dist loadgroup
+# Bytecode caches on for the test runs, even where the shell sets PYTHONDONTWRITEBYTECODE:
+# without them every worker and every child process the tests start compiles tensorkv again,
+# and pytest rewrites the asserts of every test module in every worker.
+test test-fast: export PYTHONDONTWRITEBYTECODE =
 # pytest exits 5 when it collects no tests; that is not a failure of the suite.
 PYTEST_EXIT = rc=$$?; if [ "$$rc" = "5" ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
