@@ -21,8 +21,7 @@ import pytest
 import tensorkv
 from tensorkv.errors import TagExistsError
 
-sys.path.insert(0, str(Path(__file__).parent))
-from saver_worker import assert_model_equal, model  # noqa: E402
+from .saver_worker import assert_model_equal, model
 
 WORKER = str(Path(__file__).with_name("saver_worker.py"))
 SAVERS = 4
