@@ -12,8 +12,8 @@ COV_FLOOR ?= 94
 COV_ARGS := --cov=tensorkv --cov-report=term-missing:skip-covered --cov-fail-under=$(COV_FLOOR)
 # Parallel test workers (pytest-xdist). Many tests wait on servers, subprocesses and disk, so
 # more workers than cores still help; PYTEST_WORKERS=0 runs in this process, one test at a
-# time. --dist loadgroup hands out tests one by one, except those sharing an xdist_group (the
-# Ray tests: one worker, one local Ray; see tests/conftest.py).
+# time. --dist loadgroup hands out tests one by one, except the groups in tests/conftest.py
+# (the Ray tests: one worker, one local Ray).
 PYTEST_WORKERS ?= 3
 XDIST_ARGS := -n $(PYTEST_WORKERS) --dist loadgroup
 # Bytecode caches on for the test runs, even where the shell sets PYTHONDONTWRITEBYTECODE:

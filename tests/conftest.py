@@ -12,7 +12,9 @@ fresh one per test: ``servers.prefix()``); a test that kills, restarts or reconf
 starts its own (``servers.RedisServer(...)``), never a shared one.
 
 Lanes: tests listed in ``SLOW`` below are marked ``slow`` (``make test-fast`` leaves them
-out); the Ray tests share one xdist group, so one worker runs them all on one local Ray.
+out). With ``pytest -n N --dist loadgroup`` (``make test``), one worker runs every test listed
+in ``GROUPS["ray"]`` on one local Ray, started first since it is the longest unit; every other
+test goes to whichever worker is free.
 """
 
 from __future__ import annotations
@@ -29,8 +31,12 @@ os.environ.setdefault("TENSORKV_PROGRESS", "0")
 #: A prefix is a file, a test, or one parametrized case.
 SLOW: dict[str, str] = {}
 
-#: Node-id prefixes of the tests that start or use a local Ray: one xdist group.
-RAY = ("tests/distributed/", "tests/test_docs.py::test_doc_block_runs[docs/distributed.md")
+#: Groups of tests that one xdist worker runs, by node-id prefix: the tests that start or use
+#: a local Ray (one Ray per worker would start several at once on a small machine).
+GROUPS: dict[str, tuple[str, ...]] = {
+    "ray": ("tests/distributed/",
+            "tests/test_docs.py::test_doc_block_runs[docs/distributed.md"),
+}
 
 
 def _matches(nodeid: str, prefix: str) -> bool:
@@ -38,16 +44,44 @@ def _matches(nodeid: str, prefix: str) -> bool:
         prefix.endswith(("/", ".py", "[")) or nodeid[len(prefix)] in ":["))
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the xdist_group marks
+def group_of(nodeid: str) -> str | None:
+    """The name of the ``GROUPS`` entry that holds test ``nodeid``, or None."""
+    return next((name for name, prefixes in GROUPS.items()
+                 if any(nodeid.startswith(p) for p in prefixes)), None)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark the ``SLOW`` tests slow; put the Ray tests in one xdist group."""
-    xdist = config.pluginmanager.hasplugin("xdist")
+    """Mark the ``SLOW`` tests slow."""
     for item in items:
-        nodeid = item.nodeid
-        if any(_matches(nodeid, p) for p in SLOW):
+        if any(_matches(item.nodeid, p) for p in SLOW):
             item.add_marker(pytest.mark.slow)
-        if xdist and any(nodeid.startswith(p) for p in RAY):
-            item.add_marker(pytest.mark.xdist_group("ray"))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """With pytest-xdist installed, schedule ``--dist loadgroup`` by ``GROUPS``."""
+    if config.pluginmanager.hasplugin("xdist"):
+        config.pluginmanager.register(_GroupScheduling(), "tensorkv-test-groups")
+
+
+class _GroupScheduling:
+    """``--dist loadgroup`` by ``GROUPS``: one work unit per group, one per other test.
+
+    pytest-xdist's own ``loadgroup`` reads ``xdist_group`` marks by renaming test ids, which
+    pytest 9 no longer allows; this scheduler reads the groups from the ids instead.
+    """
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_xdist_make_scheduler(self, config: pytest.Config, log):
+        if config.getvalue("dist") != "loadgroup":
+            return None
+        from xdist.scheduler import LoadScopeScheduling
+
+        class Scheduling(LoadScopeScheduling):
+            # xdist sorts units by size (--loadscope-reorder), so a group starts first
+            def _split_scope(self, nodeid: str) -> str:
+                return group_of(nodeid) or nodeid
+
+        return Scheduling(config, log)
 
 
 @pytest.fixture(scope="session")
