@@ -97,8 +97,9 @@ GROUPS: dict[str, tuple[str, ...]] = {
 
 
 def _matches(nodeid: str, prefix: str) -> bool:
+    """Whether ``prefix`` names ``nodeid``: a folder, file, test, or the start of a case id."""
     return nodeid == prefix or (nodeid.startswith(prefix) and (
-        prefix.endswith(("/", ".py", "[")) or nodeid[len(prefix)] in ":["))
+        prefix.endswith("/") or "[" in prefix or nodeid[len(prefix)] in ":["))
 
 
 def group_of(nodeid: str) -> str | None:
