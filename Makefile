@@ -38,6 +38,7 @@ install: venv
 
 install-test: install
 	$(PIP) install -q -e ".[all,dev]"
+	touch $(VENV)/.install-test.stamp
 
 redis-server:
 	@if ! command -v redis-server >/dev/null 2>&1; then \
@@ -85,7 +86,6 @@ test-fast: $(VENV)/.install-test.stamp redis-server
 # install-test once, again only when pyproject.toml changes (test-fast skips pip's checks).
 $(VENV)/.install-test.stamp: pyproject.toml
 	$(MAKE) install-test
-	touch $@
 
 # The static checks alone: ruff (lint and import order) and mypy (configured in pyproject.toml).
 lint: install-test
