@@ -164,7 +164,10 @@ def test_bad_options(tmp_path, options, match):
 @pytest.mark.parametrize("compression", ["none", "lz4", "zstd", "snappy"])
 def test_bulk_load_through_flushes(tmp_path, compression):
     """More data than the write buffer: memtables flush to SST files and read back."""
-    url = f"rocksdb://{tmp_path}/db?write_buffer_size=1MiB&compression={compression}"
+    # two memtables at most: writing the third waits for the first flush, so SST files exist
+    # when the writes return, however slowly the background flush runs
+    url = (f"rocksdb://{tmp_path}/db?write_buffer_size=1MiB&max_write_buffers=2"
+           f"&compression={compression}")
     rng = np.random.default_rng(0)
     rows = rng.standard_normal((4000, 256), dtype=np.float32)  # 4 MiB
     keys = [b"emb/%08d" % i for i in range(len(rows))]
