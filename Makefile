@@ -79,7 +79,7 @@ test: install-test redis-server chromium
 	$(PY) -m pytest -q $(XDIST_ARGS) $(COV_ARGS) $(PYTEST_ARGS); $(PYTEST_EXIT)
 
 # The fast lane: every test not marked slow, without coverage or the static checks (about
-# two minutes on two cores). `make test-fast PYTEST_ARGS=tests/checkpoint` runs one package.
+# three minutes on two shared cores). `make test-fast PYTEST_ARGS=tests/checkpoint` runs one package.
 test-fast: $(VENV)/.install-test.stamp redis-server
 	$(PY) -m pytest -q $(XDIST_ARGS) --no-cov -m "not slow" $(PYTEST_ARGS); $(PYTEST_EXIT)
 

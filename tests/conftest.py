@@ -73,7 +73,14 @@ SLOW: dict[str, str] = {
     "tests/tiers/test_bench_tiers_smoke.py": "the tier benchmark end to end",
     "tests/embedding/test_bench_table_smoke.py": "the table benchmark end to end",
     "tests/test_cli.py::test_bench_kv_tiny_json": "the key-value benchmark from the CLI",
+    "tests/test_bench_train_smoke.py": "the training benchmark end to end",
+    "tests/viewer/test_viewer_bench.py": "the viewer benchmark end to end",
+    "tests/viewer_web/test_web_scripts.py": "the web viewer's screenshot and benchmark scripts",
     "tests/test_demo.py": "the demo end to end: trains, checkpoints, resumes",
+    "tests/torch/test_parity.py::test_dynamic_bag_trains_like_static_sparse_bag":
+        "trains a model per optimizer and tier against torch",
+    "tests/torch/test_parity.py::test_training_continues_identically_after_restore_in_a_fresh_process":
+        "trains, saves, and trains on in a child interpreter",
     "tests/test_docs.py::test_doc_block_runs": "runs every code block of the docs",
     "test_matches_dict_model": "a long randomized model run (every store)",
     # the browser
