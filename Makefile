@@ -10,8 +10,20 @@ PYTEST_ARGS ?=
 # lower it to make a change pass.
 COV_FLOOR ?= 94
 COV_ARGS := --cov=tensorkv --cov-report=term-missing:skip-covered --cov-fail-under=$(COV_FLOOR)
+# Parallel test workers (pytest-xdist). Many tests wait on servers, subprocesses and disk, so
+# more workers than cores still help; PYTEST_WORKERS=0 runs in this process, one test at a
+# time. --dist loadgroup hands out tests one by one, except the groups in tests/conftest.py
+# (the Ray tests: one worker, one local Ray).
+PYTEST_WORKERS ?= 3
+XDIST_ARGS := -n $(PYTEST_WORKERS) --dist loadgroup
+# Bytecode caches on for the test runs, even where the shell sets PYTHONDONTWRITEBYTECODE:
+# without them every worker and every child process the tests start compiles tensorkv again,
+# and pytest rewrites the asserts of every test module in every worker.
+test test-fast: export PYTHONDONTWRITEBYTECODE =
+# pytest exits 5 when it collects no tests; that is not a failure of the suite.
+PYTEST_EXIT = rc=$$?; if [ "$$rc" = "5" ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
-.PHONY: demo test docs venv install install-test redis-server chromium vendor lint bench-quick bench-kv clean
+.PHONY: demo test test-fast docs venv install install-test redis-server chromium vendor lint bench-quick bench-kv clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +38,7 @@ install: venv
 
 install-test: install
 	$(PIP) install -q -e ".[all,dev]"
+	touch $(VENV)/.install-test.stamp
 
 redis-server:
 	@if ! command -v redis-server >/dev/null 2>&1; then \
@@ -57,14 +70,22 @@ demo: install
 
 # Static checks, then the suite with a coverage floor (see CONTRIBUTING.md). The project
 # runs `ruff check` (lint and import order) but not `ruff format` (see pyproject.toml).
-# pytest exits 5 when it collects no tests; that is not a failure of the suite. (With
-# coverage on, a run that collects nothing fails the floor instead; add --no-cov to
-# PYTEST_ARGS to run a subset, see CONTRIBUTING.md.)
+# Every test runs, the slow ones too, on PYTEST_WORKERS workers; coverage combines the
+# workers' data. (With coverage on, a run that collects nothing fails the floor instead; add
+# --no-cov to PYTEST_ARGS to run a subset, see CONTRIBUTING.md.)
 test: install-test redis-server chromium
 	$(VENV)/bin/ruff check src tests
 	$(VENV)/bin/mypy
-	$(PY) -m pytest -q $(COV_ARGS) $(PYTEST_ARGS) || rc=$$?; \
-	if [ "$${rc:-0}" = "5" ]; then echo "no tests collected"; exit 0; fi; exit $${rc:-0}
+	$(PY) -m pytest -q $(XDIST_ARGS) $(COV_ARGS) $(PYTEST_ARGS); $(PYTEST_EXIT)
+
+# The fast lane: every test not marked slow, without coverage or the static checks (about
+# three minutes on two shared cores). `make test-fast PYTEST_ARGS=tests/checkpoint` runs one package.
+test-fast: $(VENV)/.install-test.stamp redis-server
+	$(PY) -m pytest -q $(XDIST_ARGS) --no-cov -m "not slow" $(PYTEST_ARGS); $(PYTEST_EXIT)
+
+# install-test once, again only when pyproject.toml changes (test-fast skips pip's checks).
+$(VENV)/.install-test.stamp: pyproject.toml
+	$(MAKE) install-test
 
 # The static checks alone: ruff (lint and import order) and mypy (configured in pyproject.toml).
 lint: install-test

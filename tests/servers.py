@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,11 @@ def with_options(url: str, **options: Any) -> str:
     """Append query options to a URL."""
     sep = "&" if "?" in url else "?"
     return url + sep + "&".join(f"{k}={v}" for k, v in options.items())
+
+
+def prefix(name: str) -> str:
+    """A key prefix ``name-PID-RANDOM/`` that no other test of any worker uses."""
+    return f"{name}-{os.getpid()}-{uuid.uuid4().hex[:12]}/"
 
 
 def available() -> bool:

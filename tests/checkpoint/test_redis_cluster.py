@@ -13,11 +13,11 @@ pytestmark = pytest.mark.skipif(not servers.available(), reason="redis-server is
 
 
 @pytest.fixture(scope="module")
-def cluster(request):
+def cluster(redis_cluster):
+    """The shared cluster (tests/conftest.py), emptied: these tests count keys per node."""
     pytest.importorskip("redis")
-    c = servers.RedisCluster(replicas=0)
-    request.addfinalizer(c.stop)
-    return c.start()
+    redis_cluster.flushall()
+    return redis_cluster
 
 
 def _node_keys(cluster) -> dict[int, set[bytes]]:

@@ -80,6 +80,7 @@ def test_store_error_in_the_writer_thread_fails_the_save(small_batches):
 
 
 def test_buffers_are_kept_with_the_table_and_go_with_it():
+    gc.collect()  # tables of earlier tests in this worker, kept alive only by cycles, go now
     t = make_table(3000, 8)
     tensorkv.save({"emb": t}, MemoryStore(), "a", block_rows=64)
     kept = writer._KEPT.get(t)

@@ -7,17 +7,16 @@ reproduced by running the same test id again.
 
 from __future__ import annotations
 
-import itertools
 import os
 import random
 
 import pytest
 
+from helpers import store_url
+
 SEED = int(os.environ.get("TENSORKV_FAULT_SEED", "20240611"))
 EMBEDDED = ("lmdb", "rocksdb", "leveldb")
 BACKENDS = (*EMBEDDED, "redis")
-_MODULES = {"lmdb": "lmdb", "rocksdb": "rocksdict", "leveldb": "plyvel", "redis": "redis"}
-_counter = itertools.count()
 
 
 def rng_for(case: str) -> random.Random:
@@ -26,13 +25,8 @@ def rng_for(case: str) -> random.Random:
 
 
 def make_url(backend: str, tmp_path, request) -> str:
-    """A URL of a fresh, empty store of ``backend`` (skips when its client is missing)."""
-    pytest.importorskip(_MODULES[backend])
-    n = next(_counter)
-    if backend == "redis":
-        server = request.getfixturevalue("redis_server")
-        return f"redis://127.0.0.1:{server.port}/0?prefix=faults-{os.getpid()}-{n}/"
-    return f"{backend}://{tmp_path}/store-{n}"
+    """A URL of a fresh, empty store of ``backend`` (see ``helpers.store_url``)."""
+    return store_url(backend, tmp_path, request, name="faults")
 
 
 @pytest.fixture(params=BACKENDS)

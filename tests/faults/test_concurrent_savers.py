@@ -21,8 +21,7 @@ import pytest
 import tensorkv
 from tensorkv.errors import TagExistsError
 
-sys.path.insert(0, str(Path(__file__).parent))
-from saver_worker import assert_model_equal, model  # noqa: E402
+from .saver_worker import assert_model_equal, model
 
 WORKER = str(Path(__file__).with_name("saver_worker.py"))
 SAVERS = 4
@@ -151,9 +150,9 @@ def test_processes_racing_for_one_stale_claim_take_it_over_once(shared_url):
     import multiprocessing
     import socket
 
-    from claim_worker import race
-
     from tensorkv.checkpoint import claims, layout
+
+    from .claim_worker import race
 
     key = layout.pending_key("same", 0)
     dead = {**claims.owner_record("tag 'same'"), "pid": _dead_pid(), "host": socket.gethostname()}

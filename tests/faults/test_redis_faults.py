@@ -11,23 +11,19 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 import tensorkv
+from servers import RedisSentinel, RedisServer, _client, _wait, available
 from tensorkv.errors import ReplicationError, StoreRestartedError, StoreUnavailableError
 from tensorkv.stores.base import KVStore
 
-sys.path.insert(0, str(Path(__file__).parent))
-from saver_worker import assert_model_equal, model  # noqa: E402
-
-from servers import RedisSentinel, RedisServer, _client, _wait, available  # noqa: E402
+from .saver_worker import assert_model_equal, model
 
 pytestmark = pytest.mark.skipif(not available(), reason="redis-server is not installed")
 

@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from tests.checkpoint.helpers import rows_of
+from tests.checkpoint.shard_worker import reference, shard_table
 
 import tensorkv
 from tensorkv.errors import ShardRunError
@@ -24,10 +26,6 @@ from .conftest import make_url
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = str(ROOT / "tests" / "checkpoint" / "shard_worker.py")
-sys.path.insert(0, str(ROOT))
-
-from tests.checkpoint.helpers import rows_of  # noqa: E402
-from tests.checkpoint.shard_worker import reference, shard_table  # noqa: E402
 
 
 def _worker(url: str, shard: int, *extra: str) -> subprocess.CompletedProcess:

@@ -1,4 +1,4 @@
-"""A Redis Cluster and model tags for the Redis-resident table tests.
+"""Model tags for the Redis-resident table tests (the servers: tests/conftest.py).
 
 Each test names its own model tag (``tag``), so tests share one server without flushing
 between them; servers start once per session and stop at its end.
@@ -11,15 +11,7 @@ import os
 
 import pytest
 
-import servers
-
 _counter = itertools.count()
-
-
-@pytest.fixture(scope="session")
-def redis_cluster(request):
-    """A Redis Cluster of 3 masters (no replicas)."""
-    return servers.session_server(request, servers.RedisCluster)
 
 
 @pytest.fixture
@@ -27,8 +19,3 @@ def tag() -> str:
     """A model tag no other test in this session uses."""
     return f"m{os.getpid()}x{next(_counter)}"
 
-
-@pytest.fixture(scope="session")
-def redis_sentinel(request):
-    """A master, a replica and three sentinels (quorum 2) for service ``mymaster``."""
-    return servers.session_server(request, servers.RedisSentinel)

@@ -16,7 +16,9 @@ import numpy as np
 import tensorkv
 
 STEPS = 5
-OPTIONS = {"storage_slice": 6, "lock_ttl_seconds": 1, "keys_sending_size": 8}
+# The next process waits up to lock_ttl_seconds for the locks the killed one held; a shorter
+# TTL expires the live writer's own locks when a loaded machine stalls it for a second.
+OPTIONS = {"storage_slice": 6, "lock_ttl_seconds": 10, "keys_sending_size": 8}
 TABLE = {"optimizer": "adagrad", "seed": 9}
 
 

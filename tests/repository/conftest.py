@@ -8,15 +8,16 @@ import os
 import pytest
 
 import servers
+from helpers import store_url
 
 _counter = itertools.count()
 BACKENDS = ["memory", "lmdb", "rocksdb", "leveldb", "redis"]
 
 
 @pytest.fixture(scope="session")
-def repo_redis(request):
-    """A standalone redis-server for the repository tests."""
-    return servers.session_server(request, servers.RedisServer)
+def repo_redis(redis_server):
+    """The shared standalone redis-server (tests/conftest.py); each URL has its own prefix."""
+    return redis_server
 
 
 @pytest.fixture(scope="session")
@@ -31,16 +32,8 @@ def ns() -> str:
 
 
 def make_url(backend: str, tmp_path, request) -> str:
-    """A fresh, empty store URL of ``backend``."""
-    n = next(_counter)
-    if backend == "memory":
-        return f"memory://repo-test-{os.getpid()}-{n}"
-    if backend == "redis":
-        server = request.getfixturevalue("repo_redis")
-        return f"redis://127.0.0.1:{server.port}/0?prefix={ns()}"
-    for mod in {"rocksdb": "rocksdict", "leveldb": "plyvel"}.get(backend, "lmdb"),:
-        pytest.importorskip(mod)
-    return f"{backend}://{tmp_path}/{backend}-{n}"
+    """A fresh, empty store URL of ``backend`` (see ``helpers.store_url``)."""
+    return store_url(backend, tmp_path, request, name="repo")
 
 
 @pytest.fixture(params=BACKENDS)

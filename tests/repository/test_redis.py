@@ -98,12 +98,8 @@ def test_a_full_provider_spills_to_the_next(repo_redis, small_redis):
         assert repo.check()["ok"]
 
 
-def test_redis_cluster_provider(request):
-    if not servers.available():
-        pytest.skip("redis-server is not installed")
-    cluster = servers.RedisCluster(replicas=0).start()
-    request.addfinalizer(cluster.stop)
-    with Repository(cluster.url, chunk_bytes=2048) as repo:
+def test_redis_cluster_provider(redis_cluster):
+    with Repository(f"{redis_cluster.url}?prefix={ns()}", chunk_bytes=2048) as repo:
         m = CNN()
         mid = repo.put(m, metrics={"val_acc": 0.4})
         assert_state_equal(repo.get(mid), m.state_dict())

@@ -1,8 +1,8 @@
-"""Session-scoped real Redis servers (cluster, sentinel) for store tests; see tests/conftest.py.
+"""A replicated Redis Cluster for the store tests; the other servers are in tests/conftest.py.
 
-Each server starts once per test session, on demand, and is stopped (with its temp dir) when
-the session ends, even after failures. Tests isolate themselves with a fresh key prefix and a
-FLUSHALL before they start.
+Each server starts once per test session (per xdist worker), on demand, and is stopped (with
+its temp dir) when the session ends, even after failures. Tests isolate themselves with a
+fresh key prefix and a FLUSHALL before they start.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ _counter = itertools.count()
 
 @pytest.fixture(scope="session")
 def redis_cluster(request):
-    """A Redis Cluster of 3 masters with one replica each."""
+    """A Redis Cluster of 3 masters with one replica each (here instead of the shared one)."""
     return servers.session_server(request, servers.RedisCluster, replicas=1)
 
 

@@ -2,11 +2,11 @@ import gc
 import os
 import subprocess
 import sys
-import textwrap
 
 import pytest
 
 import tensorkv
+from helpers import run_python
 from tensorkv.errors import (
     ConfigError,
     ReadOnlyError,
@@ -37,12 +37,6 @@ class TestLevelDBSyncSnappy(StoreTests):
         return f"leveldb://{tmp_path}/db"
 
 
-def _child(code: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120
-    )
-
-
 _TRY_OPEN = """
     import tensorkv
     try:
@@ -59,14 +53,14 @@ def test_second_process_gets_a_clear_lock_error(tmp_path):
     with tensorkv.open_store(url) as s:
         s.put(b"k", b"v")
         for extra in ("", ", readonly=True"):  # LevelDB locks read-only opens too
-            r = _child(_TRY_OPEN.format(url=url, extra=extra))
+            r = run_python(_TRY_OPEN.format(url=url, extra=extra))
             assert r.returncode == 0, r.stderr
             assert r.stdout.startswith("StoreLockedError"), r.stdout
             assert os.path.join(str(tmp_path), "db", "LOCK") in r.stdout
             assert "one process at a time" in r.stdout
         s.put(b"k2", b"still mine")
         assert s.get(b"k2") == b"still mine"
-    r = _child(_TRY_OPEN.format(url=url, extra=""))  # released on close
+    r = run_python(_TRY_OPEN.format(url=url, extra=""))  # released on close
     assert r.stdout.strip() == "opened", r.stdout + r.stderr
 
 
@@ -77,7 +71,7 @@ def test_second_open_in_same_process_keeps_the_lock(tmp_path):
         for kwargs in ({}, {"readonly": True}):
             with pytest.raises(StoreLockedError, match="already open .* in this process"):
                 tensorkv.open_store(url, **kwargs)
-        r = _child(_TRY_OPEN.format(url=url, extra=""))
+        r = run_python(_TRY_OPEN.format(url=url, extra=""))
         assert r.stdout.startswith("StoreLockedError"), r.stdout + r.stderr
         s.put(b"k", b"v")
     with tensorkv.open_store(url) as again:
@@ -87,7 +81,7 @@ def test_second_open_in_same_process_keeps_the_lock(tmp_path):
 def test_failed_open_releases_the_claim(tmp_path):
     url = f"leveldb://{tmp_path}/db"
     with tensorkv.open_store(url):
-        r = _child(_TRY_OPEN.format(url=url, extra=""))
+        r = run_python(_TRY_OPEN.format(url=url, extra=""))
         assert r.stdout.startswith("StoreLockedError")
     # another process holds it now: our open fails, and must not leave a stale claim behind
     holder = subprocess.Popen(

@@ -8,6 +8,7 @@ import threading
 import pytest
 
 import tensorkv
+from helpers import run_python
 from tensorkv.errors import (
     ConfigError,
     InvalidURLError,
@@ -41,12 +42,6 @@ class TestLMDBNoSync(StoreTests):
     @pytest.fixture
     def store_url(self, tmp_path):
         return f"lmdb://{tmp_path}/db"
-
-
-def _child(code: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120
-    )
 
 
 # ----------------------------------------------------------------------------- map growth
@@ -99,7 +94,7 @@ def test_another_process_grows_the_map(tmp_path):
     url = f"lmdb://{tmp_path}/db?map_size=64KiB"
     s = tensorkv.open_store(url)
     s.put(b"parent", b"1")
-    r = _child(
+    r = run_python(
         f"""
         import os, tensorkv
         with tensorkv.open_store({url!r}) as c:

@@ -1,13 +1,11 @@
 import gc
 import os
-import subprocess
-import sys
-import textwrap
 
 import numpy as np
 import pytest
 
 import tensorkv
+from helpers import run_python
 from tensorkv.errors import (
     ConfigError,
     StoreError,
@@ -37,18 +35,12 @@ class TestRocksDBSyncLZ4(StoreTests):
         return f"rocksdb://{tmp_path}/db"
 
 
-def _child(code: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120
-    )
-
-
 # ----------------------------------------------------------------------------- locking
 def test_second_process_gets_a_clear_lock_error(tmp_path):
     url = f"rocksdb://{tmp_path}/db"
     with tensorkv.open_store(url) as s:
         s.put(b"k", b"v")
-        r = _child(
+        r = run_python(
             f"""
             import tensorkv
             from tensorkv.errors import StoreLockedError
@@ -74,7 +66,7 @@ def test_second_open_in_same_process_keeps_the_lock(tmp_path):
     with tensorkv.open_store(url) as s:
         with pytest.raises(StoreLockedError, match="already open for writing in this process"):
             tensorkv.open_store(url)
-        r = _child(
+        r = run_python(
             f"""
             import tensorkv
             try:
@@ -95,7 +87,7 @@ def test_readonly_readers_beside_a_writer(tmp_path):
         s.flush()
         with tensorkv.open_store(url, readonly=True) as ro:  # read-only opens take no lock
             assert ro.get(b"r3") == b"v3" and ro.count() == 10
-        r = _child(
+        r = run_python(
             f"""
             import tensorkv
             with tensorkv.open_store({url!r}, readonly=True) as ro:
@@ -172,7 +164,10 @@ def test_bad_options(tmp_path, options, match):
 @pytest.mark.parametrize("compression", ["none", "lz4", "zstd", "snappy"])
 def test_bulk_load_through_flushes(tmp_path, compression):
     """More data than the write buffer: memtables flush to SST files and read back."""
-    url = f"rocksdb://{tmp_path}/db?write_buffer_size=1MiB&compression={compression}"
+    # two memtables at most: writing the third waits for the first flush, so SST files exist
+    # when the writes return, however slowly the background flush runs
+    url = (f"rocksdb://{tmp_path}/db?write_buffer_size=1MiB&max_write_buffers=2"
+           f"&compression={compression}")
     rng = np.random.default_rng(0)
     rows = rng.standard_normal((4000, 256), dtype=np.float32)  # 4 MiB
     keys = [b"emb/%08d" % i for i in range(len(rows))]

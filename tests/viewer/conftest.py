@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import os
-import uuid
 from dataclasses import dataclass
 
 import numpy as np
 import pytest
 from tests.checkpoint.helpers import make_table, rows_of
 
+import helpers
 import tensorkv
 
 
@@ -50,18 +49,8 @@ def save_two_tags(url: str, n: int = 3000, dim: int = 8) -> Saved:
 
 
 def store_url(kind: str, tmp_path, request) -> str:
-    """A fresh store URL of a backend."""
-    n = uuid.uuid4().hex[:12]  # unique even when this module is imported twice
-    if kind == "memory":
-        return f"memory://viewer-{os.getpid()}-{n}"
-    if kind in ("lmdb", "rocksdb", "leveldb"):
-        pytest.importorskip({"lmdb": "lmdb", "rocksdb": "rocksdict", "leveldb": "plyvel"}[kind])
-        return f"{kind}://{tmp_path}/viewer-{n}"
-    if kind == "redis":
-        pytest.importorskip("redis")
-        server = request.getfixturevalue("redis_server")
-        return f"redis://127.0.0.1:{server.port}/0?prefix=viewer{os.getpid()}-{n}/"
-    raise AssertionError(kind)
+    """A fresh store URL of a backend (see ``helpers.store_url``)."""
+    return helpers.store_url(kind, tmp_path, request, name="viewer")
 
 
 @pytest.fixture(scope="module")

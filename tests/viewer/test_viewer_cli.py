@@ -371,12 +371,9 @@ def test_commands_on_other_backends(run, kind, tmp_path, request):
 
 
 @pytest.mark.skipif(not servers.available(), reason="redis-server is not installed")
-def test_every_command_on_a_redis_cluster(run, request, tmp_path):
+def test_every_command_on_a_redis_cluster(run, redis_cluster, tmp_path):
     pytest.importorskip("redis")
-    cluster = servers.RedisCluster(replicas=0)
-    request.addfinalizer(cluster.stop)
-    cluster.start()
-    url = cluster.url + "?prefix=viewer/"
+    url = servers.with_options(redis_cluster.url, prefix=servers.prefix("viewer"))
     s = save_two_tags(url, n=300, dim=4)
     text = run("ls", url).stdout
     assert text.splitlines()[1].split()[:2] == ["a", "10"]

@@ -20,15 +20,11 @@ def url(request, tmp_path):
         pytest.importorskip({"rocksdb": "rocksdict", "leveldb": "plyvel"}[request.param])
         return f"{request.param}://{tmp_path}/store"
     pytest.importorskip("redis", reason='redis-py is not installed: pip install "tensorkv[redis]"')
-    prefix = f"viewer-web-{os.getpid()}/"
+    prefix = servers.prefix("viewer-web")
     if request.param == "redis":
         server = request.getfixturevalue("redis_server")
         return f"redis://127.0.0.1:{server.port}/0?prefix={prefix}"
-    if not servers.available():
-        pytest.skip("redis-server is not installed")
-    cluster = servers.RedisCluster(replicas=0)
-    request.addfinalizer(cluster.stop)
-    cluster.start()
+    cluster = request.getfixturevalue("redis_cluster")
     return f"{cluster.url}?prefix={prefix}"
 
 

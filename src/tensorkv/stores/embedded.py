@@ -311,12 +311,18 @@ def check_lsm_files(scheme: str, path: str, repair: str) -> None:
 
 
 def directory_bytes(path: str) -> int:
-    """Total size in bytes of the regular files directly in ``path``."""
+    """Total size in bytes of the regular files directly in ``path``.
+
+    A file the database deletes while this runs (a compaction's old tables) counts as gone.
+    """
     total = 0
     with os.scandir(path) as it:
         for entry in it:
-            if entry.is_file(follow_symlinks=False):
-                total += entry.stat(follow_symlinks=False).st_size
+            try:
+                if entry.is_file(follow_symlinks=False):
+                    total += entry.stat(follow_symlinks=False).st_size
+            except FileNotFoundError:
+                continue
     return total
 
 
