@@ -11,6 +11,8 @@ import os
 
 import pytest
 
+import servers
+
 _counter = itertools.count()
 
 
@@ -19,3 +21,13 @@ def tag() -> str:
     """A model tag no other test in this session uses."""
     return f"m{os.getpid()}x{next(_counter)}"
 
+
+@pytest.fixture
+def own_server():
+    """A standalone server of this test alone (it is restarted or flushed)."""
+    if not servers.available():
+        pytest.skip("redis-server is not installed")
+    srv = servers.RedisServer()
+    srv.start()
+    yield srv
+    srv.stop()

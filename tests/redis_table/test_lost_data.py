@@ -48,17 +48,6 @@ def assert_same(a, b) -> None:
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)
 
 
-@pytest.fixture
-def own_server():
-    """A standalone server of this test alone (it is restarted and flushed)."""
-    if not servers.available():
-        pytest.skip("redis-server is not installed")
-    srv = servers.RedisServer()
-    srv.start()
-    yield srv
-    srv.stop()
-
-
 def every_call(t, keys):
     """Every kind of call of a table touching ``keys`` (reads and writes)."""
     return {

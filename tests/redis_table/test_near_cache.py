@@ -20,7 +20,6 @@ import numpy as np
 import pytest
 from tests.redis_table.helpers import redis_table
 
-import servers
 from tensorkv.embedding.redis import commit as redis_commit
 from tensorkv.errors import ConfigError, TableLostError
 
@@ -170,17 +169,6 @@ def test_rehash_and_tag_import_by_another_process(redis_server, tag):
                                       importer.lookup(keys, insert=False))
     for t in (other, seed, reader, importer):
         t.close()
-
-
-@pytest.fixture
-def own_server():
-    """A standalone server of this test alone (it is restarted)."""
-    if not servers.available():
-        pytest.skip("redis-server is not installed")
-    srv = servers.RedisServer()
-    srv.start()
-    yield srv
-    srv.stop()
 
 
 def test_restart_from_an_older_snapshot_that_caught_up(own_server, tag):
