@@ -156,23 +156,30 @@ def _open_env(
 ) -> lmdb.Environment:
     """``lmdb.open`` after :func:`lmdb_file.check_data_file`, errors turned into ours."""
     lmdb_file.check_data_file(path, empty_ok=create and not readonly)
-    try:
-        env = lmdb.open(
-            path,
-            map_size=map_size,
-            subdir=True,
-            readonly=readonly,
-            create=create and not readonly,
-            metasync=sync,
-            sync=sync,
-            readahead=readahead,
-            lock=True,
-            max_readers=max_readers,
-            max_dbs=0,
-            max_spare_txns=4,
-        )
-    except lmdb.Error as exc:
-        raise _open_error(path, exc) from exc
+    for attempt in range(8):
+        try:
+            env = lmdb.open(
+                path,
+                map_size=map_size,
+                subdir=True,
+                readonly=readonly,
+                create=create and not readonly,
+                metasync=sync,
+                sync=sync,
+                readahead=readahead,
+                lock=True,
+                max_readers=max_readers,
+                max_dbs=0,
+                max_spare_txns=4,
+            )
+            break
+        except lmdb.MapResizedError as exc:
+            # another process grew the map between the open and its first transaction:
+            # opening again reads the new size
+            if attempt == 7:
+                raise _open_error(path, exc) from exc
+        except lmdb.Error as exc:
+            raise _open_error(path, exc) from exc
     with contextlib.suppress(lmdb.Error):
         env.reader_check()  # free reader slots left by killed processes
     return env
