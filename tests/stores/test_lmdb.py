@@ -472,3 +472,27 @@ def test_a_reader_waits_for_a_store_being_created_instead_of_refusing_it(tmp_pat
     finally:
         creator.kill()
     assert result == [b"v"]
+
+
+def test_open_retries_when_another_process_grew_the_map(tmp_path, monkeypatch):
+    """``lmdb.open`` raising ``MDB_MAP_RESIZED`` (a map grown by another process between the
+    environment's open and its first transaction) opens again and reads what is stored."""
+    import lmdb
+
+    from tensorkv.stores import open_store
+
+    url = f"lmdb://{tmp_path}/db"
+    with open_store(url) as s:
+        s.put(b"k", b"v")
+    real, calls = lmdb.open, []
+
+    def grown_meanwhile(*args, **kwargs):
+        calls.append(1)
+        if len(calls) < 3:
+            raise lmdb.MapResizedError("mdb_txn_begin: MDB_MAP_RESIZED")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(lmdb, "open", grown_meanwhile)
+    with open_store(url) as s:
+        assert s.get(b"k") == b"v"
+    assert len(calls) == 3

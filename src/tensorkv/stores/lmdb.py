@@ -144,38 +144,22 @@ _ENVS: dict[tuple[int, str], _SharedEnv] = {}
 _ENVS_LOCK = threading.Lock()
 
 
-def _open_env(
-    path: str,
-    *,
-    readonly: bool,
-    create: bool,
-    sync: bool,
-    map_size: int,
-    readahead: bool,
-    max_readers: int,
-) -> lmdb.Environment:
-    """``lmdb.open`` after :func:`lmdb_file.check_data_file`, errors turned into ours."""
+def _open_env(path: str, *, readonly: bool, create: bool, sync: bool, map_size: int,
+              readahead: bool, max_readers: int) -> lmdb.Environment:
+    """``lmdb.open`` after :func:`lmdb_file.check_data_file`, errors turned into ours.
+
+    ``lmdb.open`` begins a transaction after opening the environment; a map that another
+    process grows in between raises ``MDB_MAP_RESIZED``, and opening again reads the new size.
+    """
     lmdb_file.check_data_file(path, empty_ok=create and not readonly)
     for attempt in range(8):
         try:
-            env = lmdb.open(
-                path,
-                map_size=map_size,
-                subdir=True,
-                readonly=readonly,
-                create=create and not readonly,
-                metasync=sync,
-                sync=sync,
-                readahead=readahead,
-                lock=True,
-                max_readers=max_readers,
-                max_dbs=0,
-                max_spare_txns=4,
-            )
+            env = lmdb.open(path, map_size=map_size, subdir=True, readonly=readonly,
+                            create=create and not readonly, metasync=sync, sync=sync,
+                            readahead=readahead, lock=True, max_readers=max_readers,
+                            max_dbs=0, max_spare_txns=4)
             break
         except lmdb.MapResizedError as exc:
-            # another process grew the map between the open and its first transaction:
-            # opening again reads the new size
             if attempt == 7:
                 raise _open_error(path, exc) from exc
         except lmdb.Error as exc:
