@@ -156,5 +156,25 @@ def place_chunks(place: Place, chunks: Iterable[Any]) -> Iterator[int]:
         yield int(arrays[0].shape[0])
 
 
-__all__ = ["ChunkArrays", "ExportChunk", "Place", "check_chunk", "is_single_chunk",
-           "nonfinite_rows", "place_chunks"]
+def gather_into(place: Place, keys: np.ndarray, a: Any, rows: np.ndarray) -> int:
+    """Rows ``rows`` of host arena ``a`` (whose keys are ``keys``) gathered into ``place``.
+
+    One chunk of ``export_into``: ``place(keys, fields)`` hands out the buffers, which get
+    the keys, values, slots, freq and version of the rows; returns the chunk's row count.
+    """
+    fields = ((keys.dtype, ()), (a.np_dtype, (a.dim,)), (np.dtype(np.float32), (a.slot_width,)),
+              (a.freq.dtype, ()), (a.version.dtype, ()))
+    for idx, outs in place(keys, fields):
+        r = rows[idx]
+        np.take(keys, idx, out=outs[0])
+        if r.size and a.dim:
+            ak.gather_rows(a.values, r, outs[1].view(a.values.dtype))
+        if r.size and a.slot_width:
+            ak.gather_rows(a.slots, r, outs[2])
+        np.take(a.freq, r, out=outs[3])
+        np.take(a.version, r, out=outs[4])
+    return int(rows.size)
+
+
+__all__ = ["ChunkArrays", "ExportChunk", "Place", "check_chunk", "gather_into",
+           "is_single_chunk", "nonfinite_rows", "place_chunks"]

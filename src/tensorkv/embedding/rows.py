@@ -15,7 +15,7 @@ import numpy as np
 
 from tensorkv.embedding.arena import RowArena
 from tensorkv.embedding.backend import RowBackend
-from tensorkv.embedding.chunks import ExportChunk, Place, place_chunks
+from tensorkv.embedding.chunks import ExportChunk, Place, gather_into, place_chunks
 from tensorkv.embedding.filters import Eviction
 from tensorkv.embedding.locks import RWLock
 from tensorkv.embedding.snapshot import RowsSnapshot, Tier0Snapshot
@@ -202,24 +202,7 @@ class ArenaBackend(RowBackend):
             return
 
         def take(a: RowArena, rows: np.ndarray) -> int:
-            keys = a.row_key[rows]
-            fields = (
-                (keys.dtype, ()),
-                (a.np_dtype, (a.dim,)),
-                (np.dtype(np.float32), (a.slot_width,)),
-                (a.freq.dtype, ()),
-                (a.version.dtype, ()),
-            )
-            for idx, outs in place(keys, fields):
-                r = rows[idx]
-                np.take(keys, idx, out=outs[0])
-                if r.size and a.dim:
-                    ak.gather_rows(a.values, r, outs[1].view(a.values.dtype))
-                if r.size and a.slot_width:
-                    ak.gather_rows(a.slots, r, outs[2])
-                np.take(a.freq, r, out=outs[3])
-                np.take(a.version, r, out=outs[4])
-            return int(rows.size)
+            return gather_into(place, a.row_key[rows], a, rows)
 
         yield from self._tier0_chunks(chunk_rows, since, take)
         yield from place_chunks(place, self.export_lower(chunk_rows,

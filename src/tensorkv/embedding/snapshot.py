@@ -27,8 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from tensorkv.embedding.chunks import ExportChunk, Place, place_chunks
-from tensorkv.kernels import arena as ak
+from tensorkv.embedding.chunks import ExportChunk, Place, gather_into, place_chunks
 from tensorkv.kernels import snapshot as sk
 
 
@@ -480,20 +479,7 @@ class RowsSnapshot(TableSnapshot):
         keys_s = self.tier0.keys
 
         def take(a: Any, rows: np.ndarray) -> int:
-            keys = keys_s[rows]
-            fields = ((keys.dtype, ()), (a.np_dtype, (a.dim,)),
-                      (np.dtype(np.float32), (a.slot_width,)), (a.freq.dtype, ()),
-                      (a.version.dtype, ()))
-            for idx, outs in place(keys, fields):
-                r = rows[idx]
-                np.take(keys, idx, out=outs[0])
-                if r.size and a.dim:
-                    ak.gather_rows(a.values, r, outs[1].view(a.values.dtype))
-                if r.size and a.slot_width:
-                    ak.gather_rows(a.slots, r, outs[2])
-                np.take(a.freq, r, out=outs[3])
-                np.take(a.version, r, out=outs[4])
-            return int(rows.size)
+            return gather_into(place, keys_s[rows], a, rows)
 
         try:
             for n in self._tier0(chunk_rows, since, take):
