@@ -4,6 +4,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+from typing import Any
 
 import pytest
 
@@ -496,3 +497,41 @@ def test_open_retries_when_another_process_grew_the_map(tmp_path, monkeypatch):
     with open_store(url) as s:
         assert s.get(b"k") == b"v"
     assert len(calls) == 3
+
+
+def test_an_open_while_the_last_store_of_the_path_is_closing_waits_for_the_close(tmp_path):
+    """Closing the last store object of a path closes the environment once running
+    transactions end; an open of the same path meanwhile (another thread: a background save)
+    waits for that close instead of meeting LMDB's "already open in this process"."""
+    from tensorkv.stores import lmdb as lmdb_mod
+    from tensorkv.stores import open_store
+
+    url = f"lmdb://{tmp_path}/db"
+    first = open_store(url)
+    first.put(b"k", b"v")
+    gate = first._gate
+    gate.enter()  # a transaction still running: the close waits for it
+    closer = threading.Thread(target=first.close)
+    closer.start()
+    key = (os.getpid(), os.path.realpath(str(tmp_path / "db")))
+    while key not in lmdb_mod._CLOSING:  # the close has begun (out of the shared table)
+        closer.join(0.01)
+    got: list[Any] = []
+    opener = threading.Thread(target=lambda: got.append(_get_or_error(url)))
+    opener.start()
+    opener.join(0.2)
+    assert opener.is_alive()  # waiting for the close, not failing
+    gate.leave()
+    closer.join()
+    opener.join()
+    assert got == [b"v"]
+
+
+def _get_or_error(url: str) -> Any:
+    from tensorkv.stores import open_store
+
+    try:
+        with open_store(url) as s:
+            return s.get(b"k")
+    except Exception as exc:  # the failure is the result the test compares
+        return exc

@@ -142,6 +142,8 @@ LARGE_WRITE_VALUE_BYTES = 32 * 1024
 
 _ENVS: dict[tuple[int, str], _SharedEnv] = {}
 _ENVS_LOCK = threading.Lock()
+#: Environments being closed (out of ``_ENVS``, not closed yet): an open of the same path waits.
+_CLOSING: dict[tuple[int, str], threading.Event] = {}
 
 
 def _open_env(path: str, *, readonly: bool, create: bool, sync: bool, map_size: int,
@@ -169,46 +171,43 @@ def _open_env(path: str, *, readonly: bool, create: bool, sync: bool, map_size: 
     return env
 
 
-def _acquire_env(
-    path: str,
-    *,
-    readonly: bool,
-    create: bool,
-    sync: bool,
-    map_size: int,
-    readahead: bool,
-    max_readers: int,
-) -> _SharedEnv:
+def _acquire_env(path: str, *, readonly: bool, create: bool, sync: bool, map_size: int,
+                 readahead: bool, max_readers: int) -> _SharedEnv:
     key = os.path.realpath(path)
-    with _ENVS_LOCK:
-        shared = _ENVS.get((os.getpid(), key))
-        if shared is not None:
-            if shared.readonly and not readonly:
-                raise StoreLockedError(
-                    errno.EBUSY,
-                    f"the lmdb store {path!r} is already open read-only in this process; close "
-                    "that store before opening it for writing",
-                    path,
-                )
-            if shared.sync != sync and not readonly:
-                raise ConfigError(
-                    f"the lmdb store {path!r} is already open in this process with "
-                    f"sync={shared.sync}; open it again with the same sync setting"
-                )
-            shared.refs += 1
-            return shared
-        env = _open_env(
-            path,
-            readonly=readonly,
-            create=create,
-            sync=sync,
-            map_size=map_size,
-            readahead=readahead,
-            max_readers=max_readers,
-        )
-        shared = _SharedEnv(key, env, readonly, sync, readahead)
-        _ENVS[(shared.pid, key)] = shared
+    while True:  # LMDB refuses a second open of an environment this process has not closed
+        with _ENVS_LOCK:
+            closing = _CLOSING.get((os.getpid(), key))
+            if closing is None:
+                return _shared_env(path, key, readonly=readonly, create=create, sync=sync,
+                                   map_size=map_size, readahead=readahead,
+                                   max_readers=max_readers)
+        closing.wait()
+
+
+def _shared_env(path: str, key: str, *, readonly: bool, create: bool, sync: bool,
+                map_size: int, readahead: bool, max_readers: int) -> _SharedEnv:
+    """The process's environment of ``path`` (opened here if none; under ``_ENVS_LOCK``)."""
+    shared = _ENVS.get((os.getpid(), key))
+    if shared is not None:
+        if shared.readonly and not readonly:
+            raise StoreLockedError(
+                errno.EBUSY,
+                f"the lmdb store {path!r} is already open read-only in this process; close "
+                "that store before opening it for writing",
+                path,
+            )
+        if shared.sync != sync and not readonly:
+            raise ConfigError(
+                f"the lmdb store {path!r} is already open in this process with "
+                f"sync={shared.sync}; open it again with the same sync setting"
+            )
+        shared.refs += 1
         return shared
+    env = _open_env(path, readonly=readonly, create=create, sync=sync, map_size=map_size,
+                    readahead=readahead, max_readers=max_readers)
+    shared = _SharedEnv(key, env, readonly, sync, readahead)
+    _ENVS[(shared.pid, key)] = shared
+    return shared
 
 
 def _release_env(shared: _SharedEnv) -> None:
@@ -217,13 +216,19 @@ def _release_env(shared: _SharedEnv) -> None:
         if shared.refs > 0:
             return
         _ENVS.pop((shared.pid, shared.key), None)
-    if os.getpid() != shared.pid:
-        return  # never close a parent's environment from a forked child
-    shared.gate.enter_exclusive()
+        if os.getpid() != shared.pid:
+            return  # never close a parent's environment from a forked child
+        closed = _CLOSING[(shared.pid, shared.key)] = threading.Event()
     try:
-        shared.env.close()
+        shared.gate.enter_exclusive()
+        try:
+            shared.env.close()
+        finally:
+            shared.gate.leave_exclusive()
     finally:
-        shared.gate.leave_exclusive()
+        with _ENVS_LOCK:
+            _CLOSING.pop((shared.pid, shared.key), None)
+        closed.set()
 
 
 class LMDBStore(KVStore):
